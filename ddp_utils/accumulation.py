@@ -1,0 +1,110 @@
+"""Gradient accumulation under DDP, done the one correct way.
+
+A window of ``A`` micro-batches makes one optimizer step. For every micro-batch:
+
+* forward and backward run at once, so each micro-batch's graph is freed by its own backward
+  (never ``retain_graph``): no graph outlives its micro-step, memory does not grow with ``A``, and
+  no backward can ever see weights that ``optimizer.step()`` changed in place;
+* the loss is divided by the window's real length, so the summed gradient is the mean over the
+  window (DDP then averages over ranks: the mean over world_size x window x batch_size samples);
+  the last window of an epoch may be shorter than ``A`` and is divided by its own length;
+* micro-steps 1..n-1 of a window run inside ``model.no_sync()``; the n-th synchronises, so
+  gradients cross the network once per optimizer step.
+
+Only on the synchronising micro-step: unscale (fp16), clip, optimizer step, scaler update,
+LR-scheduler step and ``zero_grad(set_to_none=True)``.
+
+Usage::
+
+    for micro, (images, targets) in accumulator.micro_batches(loader):
+        with accumulator.sync_context(micro):
+            with autocast(...):
+                loss = criterion(model(images), targets)
+            step = accumulator.backward(loss, micro)  # a StepResult on the window's last micro-step
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ContextManager, Iterable, Iterator, TypeVar
+
+import torch
+from torch import nn
+
+B = TypeVar("B")
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    index: int        # position inside its window, 0-based
+    window_size: int  # micro-batches in this window (A, or fewer for an epoch's last window)
+
+    @property
+    def syncs(self) -> bool:
+        """True for the micro-step that all-reduces gradients and steps the optimizer."""
+        return self.index == self.window_size - 1
+
+
+@dataclass(frozen=True)
+class StepResult:
+    grad_norm: float | None  # total L2 norm before clipping, when --clip-grad is on
+    skipped: bool            # fp16 only: the scaler found inf/NaN and skipped the step
+
+
+def plan_windows(num_micro_batches: int, accum_steps: int) -> list[MicroStep]:
+    """The micro-step plan for an epoch: full windows of ``accum_steps``, then the remainder."""
+    plan = []
+    for start in range(0, num_micro_batches, accum_steps):
+        size = min(accum_steps, num_micro_batches - start)
+        plan += [MicroStep(i, size) for i in range(size)]
+    return plan
+
+
+class GradientAccumulator:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, accum_steps: int, *,
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                 grad_scaler: torch.amp.GradScaler | None = None, clip_grad: float = 0.0):
+        if accum_steps < 1:
+            raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
+        self.model, self.optimizer, self.accum_steps = model, optimizer, accum_steps
+        self.lr_scheduler, self.grad_scaler, self.clip_grad = lr_scheduler, grad_scaler, clip_grad
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def micro_batches(self, batches: Iterable[B]) -> Iterator[tuple[MicroStep, B]]:
+        """Pair each batch with its place in its window; ``batches`` must have a length."""
+        plan = plan_windows(len(batches), self.accum_steps)  # type: ignore[arg-type]
+        yield from zip(plan, batches)
+
+    def sync_context(self, micro: MicroStep) -> ContextManager:
+        """``no_sync()`` on every micro-step but the window's last; wrap forward *and* backward."""
+        if micro.syncs or not hasattr(self.model, "no_sync"):  # a bare module has nothing to sync
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def backward(self, loss: torch.Tensor, micro: MicroStep) -> StepResult | None:
+        """Back-propagate this micro-batch's share of the loss; step on the window's last one."""
+        scaled = loss / micro.window_size
+        if self.grad_scaler is not None:
+            scaled = self.grad_scaler.scale(scaled)
+        scaled.backward()
+        return self._optimizer_step() if micro.syncs else None
+
+    def _optimizer_step(self) -> StepResult:
+        grad_norm = None
+        if self.clip_grad > 0:
+            if self.grad_scaler is not None:
+                self.grad_scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            grad_norm = float(nn.utils.clip_grad_norm_(params, self.clip_grad))
+        skipped = False
+        if self.grad_scaler is not None:
+            scale_before = self.grad_scaler.get_scale()
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+            skipped = self.grad_scaler.get_scale() < scale_before  # scale drops only on inf/NaN
+        else:
+            self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(grad_norm, skipped)

@@ -1,0 +1,195 @@
+"""Process-group set-up for the three ways this project is launched.
+
+1. ``torchrun``: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set by the agent.
+2. ``srun`` with one task per GPU and no torchrun: SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS give
+   the ranks; the master is the first host of the allocation and the port is derived from the job id,
+   so two jobs sharing a node do not collide.
+3. ``python script.py``: one process, no process group at all.
+
+Every helper here also works when no process group exists, so the same training code runs
+unchanged in a debugger.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+# Ports derived from a SLURM job id fall in [_PORT_BASE, _PORT_BASE + _PORT_SPAN): above the
+# well-known and registered ranges most services use, below Linux's default ephemeral range.
+_PORT_BASE = 15000
+_PORT_SPAN = 15000
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher told this process, read from the environment (no side effects)."""
+
+    launcher: str  # "torchrun", "slurm" or "single"
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """The distributed context of this process, returned by :func:`init_distributed`."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None  # None when running as one process without a process group
+    launcher: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host name of a SLURM compressed host list: ``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``.
+
+    Same answer as the first line of ``scontrol show hostnames``, without needing scontrol.
+    """
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, ranges = match.groups()
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first  # the range keeps its zero padding, e.g. "03"
+
+
+def _tasks_on_this_node(env: Mapping[str, str]) -> int:
+    """Tasks SLURM placed on this node, from e.g. SLURM_STEP_TASKS_PER_NODE="4(x2),3"."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return int(env.get("SLURM_NTASKS_PER_NODE", "1"))
+    node_id = int(env.get("SLURM_NODEID", "0"))
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if not m:
+            raise ValueError(f"cannot parse SLURM tasks per node {spec!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[min(node_id, len(counts) - 1)]
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Work out how this process was launched from its environment variables."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (also sets LOCAL_*; plain env:// too)
+        world_size = int(env["WORLD_SIZE"])
+        return LaunchEnv(
+            launcher="torchrun",
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=world_size,
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None,
+        )
+    # srun sets SLURM_STEP_NUM_TASKS for the job step; a batch script only has SLURM_NTASKS,
+    # which counts tasks that do not exist yet, so a bare `python` in an sbatch script stays single.
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        world_size = int(env["SLURM_STEP_NUM_TASKS"])
+        if world_size > 1:
+            nodelist = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
+            job_id = int(env.get("SLURM_JOB_ID", "0"))
+            return LaunchEnv(
+                launcher="slurm",
+                rank=int(env["SLURM_PROCID"]),
+                local_rank=int(env.get("SLURM_LOCALID", "0")),
+                world_size=world_size,
+                local_world_size=_tasks_on_this_node(env),
+                master_addr=env.get("MASTER_ADDR") or first_slurm_host(nodelist),
+                master_port=int(env.get("MASTER_PORT") or _PORT_BASE + job_id % _PORT_SPAN),
+            )
+    return LaunchEnv(launcher="single", rank=0, local_rank=0, world_size=1, local_world_size=1)
+
+
+def select_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
+    """Pick the device and the matching backend: CUDA + NCCL where possible, else CPU + gloo."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"unknown device {requested!r}")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but CUDA is not available; use --device cpu")
+    if requested != "cpu" and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 600.0,
+                     env: Mapping[str, str] | None = None) -> DistInfo:
+    """Initialise the process group for torchrun, srun or a single process.
+
+    ``timeout_s`` bounds every collective: a peer that died makes the others fail after this many
+    seconds instead of hanging the job until its wall-clock limit.
+    """
+    launch = detect_launch(env)
+    torch_device, backend = select_device(device, launch.local_rank)
+    if launch.world_size == 1:
+        return DistInfo(0, 0, 1, 1, torch_device, None, launch.launcher)
+    if not dist.is_initialized():
+        init_method = f"tcp://{_bracket_ipv6(launch.master_addr)}:{launch.master_port}"
+        if launch.launcher == "torchrun":
+            init_method = "env://"  # torchrun may hand over a TCPStore; env:// reuses it
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=torch_device if backend == "nccl" else None,
+        )
+    return DistInfo(launch.rank, launch.local_rank, launch.world_size,
+                    launch.local_world_size, torch_device, backend, launch.launcher)
+
+
+def _bracket_ipv6(host: str | None) -> str:
+    if host is None:
+        raise RuntimeError("no master address: set MASTER_ADDR or launch with torchrun/srun")
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def cleanup_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# Rank helpers: valid before, after and without init_process_group.
+def is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_dist() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_dist() else 1
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if is_dist():
+        dist.barrier()

@@ -1,0 +1,74 @@
+"""Backbones. Every model ends in a linear layer named ``fc`` so MoCo can swap it for a
+projection head and the linear probe can swap it for a new classifier."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torchvision
+
+ARCHS = ("lenet", "small_cnn", "resnet18", "resnet34", "resnet50")
+
+# ResNets get the CIFAR stem (3x3 stride-1 conv, no max-pool) at or below this input size: the
+# ImageNet stem would shrink a 32 px image to 8 px before the first residual block.
+CIFAR_STEM_MAX_SIZE = 64
+
+
+class LeNet(nn.Module):
+    """The CNN of PyTorch's CIFAR-10 tutorial (no BatchNorm, no dropout)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.AdaptiveAvgPool2d(5),  # identity at 32 px; lets other sizes through
+            nn.Flatten(),
+            nn.Linear(16 * 5 * 5, 120), nn.ReLU(),
+            nn.Linear(120, 84), nn.ReLU(),
+        )
+        self.fc = nn.Linear(84, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))
+
+
+def _conv_bn_relu(c_in: int, c_out: int, stride: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False),
+                         nn.BatchNorm2d(c_out), nn.ReLU(inplace=True))
+
+
+class SmallCNN(nn.Module):
+    """Four conv-BN-ReLU blocks and global pooling: trains in seconds on a CPU."""
+
+    def __init__(self, num_classes: int = 10, width: int = 32):
+        super().__init__()
+        self.features = nn.Sequential(
+            _conv_bn_relu(3, width, 1),
+            _conv_bn_relu(width, 2 * width, 2),
+            _conv_bn_relu(2 * width, 4 * width, 2),
+            _conv_bn_relu(4 * width, 4 * width, 1),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        )
+        self.fc = nn.Linear(4 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))
+
+
+def build_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
+    if arch == "lenet":
+        return LeNet(num_classes)
+    if arch == "small_cnn":
+        return SmallCNN(num_classes)
+    if arch in ("resnet18", "resnet34", "resnet50"):
+        model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
+        if image_size <= CIFAR_STEM_MAX_SIZE:
+            model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+            model.maxpool = nn.Identity()
+        return model
+    raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+
+
+def feature_dim(model: nn.Module) -> int:
+    """Width of the features that enter ``model.fc``."""
+    return model.fc.in_features

@@ -1,0 +1,93 @@
+"""The settings both training scripts share; each script's config dataclass extends this one."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import UsageError, opt
+from .data import DATASETS, NATIVE_SIZE, check_data_dir
+from .dist import LaunchEnv
+from .models import ARCHS
+from .precision import AMP_MODES
+from .schedule import LR_SCHEDULES, parse_milestones
+
+
+@dataclass
+class TrainConfig:
+    # data
+    dataset: str = opt("digits", "data set: digits (ships with scikit-learn, no download), cifar10, "
+                       "imagefolder (DIR/train, DIR/val class folders) or synthetic (random tensors)",
+                       choices=DATASETS)
+    data_dir: str = opt("./data", "where cifar10 is (or is downloaded to) / the ImageFolder root")
+    download: bool = opt(False, "download cifar10 into --data-dir if it is not there (rank 0 only)")
+    image_size: int = opt(0, "input side in pixels; 0 = the data set's own (32, or 224 for imagefolder)")
+    synthetic_samples: int = opt(2048, "training samples of the synthetic data set (val: a quarter)")
+    augment: bool = opt(True, "random crop (+ flip) on training images; off = deterministic pipeline")
+    workers: int = opt(-1, "data-loader worker processes per rank; -1 = auto (0 for in-memory data)")
+    # model and optimisation
+    arch: str = opt("small_cnn", "network", choices=ARCHS)
+    batch_size: int = opt(64, "images per rank per micro-step; the global batch is "
+                          "world_size x accum_steps x batch_size")
+    accum_steps: int = opt(1, "micro-steps per optimizer step (gradient accumulation)")
+    epochs: int = opt(10, "passes over the training set; the LR schedule spans all of them")
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = no limit); the schedule "
+                         "still spans --epochs")
+    lr: float = opt(0.1, "peak learning rate for the global batch (no automatic scaling)")
+    momentum: float = opt(0.9, "SGD momentum")
+    weight_decay: float = opt(5e-4, "SGD weight decay (L2), applied to every parameter")
+    lr_schedule: str = opt("cosine", "after warm-up: cosine decay to 0 over --epochs, step (x0.1 at each "
+                           "--lr-milestones epoch) or constant", choices=LR_SCHEDULES)
+    lr_milestones: str = opt("", "comma-separated epochs where the step schedule multiplies the LR by 0.1")
+    warmup_steps: int = opt(0, "linear LR warm-up, in optimizer steps")
+    clip_grad: float = opt(0.0, "clip the global gradient L2 norm to this value; 0 = off")
+    amp: str = opt("none", "mixed precision: bf16 (CUDA and CPU), fp16 (with a GradScaler) or none",
+                   choices=AMP_MODES)
+    seed: int = opt(0, "seed for model init (same on every rank), data order and augmentation")
+    # runtime
+    device: str = opt("auto", "auto = cuda:LOCAL_RANK with NCCL if CUDA is available, else CPU with gloo",
+                      choices=("auto", "cpu", "cuda"))
+    dist_timeout: float = opt(600.0, "seconds a collective may wait for a peer before the job fails")
+    out: str = opt("runs/run", "run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard)")
+    resume: str = opt("", "'auto' = continue from OUT/checkpoint_last.pt if it exists; or a "
+                      "checkpoint path; empty = start fresh")
+    ckpt_every: int = opt(0, "also checkpoint every this many optimizer steps (0 = at epoch ends only)")
+    log_every: int = opt(20, "optimizer steps between progress lines and train/* TensorBoard points")
+    debug: bool = opt(False, "one process, tiny data subset, autograd anomaly detection, extra checks")
+
+    def validate(self, launch: LaunchEnv) -> None:
+        """Raise UsageError (one line, with the fix) for input that cannot train."""
+        positive = ("batch_size", "accum_steps", "epochs", "log_every", "synthetic_samples")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        non_negative = ("max_steps", "warmup_steps", "ckpt_every", "image_size", "clip_grad", "weight_decay")
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise UsageError(f"--lr must be positive, got {self.lr}")
+        if self.dist_timeout <= 0:
+            raise UsageError(f"--dist-timeout must be positive seconds, got {self.dist_timeout}")
+        try:
+            milestones = parse_milestones(self.lr_milestones)
+        except ValueError:
+            raise UsageError(f"--lr-milestones {self.lr_milestones!r}: give comma-separated epochs, "
+                             f"e.g. 120,160") from None
+        if self.lr_schedule == "step" and not milestones:
+            raise UsageError("--lr-schedule step needs --lr-milestones, e.g. --lr-milestones 120,160")
+        if self.workers < -1:
+            raise UsageError(f"--workers must be -1 (auto) or >= 0, got {self.workers}")
+        problem = check_data_dir(self.dataset, self.data_dir, self.download)
+        if problem:
+            raise UsageError(problem)
+        if self.resume not in ("", "auto") and not Path(self.resume).is_file():
+            raise UsageError(f"--resume {self.resume}: no such file; give a checkpoint path or "
+                             f"'--resume auto' to continue from {self.out}")
+        if self.debug and launch.world_size > 1:
+            raise UsageError("--debug runs one process; start it with plain `python`, not torchrun/srun")
+
+    def milestone_steps(self, steps_per_epoch: int) -> list[int]:
+        return [epoch * steps_per_epoch for epoch in parse_milestones(self.lr_milestones)]
+
+    def resolved_image_size(self) -> int:
+        return self.image_size or NATIVE_SIZE[self.dataset]
