@@ -118,9 +118,8 @@ def setup(cfg: ClassifierConfig, info: DistInfo) -> Run:
         log.info("--resume auto: no checkpoint in %s yet, starting from scratch", cfg.out)
     accumulator = GradientAccumulator(model, optimizer, cfg.accum_steps, lr_scheduler=lr_scheduler,
                                       grad_scaler=scaler, clip_grad=cfg.clip_grad)
-    tb = TensorBoard(Path(cfg.out) / "tb" if info.is_main else None)
     return Run(cfg, info, loaders, model, optimizer, lr_scheduler, scaler, accumulator, state,
-               total_steps, tb)
+               total_steps, TensorBoard(None))
 
 
 # ----------------------------------------------------------------------------- training
@@ -239,14 +238,18 @@ def main(argv: list[str] | None = None) -> int:
              info.backend or "none", info.device)
     try:
         torch.autograd.set_detect_anomaly(cfg.debug)
-        if info.is_main:
-            Path(cfg.out).mkdir(parents=True, exist_ok=True)
-            save_config(cfg, cfg.out, {"world_size": info.world_size})
-        barrier()
+        if cfg.debug:
+            log.info("--debug: autograd anomaly detection on, %d-sample subsets, finite checks "
+                     "after every step", DEBUG_TRAIN_SAMPLES)
         try:
             run = setup(cfg, info)
         except UsageError as err:  # found once the data is loaded; every rank finds the same
             return usage_error_exit(Path(sys.argv[0]).name, err)
+        if info.is_main:  # only now: bad input must not leave a half-made run folder behind
+            Path(cfg.out).mkdir(parents=True, exist_ok=True)
+            save_config(cfg, cfg.out, {"world_size": info.world_size})
+            run.tb = TensorBoard(Path(cfg.out) / "tb")
+        barrier()
         metrics = fit(run)
         run.tb.close()
         if metrics:

@@ -1,0 +1,132 @@
+"""init_distributed for torchrun, srun and a plain process, and the rank helpers without a group."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ddp_utils import dist as ddp_dist
+from ddp_utils.dist import detect_launch, first_slurm_host, init_distributed
+from helpers import REPO, cli_env, free_port
+
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_JOB_ID",
+               "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_NODEID", "SLURM_TASKS_PER_NODE",
+               "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_plain_process_is_world_size_one_without_a_group(clean_env):
+    info = init_distributed("cpu")
+    assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (0, 0, 1, 1)
+    assert info.launcher == "single" and info.backend is None and info.is_main
+    assert info.device == torch.device("cpu")
+    assert not torch.distributed.is_initialized()
+    assert ddp_dist.get_rank() == 0 and ddp_dist.get_world_size() == 1 and ddp_dist.is_main_process()
+    ddp_dist.barrier()  # a no-op, not an error, without a process group
+    with pytest.raises(Exception):
+        info.rank = 3  # frozen
+
+
+def test_torchrun_environment(clean_env):
+    clean_env.setenv("RANK", "5")
+    clean_env.setenv("LOCAL_RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "8")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "4")
+    clean_env.setenv("MASTER_ADDR", "10.1.2.3")
+    clean_env.setenv("MASTER_PORT", "4321")
+    launch = detect_launch()
+    assert launch == ddp_dist.LaunchEnv("torchrun", 5, 1, 8, 4, "10.1.2.3", 4321)
+
+
+def test_torchrun_with_one_process_initialises_nothing(clean_env):
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        clean_env.setenv(name, value)
+    info = init_distributed("cpu")
+    assert info.launcher == "torchrun" and info.world_size == 1 and info.backend is None
+
+
+def test_srun_environment(clean_env):
+    for name, value in dict(SLURM_PROCID="6", SLURM_LOCALID="2", SLURM_NTASKS="8",
+                            SLURM_STEP_NUM_TASKS="8", SLURM_JOB_ID="123456",
+                            SLURM_JOB_NODELIST="gpu[07-08]", SLURM_NODEID="1",
+                            SLURM_STEP_TASKS_PER_NODE="4(x2)").items():
+        clean_env.setenv(name, value)
+    launch = detect_launch()
+    assert launch.launcher == "slurm"
+    assert (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size) == (6, 2, 8, 4)
+    assert launch.master_addr == "gpu07"
+    # Port derived from the job id: stable for every task of the job, different across jobs.
+    assert launch.master_port == 15000 + 123456 % 15000
+    clean_env.setenv("SLURM_JOB_ID", "123457")
+    assert detect_launch().master_port == launch.master_port + 1
+
+
+def test_sbatch_shell_without_srun_stays_single(clean_env):
+    """A batch script has SLURM_NTASKS=8 but runs once: treating it as rank 0 of 8 would hang."""
+    for name, value in dict(SLURM_PROCID="0", SLURM_NTASKS="8", SLURM_JOB_ID="1",
+                            SLURM_JOB_NODELIST="n1").items():
+        clean_env.setenv(name, value)
+    assert detect_launch().launcher == "single"
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("node1", "node1"), ("gpu[03-05,9]", "gpu03"), ("a[1,4],b7", "a1"), ("x-y[010-012]", "x-y010"),
+    ("n12,n13", "n12"),
+])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def test_uneven_tasks_per_node(clean_env):
+    env = {"SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}
+    assert ddp_dist._tasks_on_this_node(env) == 3
+
+
+def test_device_cuda_requested_without_cuda_fails_clearly():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="--device cpu"):
+        ddp_dist.select_device("cuda", 0)
+
+
+_WORKER = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    from ddp_utils.dist import init_distributed, cleanup_distributed
+    info = init_distributed("cpu", timeout_s=60)
+    t = torch.tensor([float(info.rank + 1)])
+    dist.all_reduce(t)
+    print(f"RESULT {info.launcher} {info.rank} {info.local_rank} {info.world_size} {info.backend} {t.item()}")
+    cleanup_distributed()
+""")
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_two_real_processes_form_a_group(launcher):
+    """Two processes started with the launcher's variables (no launcher) really all_reduce."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        if launcher == "torchrun":
+            extra = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        else:
+            extra = dict(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+                         SLURM_STEP_NUM_TASKS="2", SLURM_JOB_ID="77", SLURM_JOB_NODELIST="localhost",
+                         SLURM_STEP_TASKS_PER_NODE="2", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER], cwd=REPO, env=cli_env(extra),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, err
+        assert f"RESULT {launcher} {rank} {rank} 2 gloo 3.0" in out
