@@ -97,3 +97,18 @@ def test_debug_run_under_anomaly_detection(tmp_path):
     ckpt = load_ckpt(out / "checkpoint_last.pt")
     assert ckpt["step"] == 2 * 8  # 256-sample debug subset / (16 x 2) per step, 2 epochs
     assert "(128 images)" in proc.stdout
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_mixed_precision_runs_and_checkpoints_the_scaler(tmp_path, amp):
+    out = tmp_path / amp
+    proc = run_cli("train_classifier.py", CPU + ["--debug", "--amp", amp, "--arch", "small_cnn",
+                                                 "--accum-steps", "2", "--batch-size", "16", "--max-steps", "3",
+                                                 "--clip-grad", "5", "--out", str(out)])
+    assert_ok(proc)
+    ckpt = load_ckpt(out / "checkpoint_last.pt")
+    assert ckpt["step"] == 3
+    if amp == "fp16":
+        assert ckpt["grad_scaler"]["scale"] > 0
+    else:
+        assert ckpt["grad_scaler"] is None  # bf16 needs no loss scaling
