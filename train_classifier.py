@@ -16,6 +16,11 @@ Several nodes (run on every node; HOST is node 0's address):
 SLURM (see launch/): sbatch launch/slurm_classifier.sbatch --dataset cifar10 ...
 Resume after a crash or preemption: add --resume auto (same --out).
 
+Linear probe of a MoCo checkpoint (frozen backbone in eval mode, a new linear classifier):
+    python train_classifier.py --pretrained runs/moco/checkpoint_last.pt --linear-probe \
+        --arch small_cnn --lr 30 --weight-decay 0 --lr-schedule step --lr-milestones 60,80 --epochs 100
+Without --linear-probe the whole pretrained network is fine-tuned.
+
 --batch-size is per rank and per micro-step: the global batch of one optimizer step is
 world_size x --accum-steps x --batch-size, logged at start. --lr is not rescaled for you.
 """
@@ -23,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,18 +36,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_utils.accumulation import GradientAccumulator
-from ddp_utils.checkpoint import resolve_resume, save_checkpoint
-from ddp_utils.collectives import reduce_metrics
-from ddp_utils.config import UsageError, config_dict, opt, parse_config, save_config, usage_error_exit
+from ddp_utils.config import UsageError, opt, parse_config
 from ddp_utils.data import (DEBUG_TRAIN_SAMPLES, DEBUG_VAL_SAMPLES, Loaders, classification_transforms,
-                            debug_subset, default_workers, load_split, make_loaders, steps_per_epoch)
-from ddp_utils.dist import DistInfo, barrier, cleanup_distributed, detect_launch, init_distributed
-from ddp_utils.logs import setup_logging
+                            debug_subset, default_workers, load_split, make_loaders)
+from ddp_utils.dist import DistInfo, barrier
+from ddp_utils.monitor import Progress, StepMeter, TensorBoard
+from ddp_utils.precision import autocast
+from ddp_utils.pretrained import LinearProbe, load_pretrained_backbone, tensors_equal
+from ddp_utils.run_state import unwrap
+from ddp_utils.trainer import TrainRun, build_optimization, resume_if_asked, run_script, save_run
+from ddp_utils.collectives import reduce_metrics
 from ddp_utils.models import build_model
-from ddp_utils.monitor import Progress, TensorBoard
-from ddp_utils.precision import autocast, grad_scaler
-from ddp_utils.run_state import RunState, restore_training_state, training_state, unwrap
-from ddp_utils.schedule import build_lr_scheduler
 from ddp_utils.train_config import TrainConfig
 
 log = logging.getLogger("train")
@@ -52,23 +55,28 @@ log = logging.getLogger("train")
 @dataclass
 class ClassifierConfig(TrainConfig):
     out: str = opt("runs/classifier", "run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard)")
+    pretrained: str = opt("", "initialise the backbone from a train_moco.py checkpoint or an "
+                          "exported backbone (--export-backbone); fc starts fresh")
+    linear_probe: bool = opt(False, "with --pretrained: freeze the backbone (kept in eval mode) and "
+                             "train only a new linear classifier")
+    probe_bn: bool = opt(False, "with --linear-probe: normalise the frozen features with a "
+                         "parameter-free BatchNorm before the classifier (MAE's probe; LRs near 0.1 "
+                         "then work); off = MoCo's protocol (LR about 30)")
+
+    def validate(self, launch) -> None:
+        super().validate(launch)
+        if self.linear_probe and not self.pretrained:
+            raise UsageError("--linear-probe needs --pretrained PATH (a train_moco.py checkpoint)")
+        if self.probe_bn and not self.linear_probe:
+            raise UsageError("--probe-bn only applies with --linear-probe")
+        if self.pretrained and not Path(self.pretrained).is_file():
+            raise UsageError(f"--pretrained {self.pretrained}: no such file")
 
 
 @dataclass
-class Run:
-    """The objects one training run is made of, built once by :func:`setup`."""
-
-    cfg: ClassifierConfig
-    info: DistInfo
-    loaders: Loaders
-    model: nn.Module  # DDP-wrapped when distributed
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler | None
-    accumulator: GradientAccumulator
-    state: RunState
-    total_steps: int
-    tb: TensorBoard
+class ClassifierRun(TrainRun):
+    network: nn.Module = None  # what runs forward: DDP-wrapped when distributed
+    frozen_backbone: dict | None = None  # --linear-probe: the backbone's tensors at the start
 
 
 # ----------------------------------------------------------------------------- building
@@ -91,74 +99,56 @@ def build_loaders(cfg: ClassifierConfig, info: DistInfo) -> Loaders:
 
 def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn.Module:
     torch.manual_seed(cfg.seed)  # identical initial weights whatever the world size
-    model = build_model(cfg.arch, num_classes, cfg.resolved_image_size()).to(info.device)
-    if info.is_distributed:
-        model = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
-    return model
+    model = build_model(cfg.arch, num_classes, cfg.resolved_image_size())
+    if cfg.pretrained:
+        load_pretrained_backbone(model, cfg.pretrained)
+        log.info("backbone initialised from %s", cfg.pretrained)
+    if cfg.linear_probe:
+        model = LinearProbe(model, num_classes, feature_norm=cfg.probe_bn)
+    return model.to(info.device)
 
 
-def setup(cfg: ClassifierConfig, info: DistInfo) -> Run:
+def setup(cfg: ClassifierConfig, info: DistInfo) -> ClassifierRun:
     loaders = build_loaders(cfg, info)
     model = build_network(cfg, info, loaders.num_classes)
     torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                weight_decay=cfg.weight_decay)
-    epoch_steps = steps_per_epoch(len(loaders.train), cfg.accum_steps)
-    total_steps = cfg.epochs * epoch_steps
-    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, total_steps,
-                                      cfg.milestone_steps(epoch_steps))
-    scaler = grad_scaler(cfg.amp, info.device)
-    state = RunState()
-    resume_path = resolve_resume(cfg.resume, cfg.out)
-    if resume_path is not None:
-        state, _ = restore_training_state(str(resume_path), model=model, optimizer=optimizer,
-                                          lr_scheduler=lr_scheduler, grad_scaler=scaler,
-                                          world_size=info.world_size, batch_size=cfg.batch_size)
-    elif cfg.resume == "auto":
-        log.info("--resume auto: no checkpoint in %s yet, starting from scratch", cfg.out)
-    accumulator = GradientAccumulator(model, optimizer, cfg.accum_steps, lr_scheduler=lr_scheduler,
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer, lr_scheduler, scaler, total_steps = build_optimization(cfg, trainable, len(loaders.train), info.device)
+    state = resume_if_asked(cfg, info, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler)
+    network = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None) \
+        if info.is_distributed else model
+    accumulator = GradientAccumulator(network, optimizer, cfg.accum_steps, lr_scheduler=lr_scheduler,
                                       grad_scaler=scaler, clip_grad=cfg.clip_grad)
-    return Run(cfg, info, loaders, model, optimizer, lr_scheduler, scaler, accumulator, state,
-               total_steps, TensorBoard(None))
+    frozen = model.backbone_snapshot() if cfg.linear_probe else None
+    return ClassifierRun(cfg, info, loaders, model, optimizer, lr_scheduler, scaler, accumulator, state,
+                         total_steps, TensorBoard(None), network=network, frozen_backbone=frozen)
 
 
 # ----------------------------------------------------------------------------- training
-def train_one_epoch(run: Run, progress: Progress) -> None:
+def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
     """One pass over the (rest of the) epoch; stops early at --max-steps."""
     cfg, info, state = run.cfg, run.info, run.state
     criterion = nn.CrossEntropyLoss()
-    run.model.train()
+    run.network.train()
     run.loaders.set_epoch(state.epoch, skip_batches=state.batches_done)
-    images_per_step = info.world_size * cfg.batch_size
-    loss_sum = torch.zeros((), device=info.device)  # summed on device: no host sync per micro-step
-    window_images, logged_steps, last_log = 0, 0, time.perf_counter()
     for micro, (images, targets) in run.accumulator.micro_batches(run.loaders.train):
         images = images.to(info.device, non_blocking=True)
         targets = targets.to(info.device, non_blocking=True)
         with run.accumulator.sync_context(micro):
             with autocast(cfg.amp, info.device):
-                loss = criterion(run.model(images), targets)
+                loss = criterion(run.network(images), targets)
             stepped = run.accumulator.backward(loss, micro)
-        loss_sum += loss.detach() / micro.window_size
-        window_images += images_per_step
+        meter.add_micro(info.world_size * len(images), micro.window_size, loss=loss)
         state.batches_done += 1
         if stepped is None:
             continue
         state.step += 1
-        logged_steps += 1
         if cfg.debug:
             check_finite(run.model, loss)
-        if state.step % cfg.log_every == 0 or state.step == run.total_steps:
-            elapsed, last_log = time.perf_counter() - last_log, time.perf_counter()
-            mean_loss = reduce_metrics({"loss": loss_sum.item()}, info.device)["loss"] / (info.world_size * logged_steps)
-            lr = run.optimizer.param_groups[0]["lr"]
-            run.tb.scalars(state.step, train__loss=mean_loss, train__lr=lr,
-                           train__images_per_sec=window_images / elapsed)
-            progress.update(state.step, state.epoch, mean_loss, lr, window_images / elapsed)
-            loss_sum.zero_()
-            window_images, logged_steps = 0, 0
+        meter.end_step(state.step, state.epoch, force=state.step == run.total_steps,
+                       lr=run.optimizer.param_groups[0]["lr"])
         if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
-            checkpoint(run)
+            save_run(run)
         if cfg.max_steps and state.step >= cfg.max_steps:
             return
 
@@ -198,65 +188,34 @@ def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, info: DistIn
             "count": total["count"]}
 
 
-def checkpoint(run: Run) -> None:
-    state = training_state(run.state, config_dict(run.cfg), run.info.world_size, model=run.model,
-                           optimizer=run.optimizer, lr_scheduler=run.lr_scheduler, grad_scaler=run.scaler)
-    save_checkpoint(state, run.cfg.out)
-
-
-def fit(run: Run) -> dict[str, float]:
+def fit(run: ClassifierRun) -> dict[str, float]:
     cfg, state = run.cfg, run.state
-    batches = len(run.loaders.train)
-    log.info("global batch %d = %d rank(s) x %d accum steps x %d per micro-batch; %d optimizer "
-             "steps per epoch, %d in all", run.info.world_size * cfg.accum_steps * cfg.batch_size,
-             run.info.world_size, cfg.accum_steps, cfg.batch_size,
-             steps_per_epoch(batches, cfg.accum_steps), run.total_steps)
     progress = Progress(min(run.total_steps, cfg.max_steps or run.total_steps), cfg.log_every, run.info.is_main)
+    meter = StepMeter(run.tb, progress, run.info.device, run.info.world_size, cfg.log_every)
     metrics: dict[str, float] = {}
     while state.epoch < cfg.epochs and not (cfg.max_steps and state.step >= cfg.max_steps):
-        train_one_epoch(run, progress)
+        train_one_epoch(run, meter)
         progress.end_line()
         metrics = evaluate(run.model, run.loaders.val, run.info, cfg.amp)
         run.tb.scalars(state.step, val__loss=metrics["loss"], val__acc1=metrics["acc1"])
         log.info("epoch %d step %d: val loss %.4f, val acc1 %.2f%% (%d images)",
                  state.epoch, state.step, metrics["loss"], metrics["acc1"], metrics["count"])
-        if state.batches_done >= batches:  # the epoch is complete (not cut by --max-steps)
+        if state.batches_done >= len(run.loaders.train):  # complete, not cut by --max-steps
             state.epoch, state.batches_done = state.epoch + 1, 0
-        checkpoint(run)
+        save_run(run)
+    if run.frozen_backbone is not None:
+        if not tensors_equal(run.frozen_backbone, run.model.backbone_snapshot()):
+            raise RuntimeError("the frozen backbone changed during the linear probe")
+        log.info("linear probe: frozen backbone unchanged (%d tensors compared bit for bit)",
+                 len(run.frozen_backbone))
+    if metrics:
+        log.info("final val acc1 %.2f%% at step %d", metrics["acc1"], state.step)
     return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(ClassifierConfig, argv, description=__doc__.split("\n")[0])
-    try:
-        cfg.validate(detect_launch())  # before any process group: every rank fails alike, none hangs
-    except UsageError as err:
-        return usage_error_exit(Path(sys.argv[0]).name, err)
-    info = init_distributed(cfg.device, cfg.dist_timeout)
-    setup_logging(info.rank, cfg.debug)
-    log.info("%s launch: world size %d, backend %s, device %s", info.launcher, info.world_size,
-             info.backend or "none", info.device)
-    try:
-        torch.autograd.set_detect_anomaly(cfg.debug)
-        if cfg.debug:
-            log.info("--debug: autograd anomaly detection on, %d-sample subsets, finite checks "
-                     "after every step", DEBUG_TRAIN_SAMPLES)
-        try:
-            run = setup(cfg, info)
-        except UsageError as err:  # found once the data is loaded; every rank finds the same
-            return usage_error_exit(Path(sys.argv[0]).name, err)
-        if info.is_main:  # only now: bad input must not leave a half-made run folder behind
-            Path(cfg.out).mkdir(parents=True, exist_ok=True)
-            save_config(cfg, cfg.out, {"world_size": info.world_size})
-            run.tb = TensorBoard(Path(cfg.out) / "tb")
-        barrier()
-        metrics = fit(run)
-        run.tb.close()
-        if metrics:
-            log.info("final val acc1 %.2f%% at step %d", metrics["acc1"], run.state.step)
-    finally:
-        cleanup_distributed()
-    return 0
+    return run_script(cfg, setup, fit)
 
 
 if __name__ == "__main__":

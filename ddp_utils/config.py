@@ -33,13 +33,18 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _unwrap_optional(kind: Any) -> Any:
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    return args[0] if len(args) == 1 and type(None) in typing.get_args(kind) else kind
+
+
 def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
     parser = _OneLineErrorParser(description=description,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        kind = hints[f.name]
+        kind = _unwrap_optional(hints[f.name])  # `float | None`: None = "decided later" (a preset)
         meta = f.metadata
         if kind is bool:
             parser.add_argument(flag, dest=f.name, default=f.default, help=meta["help"],

@@ -230,17 +230,32 @@ def make_loaders(train_raw: Dataset, val_raw: Dataset, train_tf: Transform | Non
                  rank: int, world_size: int, pin_memory: bool) -> Loaders:
     """Training loader (sharded, shuffled, drop_last) and evaluation loader (sharded, exact)."""
     train_set = SeededTransform(train_raw, train_tf, seed)
-    val_set = SeededTransform(val_raw, eval_tf, seed)
     sampler = ResumableDistributedSampler(train_set, world_size, rank, seed)
-    common = dict(num_workers=workers, pin_memory=pin_memory)
     # drop_last: every micro-batch has batch_size samples, so the 1/window loss scale is exact.
-    train = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True, **common)
-    val = DataLoader(val_set, batch_size=batch_size, sampler=ShardedEvalSampler(val_set, world_size, rank),
-                     **common)
+    train = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,
+                       num_workers=workers, pin_memory=pin_memory, generator=_private_generator())
+    val = eval_loader(val_raw, eval_tf, batch_size=batch_size, workers=workers, rank=rank,
+                      world_size=world_size, pin_memory=pin_memory)
     if len(train) == 0:
         raise UsageError(f"the training split has {len(train_raw)} samples: too few for "  # type: ignore[arg-type]
                          f"{world_size} rank(s) x batch {batch_size}; lower --batch-size")
     return Loaders(train, val, sampler, train_set, num_classes_of(train_raw))
+
+
+def _private_generator() -> torch.Generator:
+    """Each new DataLoader iterator draws a worker base seed from its generator. Without one of
+    its own it would draw from the global RNG, and a resumed run (which starts an iterator at a
+    different point of that stream) would draw different shuffle-BN permutations afterwards.
+    Augmentation does not depend on it: SeededTransform seeds every sample itself."""
+    return torch.Generator().manual_seed(0)
+
+
+def eval_loader(raw: Dataset, transform: Transform | None, *, batch_size: int, workers: int,
+                rank: int, world_size: int, pin_memory: bool) -> DataLoader:
+    """Sharded, in order, every sample exactly once over all ranks."""
+    data = SeededTransform(raw, transform, seed=0)
+    return DataLoader(data, batch_size=batch_size, sampler=ShardedEvalSampler(data, world_size, rank),
+                      num_workers=workers, pin_memory=pin_memory, generator=_private_generator())
 
 
 def steps_per_epoch(batches_per_epoch: int, accum_steps: int) -> int:

@@ -63,3 +63,44 @@ class Progress:
     def end_line(self) -> None:
         if self.tty:
             sys.stdout.write("\n")
+
+
+class StepMeter:
+    """Per-step training metrics, averaged over steps and ranks at each --log-every boundary.
+
+    Micro-step values are summed on the device (no host sync per micro-step); one all_reduce per
+    logged step. Each metric is added as value / window_size, so one step contributes its mean.
+    """
+
+    def __init__(self, tb: TensorBoard, progress: Progress, device, world_size: int, log_every: int):
+        self.tb, self.progress, self.device = tb, progress, device
+        self.world_size, self.log_every = world_size, log_every
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums: dict = {}
+        self.images, self.steps, self.since = 0, 0, time.perf_counter()
+
+    def add_micro(self, images: int, window_size: int, **metrics) -> None:
+        """``images``: samples of this micro-step over all ranks; metrics: 0-dim tensors."""
+        self.images += images
+        for name, value in metrics.items():
+            value = value.detach().float() / window_size
+            self.sums[name] = self.sums[name] + value if name in self.sums else value
+
+    def end_step(self, step: int, epoch: int, force: bool = False, **values: float) -> dict | None:
+        """Call after each optimizer step; logs (and returns the averages) every log_every steps."""
+        self.steps += 1
+        if not (force or step % self.log_every == 0):
+            return None
+        from .collectives import reduce_metrics
+
+        elapsed = time.perf_counter() - self.since
+        local = {name: value.item() for name, value in self.sums.items()}
+        means = {k: v / (self.world_size * self.steps) for k, v in reduce_metrics(local, self.device).items()}
+        rate = self.images / elapsed
+        self.tb.scalars(step, **{f"train__{k}": v for k, v in {**means, **values}.items()},
+                        train__images_per_sec=rate)
+        self.progress.update(step, epoch, means.get("loss", float("nan")), values.get("lr", 0.0), rate)
+        self._reset()
+        return means

@@ -7,9 +7,10 @@ import re
 import pytest
 
 import train_classifier
+import train_moco
 from helpers import REPO
 
-SCRIPTS = {"train_classifier.py": train_classifier.ClassifierConfig}
+SCRIPTS = {"train_classifier.py": train_classifier.ClassifierConfig, "train_moco.py": train_moco.MocoConfig}
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))

@@ -1,0 +1,299 @@
+"""MoCo: shared queue, momentum encoder, shuffle BN, accumulation, memory, learning, resume,
+linear probe and backbone export. Distributed checks run the real setup() and training loop of
+train_moco.py on 2 gloo ranks."""
+from __future__ import annotations
+
+import gc
+import resource
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import train_moco
+from ddp_utils.dist import DistInfo
+from ddp_utils.models import build_model
+from ddp_utils.moco import MoCo, SplitBatchNorm2d
+from ddp_utils.monitor import Progress, StepMeter, TensorBoard
+from helpers import assert_ok, load_ckpt, read_scalars, run_cli, run_on_ranks
+
+TINY = dict(dataset="digits", arch="small_cnn", image_size=16, batch_size=8, moco_k=40, device="cpu",
+            knn_every=0, log_every=1000, epochs=1, augment=True)
+
+
+def _run(info: DistInfo, tmp_dir: str, **overrides) -> train_moco.MocoRun:
+    cfg = train_moco.MocoConfig(**{**TINY, "out": tmp_dir, **overrides})
+    cfg.apply_preset()
+    return train_moco.setup(cfg, info)
+
+
+def _train(run: train_moco.MocoRun, max_steps: int) -> None:
+    run.cfg.max_steps = max_steps
+    meter = StepMeter(TensorBoard(None), Progress(max_steps, 1000, False), run.info.device,
+                      run.info.world_size, 1000)
+    train_moco.train_one_epoch(run, meter)
+
+
+# ----------------------------------------------------------------------------- 2-rank checks
+def _queue_worker(info: DistInfo, tmp_dir: str):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    run = _run(info, tmp_dir, accum_steps=2, moco_m=0.9)
+    moco = run.moco
+    traffic = {"bytes": 0}
+
+    def counting_hook(state, bucket):
+        traffic["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+        return allreduce_hook(state, bucket)
+
+    run.query_encoder.register_comm_hook(None, counting_hook)
+    updates = []
+    original_update = moco.momentum_update
+
+    def counting_update(m):
+        updates.append((m, [p.clone() for p in moco.encoder_k.parameters()]))
+        original_update(m)
+
+    moco.momentum_update = counting_update
+    enqueued = []
+    original_enqueue = moco.enqueue
+
+    def recording_enqueue(k):
+        enqueued.append((k.requires_grad, k.grad_fn is None))
+        original_enqueue(k)
+
+    moco.enqueue = recording_enqueue
+    k_before = [p.clone() for p in moco.encoder_k.parameters()]
+    _train(run, max_steps=1)
+    q_after_1 = [p.detach().clone() for p in moco.encoder_q.parameters()]
+    k_after_1 = [p.clone() for p in moco.encoder_k.parameters()]
+    _train(run, max_steps=3)
+    grad_bytes = sum(p.numel() * p.element_size() for p in moco.encoder_q.parameters())
+    return {
+        "queue": moco.queue.clone(), "ptr": int(moco.queue_ptr), "queue_grad": moco.queue.requires_grad,
+        "queue_fn": moco.queue.grad_fn, "enqueued": enqueued, "updates": len(updates),
+        "k_before": k_before, "q_after_1": q_after_1, "k_after_1": k_after_1,
+        "k_grads": [p.grad for p in moco.encoder_k.parameters()],
+        "k_requires_grad": [p.requires_grad for p in moco.encoder_k.parameters()],
+        "k_final": [p.clone() for p in moco.encoder_k.parameters()],
+        "bytes_per_step": traffic["bytes"] / 3, "grad_bytes": grad_bytes,
+        "k_in_optimizer": any(p is kp for g in run.optimizer.param_groups for p in g["params"]
+                              for kp in moco.encoder_k.parameters()),
+    }
+
+
+def test_queue_momentum_encoder_and_accumulation_on_two_ranks(tmp_path):
+    r0, r1 = run_on_ranks(_queue_worker, tmp_path, str(tmp_path / "run"))
+    # 1. Queue identical on both ranks; pointer advanced by global batch x micro-steps mod K.
+    assert torch.equal(r0["queue"], r1["queue"])
+    assert r0["ptr"] == r1["ptr"] == (2 * 8 * 2 * 3) % 40 == 16  # wrapped around K=40 twice
+    assert not r0["queue_grad"] and r0["queue_fn"] is None
+    assert all(not requires and no_fn for requires, no_fn in r0["enqueued"]) and len(r0["enqueued"]) == 6
+    assert torch.allclose(r0["queue"].norm(dim=0), torch.ones(40), atol=1e-5)  # unit keys
+    # 2. encoder_k: no gradient, not optimised, identical on both ranks, and after the first
+    #    optimizer step exactly m*k_old + (1-m)*q_new.
+    assert all(g is None for g in r0["k_grads"]) and not any(r0["k_requires_grad"])
+    assert not r0["k_in_optimizer"]
+    for a, b in zip(r0["k_final"], r1["k_final"]):
+        assert torch.equal(a, b)
+    m = 0.9
+    moved = 0.0
+    for k_old, q_new, k_new in zip(r0["k_before"], r0["q_after_1"], r0["k_after_1"]):
+        torch.testing.assert_close(k_new, m * k_old + (1 - m) * q_new, rtol=1e-6, atol=1e-7)
+        moved = max(moved, (k_new - k_old).abs().max().item())
+    assert moved > 0
+    # 3. A=2: one momentum update and one all-reduce round per optimizer step (3 steps, 6 micro).
+    assert r0["updates"] == r1["updates"] == 3
+    assert r0["bytes_per_step"] == r0["grad_bytes"]
+
+
+def _shuffle_worker(info: DistInfo, tmp_dir: str):
+    torch.manual_seed(info.rank)  # different local RNGs: only rank 0's permutation may count
+    moco = MoCo(nn.Identity(), dim=4, K=16)
+    x = (info.rank * 6 + torch.arange(6, dtype=torch.float32)).unsqueeze(1).repeat(1, 4)  # 6 x 4
+    shuffled, unshuffle = moco._shuffle_across_ranks(x)
+    restored = moco._unshuffle_across_ranks(shuffled, unshuffle)
+    return {"x": x, "shuffled": shuffled, "restored": restored}
+
+
+def test_shuffle_and_unshuffle_return_every_sample_home(tmp_path):
+    r0, r1 = run_on_ranks(_shuffle_worker, tmp_path, str(tmp_path))
+    for r in (r0, r1):
+        assert torch.equal(r["restored"], r["x"])
+    ids = torch.cat([r0["shuffled"][:, 0], r1["shuffled"][:, 0]])
+    assert sorted(ids.tolist()) == list(range(12))  # a permutation of the global batch...
+    assert ids.tolist() != list(range(12))  # ...that really moved samples (fixed seeds: it does)
+
+
+# ----------------------------------------------------------------------------- one process
+def test_split_batchnorm_normalises_each_group_on_its_own():
+    torch.manual_seed(0)
+    x = torch.randn(16, 3, 4, 4) * 3 + 1
+    split = SplitBatchNorm2d(3, num_splits=4)
+    out = split(x)
+    for j in range(4):
+        group = x[j::4]
+        ref = nn.functional.batch_norm(group, None, None, training=True, eps=split.eps)
+        torch.testing.assert_close(out[j::4], ref, rtol=1e-5, atol=1e-5)
+    expected_mean = 0.1 * torch.stack([x[j::4].mean(dim=(0, 2, 3)) for j in range(4)]).mean(0)
+    torch.testing.assert_close(split.running_mean, expected_mean)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _rss_growth(run) -> list[int]:
+    sizes = []
+    for steps in (4, 8, 12, 16, 20):
+        _train(run, max_steps=steps)
+        gc.collect()
+        sizes.append(_rss_bytes())
+    return sizes
+
+
+def test_memory_flat_step_over_step_and_no_autograd_errors(tmp_path, monkeypatch):
+    """20 steps under anomaly detection: no autograd error, resident memory flat after warm-up.
+    The negative control is the classic hack: keep each step's logits and back-propagate with
+    retain_graph=True (what people add to silence "backward through the graph a second time"):
+    every step's graph then stays alive and memory climbs."""
+    info = DistInfo(0, 0, 1, 1, torch.device("cpu"), None, "single")
+    torch.autograd.set_detect_anomaly(True)
+    try:
+        run = _run(info, str(tmp_path / "a"), batch_size=32, bn_splits=4, moco_k=256, image_size=32)
+        ours = _rss_growth(run)
+        kept = []
+        real_loss = train_moco.contrastive_loss
+
+        def leaky_loss(logits):
+            kept.append(logits)  # the classic mistake: a graph-carrying tensor outlives its step
+            return real_loss(logits)
+
+        real_backward = torch.Tensor.backward
+        monkeypatch.setattr(train_moco, "contrastive_loss", leaky_loss)
+        monkeypatch.setattr(torch.Tensor, "backward",
+                            lambda self, *a, **kw: real_backward(self, *a, **{**kw, "retain_graph": True}))
+        run_leaky = _run(info, str(tmp_path / "b"), batch_size=32, bn_splits=4, moco_k=256, image_size=32)
+        leaky = _rss_growth(run_leaky)
+    finally:
+        torch.autograd.set_detect_anomaly(False)
+    mib = 2**20
+    assert ours[-1] - ours[1] < 24 * mib, [s // mib for s in ours]
+    assert leaky[-1] - leaky[1] > 3 * (ours[-1] - ours[1]) + 40 * mib, [s // mib for s in leaky]
+
+
+def test_debug_cli_runs_under_anomaly_detection_with_accumulation(tmp_path):
+    proc = run_cli("train_moco.py", ["--debug", "--device", "cpu", "--arch", "small_cnn", "--image-size", "16",
+                                     "--batch-size", "16", "--accum-steps", "2", "--moco-k", "128",
+                                     "--epochs", "2", "--knn-k", "20", "--out", str(tmp_path / "d")])
+    assert_ok(proc)
+    assert "anomaly detection on" in proc.stdout
+    ckpt = load_ckpt(tmp_path / "d/checkpoint_last.pt")
+    assert ckpt["step"] == 2 * 8 and int(ckpt["model"]["queue_ptr"]) == (2 * 16 * 16) % 128
+
+
+# ----------------------------------------------------------------------------- real CLI, 2 ranks
+KNN_RUN = ["--device", "cpu", "--dataset", "digits", "--arch", "small_cnn", "--image-size", "16",
+           "--batch-size", "32", "--moco-k", "128", "--moco-m", "0.99", "--lr", "0.06", "--epochs", "15",
+           "--knn-every", "5", "--log-every", "10"]
+
+
+def test_moco_learns_digits_features_on_two_ranks(tmp_path):
+    out = tmp_path / "run"
+    assert_ok(run_cli("train_moco.py", KNN_RUN + ["--out", str(out)], nproc=2, timeout=600))
+    scalars = read_scalars(out / "tb")
+    for tag in ("train/loss", "train/contrastive_acc1", "train/lr", "train/moco_m", "train/images_per_sec"):
+        assert scalars.get(tag), tag
+    knn = scalars["knn/acc1"]
+    assert knn[0][0] == 0 and knn[-1][0] == 15 * 22
+    start, end = knn[0][1], knn[-1][1]
+    assert end >= start + KNN_MARGIN, knn
+
+
+KNN_MARGIN = 8.0  # percentage points; see the closing note for the measured values
+
+
+def test_resume_restores_queue_pointer_and_key_encoder_exactly(tmp_path):
+    common = ["--device", "cpu", "--arch", "small_cnn", "--image-size", "16", "--batch-size", "16",
+              "--accum-steps", "2", "--moco-k", "200", "--moco-m-cos", "--epochs", "2", "--knn-every", "0",
+              "--log-every", "1"]
+    assert_ok(run_cli("train_moco.py", common + ["--max-steps", "30", "--out", str(tmp_path / "ref")], nproc=2))
+    part = tmp_path / "part"
+    assert_ok(run_cli("train_moco.py", common + ["--max-steps", "9", "--out", str(part)], nproc=2))
+    assert load_ckpt(part / "checkpoint_last.pt")["step"] == 9
+    assert_ok(run_cli("train_moco.py", common + ["--max-steps", "30", "--resume", "auto", "--out", str(part)], nproc=2))
+    ref, res = load_ckpt(tmp_path / "ref/checkpoint_last.pt"), load_ckpt(part / "checkpoint_last.pt")
+    assert ref["step"] == res["step"] == 30 and ref["epoch"] == res["epoch"] == 1
+    for name in ref["model"]:
+        assert torch.equal(ref["model"][name], res["model"][name]), name  # queue, ptr, encoders
+    assert int(res["model"]["queue_ptr"]) == (30 * 2 * 2 * 16) % 200
+    ref_m = read_scalars(tmp_path / "ref/tb")["train/moco_m"]
+    res_m = dict(read_scalars(part / "tb")["train/moco_m"])
+    assert all(res_m[step] == m for step, m in ref_m)  # the momentum schedule continued
+
+
+def test_linear_probe_from_moco_checkpoint_keeps_backbone(tmp_path):
+    moco_out = tmp_path / "moco"
+    assert_ok(run_cli("train_moco.py", ["--device", "cpu", "--image-size", "16", "--batch-size", "32",
+                                        "--moco-k", "256", "--max-steps", "5", "--knn-every", "0",
+                                        "--out", str(moco_out)]))
+    probe_out = tmp_path / "probe"
+    proc = run_cli("train_classifier.py", ["--device", "cpu", "--image-size", "16", "--pretrained",
+                                           str(moco_out / "checkpoint_last.pt"), "--linear-probe", "--probe-bn",
+                                           "--lr", "0.1", "--weight-decay", "0", "--epochs", "3",
+                                           "--out", str(probe_out)], nproc=2)
+    assert_ok(proc)
+    assert "frozen backbone unchanged" in proc.stdout
+    moco_state = load_ckpt(moco_out / "checkpoint_last.pt")["model"]
+    probe_state = load_ckpt(probe_out / "checkpoint_last.pt")["model"]
+    backbone = {k: v for k, v in probe_state.items() if k.startswith("backbone.")}
+    assert backbone and len(backbone) == sum(k.startswith("encoder_q.backbone.") for k in moco_state)
+    for key, value in backbone.items():  # weights and BatchNorm statistics, bit for bit
+        assert torch.equal(value, moco_state["encoder_q." + key]), key
+    acc = read_scalars(probe_out / "tb")["val/acc1"]
+    assert len(acc) == 3 and acc[-1][1] > 40.0  # chance is 10%; measured: see the closing note
+
+
+def test_exported_backbone_loads_into_torchvision_resnet(tmp_path):
+    path = tmp_path / "backbone.pt"
+    assert_ok(run_cli("train_moco.py", ["--debug", "--device", "cpu", "--arch", "resnet18", "--batch-size", "8",
+                                        "--bn-splits", "2", "--moco-k", "64", "--max-steps", "1",
+                                        "--knn-every", "0", "--export-backbone", str(path),
+                                        "--out", str(tmp_path / "r")]))
+    state = torch.load(path, weights_only=True)
+    model = torchvision.models.resnet18(num_classes=10)
+    model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)  # the CIFAR stem used for 32 px inputs
+    model.maxpool = nn.Identity()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert set(missing) == {"fc.weight", "fc.bias"} and not unexpected
+    # And the same backbone at ImageNet size has exactly torchvision's stock layout.
+    stock = build_model("resnet18", 10, 224)
+    stock.fc = nn.Identity()
+    missing, unexpected = torchvision.models.resnet18().load_state_dict(stock.state_dict(), strict=False)
+    assert set(missing) == {"fc.weight", "fc.bias"} and not unexpected
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--moco-k", "16", "--batch-size", "32"], "--moco-k 16 is smaller than one enqueue"),
+    (["--batch-size", "30"], "must be a multiple of --bn-splits 8"),
+    (["--moco-m", "1.0"], "--moco-m must be in [0, 1)"),
+    (["--preset", "v3"], "invalid choice: 'v3'"),
+])
+def test_moco_bad_input(tmp_path, capsys, args, message):
+    try:
+        code = train_moco.main(args + ["--device", "cpu", "--out", str(tmp_path / "r")])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "r").exists()
+
+
+def test_presets_fill_only_unset_flags():
+    v1 = train_moco.MocoConfig(preset="v1", epochs=200).apply_preset()
+    assert (v1.moco_t, v1.mlp, v1.lr_schedule, v1.lr_milestones, v1.aug) == (0.07, False, "step", "120,160", "v1")
+    v2 = train_moco.MocoConfig(preset="v2", moco_t=0.5).apply_preset()
+    assert (v2.moco_t, v2.mlp, v2.lr_schedule, v2.aug) == (0.5, True, "cosine", "v2")

@@ -1,0 +1,262 @@
+"""MoCo v1/v2 self-supervised pretraining with DistributedDataParallel.
+
+One process (CPU or one GPU; BatchNorm is split into --bn-splits groups to emulate shuffle BN):
+    python train_moco.py --dataset digits --arch small_cnn --moco-k 1024 --batch-size 64 \\
+        --epochs 20 --out runs/moco_digits
+
+One node, every GPU (the MoCo authors' CIFAR-10 demo settings, global batch 512):
+    torchrun --standalone --nproc_per_node=4 train_moco.py --dataset cifar10 --download \\
+        --arch resnet18 --batch-size 128 --lr 0.06 --weight-decay 5e-4 --lr-schedule cosine \\
+        --moco-k 4096 --moco-m 0.99 --moco-t 0.1 --epochs 200 --out runs/moco_c10
+
+Several nodes, ImageNet, MoCo v2 (run on every node; HOST is node 0's address):
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \\
+        train_moco.py --preset v2 --dataset imagefolder --data-dir /data/imagenet --arch resnet50 \\
+        --batch-size 16 --epochs 200 --amp bf16 --out runs/mocov2_in1k
+
+SLURM (see launch/): sbatch launch/slurm_moco.sbatch --preset v2 ...
+Resume: add --resume auto (same --out); the queue, its pointer and encoder_k come back exactly.
+Export the query backbone for torchvision / train_classifier.py --pretrained:
+    python train_moco.py ... --resume auto --export-backbone runs/moco_c10/backbone.pt
+
+--batch-size is per rank and per micro-step; the global batch is world_size x --accum-steps x
+--batch-size. --lr is used as given (MoCo: 0.03 for a global batch of 256).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_utils.accumulation import GradientAccumulator
+from ddp_utils.config import UsageError, opt, parse_config
+from ddp_utils.data import (DEBUG_TRAIN_SAMPLES, DEBUG_VAL_SAMPLES, classification_transforms, debug_subset,
+                            default_workers, eval_loader, load_split, make_loaders)
+from ddp_utils.dist import DistInfo, LaunchEnv, barrier
+from ddp_utils.knn import knn_accuracy
+from ddp_utils.moco import Encoder, MoCo, contrastive_loss, split_batchnorm
+from ddp_utils.moco_augment import moco_train_transform
+from ddp_utils.models import build_model, feature_dim
+from ddp_utils.monitor import Progress, StepMeter, TensorBoard
+from ddp_utils.precision import autocast
+from ddp_utils.pretrained import export_backbone
+from ddp_utils.schedule import LR_SCHEDULES, cosine_to_one
+from ddp_utils.trainer import TrainRun, build_optimization, resume_if_asked, run_script, save_run
+from ddp_utils.train_config import TrainConfig
+
+log = logging.getLogger("train")
+
+# What --preset sets for every flag left unset. Milestones are fractions of --epochs
+# (MoCo v1: epochs 120 and 160 of 200).
+PRESETS = {
+    "v1": dict(lr=0.03, lr_schedule="step", lr_milestones=(0.6, 0.8), moco_t=0.07, mlp=False, aug="v1"),
+    "v2": dict(lr=0.03, lr_schedule="cosine", lr_milestones=(), moco_t=0.2, mlp=True, aug="v2"),
+}
+
+
+@dataclass
+class MocoConfig(TrainConfig):
+    preset: str = opt("v2", "v1: linear head, T 0.07, step LR, weak augmentation; v2: MLP head, T 0.2, "
+                      "cosine LR, strong augmentation with blur; any flag below overrides it",
+                      choices=("v1", "v2"))
+    out: str = opt("runs/moco", "run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard)")
+    lr: float | None = opt(None, "peak learning rate for the global batch (preset: 0.03)")
+    lr_schedule: str | None = opt(None, "cosine, step or constant after warm-up (preset: v1 step, v2 "
+                                  "cosine)", choices=LR_SCHEDULES)
+    lr_milestones: str | None = opt(None, "epochs where the step schedule multiplies the LR by 0.1 "
+                                    "(preset v1: 60%% and 80%% of --epochs)")
+    weight_decay: float = opt(1e-4, "SGD weight decay (L2)")
+    moco_dim: int = opt(128, "output size of the projection head (key/query feature dimension)")
+    moco_k: int = opt(65536, "queue length: negatives per query; must be >= the global batch")
+    moco_m: float = opt(0.999, "momentum of the key encoder update k = m*k + (1-m)*q")
+    moco_m_cos: bool = opt(False, "raise the momentum from --moco-m to 1 on a half cosine over training")
+    moco_t: float | None = opt(None, "softmax temperature (preset: v1 0.07, v2 0.2)")
+    mlp: bool | None = opt(None, "2-layer MLP projection head instead of one linear layer (preset: v2 on)")
+    aug: str | None = opt(None, "augmentation: v1 weak, v2 strong with blur (preset)", choices=("v1", "v2"))
+    shuffle_bn: bool = opt(True, "shuffle BN: key batch shuffled across ranks (one process: split BN)")
+    bn_splits: int = opt(8, "one process with --shuffle-bn: BatchNorm groups emulating that many GPUs")
+    sync_bn: bool = opt(False, "SyncBatchNorm in both encoders instead of shuffle BN (it defeats "
+                        "shuffle BN's purpose; for comparison only)")
+    knn_k: int = opt(200, "kNN monitor: neighbours that vote")
+    knn_t: float = opt(0.1, "kNN monitor: temperature of the exp(similarity / T) vote weights")
+    knn_every: int = opt(1, "run the kNN monitor every this many epochs (and at step 0); 0 = never")
+    export_backbone: str = opt("", "after training, write the query backbone (no head) as a plain "
+                               "state dict to this path, loadable by torchvision's model")
+
+    def apply_preset(self) -> "MocoConfig":
+        """Fill every preset-dependent flag the user left unset (config.json shows the result)."""
+        preset = PRESETS[self.preset]
+        for name in ("lr", "lr_schedule", "moco_t", "mlp", "aug"):
+            if getattr(self, name) is None:
+                setattr(self, name, preset[name])
+        if self.lr_milestones is None:
+            self.lr_milestones = ",".join(str(round(f * self.epochs)) for f in preset["lr_milestones"])
+        return self
+
+    def validate(self, launch: LaunchEnv) -> None:
+        self.apply_preset()
+        super().validate(launch)
+        global_batch = launch.world_size * self.batch_size
+        if self.moco_k < global_batch:
+            raise UsageError(f"--moco-k {self.moco_k} is smaller than one enqueue (world size "
+                             f"{launch.world_size} x batch {self.batch_size} = {global_batch}); raise "
+                             f"--moco-k or lower --batch-size")
+        if not 0 <= self.moco_m < 1:
+            raise UsageError(f"--moco-m must be in [0, 1), got {self.moco_m}")
+        for name in ("moco_t", "knn_t", "moco_dim", "knn_k", "bn_splits"):
+            if getattr(self, name) <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.knn_every < 0:
+            raise UsageError(f"--knn-every must be >= 0, got {self.knn_every}")
+        if self.uses_split_bn(launch.world_size) and self.batch_size % self.bn_splits:
+            raise UsageError(f"--batch-size {self.batch_size} must be a multiple of --bn-splits "
+                             f"{self.bn_splits} (split BN on one process); or pass --bn-splits 1")
+
+    def uses_split_bn(self, world_size: int) -> bool:
+        return self.shuffle_bn and not self.sync_bn and world_size == 1 and self.bn_splits > 1
+
+
+@dataclass
+class MocoRun(TrainRun):
+    moco: MoCo = None
+    query_encoder: nn.Module = None  # encoder_q, DDP-wrapped when distributed
+    bank_loader: torch.utils.data.DataLoader = None  # un-augmented train split for the kNN monitor
+
+
+# ----------------------------------------------------------------------------- building
+def build_moco(cfg: MocoConfig, info: DistInfo, num_classes: int) -> MoCo:
+    torch.manual_seed(cfg.seed)  # same encoders and queue on every rank, whatever the world size
+    backbone = build_model(cfg.arch, num_classes, cfg.resolved_image_size())
+    width = feature_dim(backbone)
+    backbone.fc = nn.Identity()
+    encoder_q = Encoder(backbone, width, cfg.moco_dim, mlp=cfg.mlp)
+    if cfg.sync_bn:
+        encoder_q = nn.SyncBatchNorm.convert_sync_batchnorm(encoder_q)
+        log.warning("--sync-bn: BatchNorm statistics are shared across ranks, which defeats shuffle "
+                    "BN (the positive pair can share statistics again); shuffle BN is off")
+    elif cfg.uses_split_bn(info.world_size):
+        encoder_q = split_batchnorm(encoder_q, cfg.bn_splits)
+        log.info("shuffle BN on one process: BatchNorm split into %d groups of %d samples",
+                 cfg.bn_splits, cfg.batch_size // cfg.bn_splits)
+    shuffle = cfg.shuffle_bn and not cfg.sync_bn
+    if not shuffle and not cfg.sync_bn:
+        log.warning("--no-shuffle-bn: query and key share BatchNorm statistics; expect a weaker model")
+    elif shuffle and info.is_distributed:
+        log.info("shuffle BN: key batches are shuffled across %d ranks", info.world_size)
+    return MoCo(encoder_q, dim=cfg.moco_dim, K=cfg.moco_k, T=cfg.moco_t, shuffle_bn=shuffle).to(info.device)
+
+
+def setup(cfg: MocoConfig, info: DistInfo) -> MocoRun:
+    size = cfg.resolved_image_size()
+    if cfg.dataset == "cifar10" and cfg.download:
+        if info.is_main:
+            load_split("cifar10", cfg.data_dir, True, size, download=True)
+        barrier()
+    train_raw = load_split(cfg.dataset, cfg.data_dir, True, size, cfg.download, cfg.synthetic_samples)
+    val_raw = load_split(cfg.dataset, cfg.data_dir, False, size, cfg.download, cfg.synthetic_samples)
+    if cfg.debug:
+        train_raw, val_raw = debug_subset(train_raw, DEBUG_TRAIN_SAMPLES), debug_subset(val_raw, DEBUG_VAL_SAMPLES)
+    _, eval_tf = classification_transforms(cfg.dataset, size, augment=False)
+    workers = cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, info.local_world_size)
+    loader_args = dict(batch_size=cfg.batch_size, workers=workers, rank=info.rank,
+                       world_size=info.world_size, pin_memory=info.device.type == "cuda")
+    loaders = make_loaders(train_raw, val_raw, moco_train_transform(cfg.dataset, size, cfg.aug), eval_tf,
+                           seed=cfg.seed, **loader_args)
+    bank_loader = eval_loader(train_raw, eval_tf, **loader_args)
+
+    moco = build_moco(cfg, info, loaders.num_classes)
+    torch.manual_seed(cfg.seed + 1000 * info.rank)
+    optimizer, lr_scheduler, scaler, total_steps = build_optimization(
+        cfg, moco.encoder_q.parameters(), len(loaders.train), info.device)  # never encoder_k
+    state = resume_if_asked(cfg, info, model=moco, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler)
+    moco.sync_state_from_rank0()
+    query_encoder = moco.encoder_q
+    if info.is_distributed:  # only the query encoder: DDP must not broadcast the queue or encoder_k
+        query_encoder = DDP(moco.encoder_q, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+    accumulator = GradientAccumulator(query_encoder, optimizer, cfg.accum_steps, lr_scheduler=lr_scheduler,
+                                      grad_scaler=scaler, clip_grad=cfg.clip_grad)
+    return MocoRun(cfg, info, loaders, moco, optimizer, lr_scheduler, scaler, accumulator, state,
+                   total_steps, TensorBoard(None), moco=moco, query_encoder=query_encoder,
+                   bank_loader=bank_loader)
+
+
+# ----------------------------------------------------------------------------- training
+def momentum_at(cfg: MocoConfig, step: int, total_steps: int) -> float:
+    """Key-encoder momentum for the update after optimizer step ``step`` (a function of the step
+    alone, so a resumed run continues the schedule instead of restarting it)."""
+    return cosine_to_one(cfg.moco_m, step, total_steps) if cfg.moco_m_cos else cfg.moco_m
+
+
+def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
+    cfg, info, state, moco = run.cfg, run.info, run.state, run.moco
+    moco.train()
+    run.loaders.set_epoch(state.epoch, skip_batches=state.batches_done)
+    for micro, ((im_q, im_k), _) in run.accumulator.micro_batches(run.loaders.train):
+        im_q = im_q.to(info.device, non_blocking=True)
+        im_k = im_k.to(info.device, non_blocking=True)
+        with run.accumulator.sync_context(micro):
+            with autocast(cfg.amp, info.device):
+                logits, keys = moco(im_q, im_k, run.query_encoder)  # logits: N x (1+K)
+                loss, contrastive_acc = contrastive_loss(logits)
+            stepped = run.accumulator.backward(loss, micro)
+        moco.enqueue(keys)  # every micro-step's keys, from every rank
+        meter.add_micro(info.world_size * len(im_q), micro.window_size, loss=loss,
+                        contrastive_acc1=100.0 * contrastive_acc)
+        state.batches_done += 1
+        if stepped is None:
+            continue
+        state.step += 1
+        momentum = momentum_at(cfg, state.step, run.total_steps)
+        moco.momentum_update(momentum)  # once per optimizer step, after the query encoder moved
+        meter.end_step(state.step, state.epoch, force=state.step == run.total_steps,
+                       lr=run.optimizer.param_groups[0]["lr"], moco_m=momentum)
+        if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
+            save_run(run)
+        if cfg.max_steps and state.step >= cfg.max_steps:
+            return
+
+
+def knn_monitor(run: MocoRun) -> float:
+    acc = knn_accuracy(run.moco.encoder_q.backbone, run.bank_loader, run.loaders.val,
+                       run.loaders.num_classes, run.info.device, k=run.cfg.knn_k, T=run.cfg.knn_t)
+    run.tb.scalars(run.state.step, knn__acc1=acc)
+    log.info("epoch %d step %d: kNN acc1 %.2f%% (k=%d, T=%g)", run.state.epoch, run.state.step, acc,
+             run.cfg.knn_k, run.cfg.knn_t)
+    return acc
+
+
+def fit(run: MocoRun) -> None:
+    cfg, state = run.cfg, run.state
+    log.info("MoCo %s: K=%d, m=%g%s, T=%g, %s head, %s augmentation", cfg.preset, cfg.moco_k, cfg.moco_m,
+             " (cosine to 1)" if cfg.moco_m_cos else "", cfg.moco_t, "MLP" if cfg.mlp else "linear", cfg.aug)
+    progress = Progress(min(run.total_steps, cfg.max_steps or run.total_steps), cfg.log_every, run.info.is_main)
+    meter = StepMeter(run.tb, progress, run.info.device, run.info.world_size, cfg.log_every)
+    if cfg.knn_every and state.step == 0:
+        knn_monitor(run)  # the step-0 baseline that training must beat
+    while state.epoch < cfg.epochs and not (cfg.max_steps and state.step >= cfg.max_steps):
+        train_one_epoch(run, meter)
+        progress.end_line()
+        complete = state.batches_done >= len(run.loaders.train)
+        if complete:
+            state.epoch, state.batches_done = state.epoch + 1, 0
+        last = state.epoch >= cfg.epochs or (cfg.max_steps and state.step >= cfg.max_steps)
+        if cfg.knn_every and ((complete and state.epoch % cfg.knn_every == 0) or last):
+            knn_monitor(run)
+        save_run(run)
+    if cfg.export_backbone and run.info.is_main:
+        path = export_backbone(run.moco.encoder_q.backbone, cfg.export_backbone)
+        log.info("exported the query backbone to %s", path)
+    barrier()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(MocoConfig, argv, description=__doc__.split("\n")[0])
+    return run_script(cfg, setup, fit)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
