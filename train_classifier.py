@@ -45,7 +45,7 @@ from ddp_utils.precision import autocast
 from ddp_utils.pretrained import LinearProbe, load_pretrained_backbone, tensors_equal
 from ddp_utils.run_state import unwrap
 from ddp_utils.trainer import TrainRun, build_optimization, resume_if_asked, run_script, save_run
-from ddp_utils.collectives import reduce_metrics
+from ddp_utils.collectives import check_replicas_identical, reduce_metrics
 from ddp_utils.models import build_model
 from ddp_utils.train_config import TrainConfig
 
@@ -208,6 +208,8 @@ def fit(run: ClassifierRun) -> dict[str, float]:
             raise RuntimeError("the frozen backbone changed during the linear probe")
         log.info("linear probe: frozen backbone unchanged (%d tensors compared bit for bit)",
                  len(run.frozen_backbone))
+    digest = check_replicas_identical(dict(unwrap(run.model).named_parameters()))
+    log.info("weights identical on all %d rank(s) (sha256 %s)", run.info.world_size, digest[:16])
     if metrics:
         log.info("final val acc1 %.2f%% at step %d", metrics["acc1"], state.step)
     return metrics

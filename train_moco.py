@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_utils.accumulation import GradientAccumulator
+from ddp_utils.collectives import check_replicas_identical
 from ddp_utils.config import UsageError, opt, parse_config
 from ddp_utils.data import (DEBUG_TRAIN_SAMPLES, DEBUG_VAL_SAMPLES, classification_transforms, debug_subset,
                             default_workers, eval_loader, load_split, make_loaders)
@@ -247,6 +248,12 @@ def fit(run: MocoRun) -> None:
         if cfg.knn_every and ((complete and state.epoch % cfg.knn_every == 0) or last):
             knn_monitor(run)
         save_run(run)
+    moco = run.moco
+    digest = check_replicas_identical({**{f"q.{n}": p for n, p in moco.encoder_q.named_parameters()},
+                                       **{f"k.{n}": p for n, p in moco.encoder_k.named_parameters()},
+                                       "queue": moco.queue, "queue_ptr": moco.queue_ptr})
+    log.info("encoders, queue and pointer identical on all %d rank(s) (sha256 %s)",
+             run.info.world_size, digest[:16])
     if cfg.export_backbone and run.info.is_main:
         path = export_backbone(run.moco.encoder_q.backbone, cfg.export_backbone)
         log.info("exported the query backbone to %s", path)

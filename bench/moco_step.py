@@ -116,6 +116,8 @@ def report(args, parts: dict[str, float], total: float, fused: float, loop: floa
     floor = parts["query forward+backward"] + parts["bare key forward"]
     print(f"  {'sum of parts':<26} {parts_sum * 1e3:9.1f} ms")
     print(f"  full step, timed whole      {total * 1e3:8.1f} ms")
+    shuffle = parts["key forward (shuffle BN)"] - parts["bare key forward"]
+    print(f"  shuffle BN's share of the key forward (gathers + broadcast) {shuffle * 1e3:.1f} ms")
     print(f"  compute floor (query fwd+bwd + bare key fwd) {floor * 1e3:.1f} ms; "
           f"full step / floor = {total / floor:.2f}")
     print(f"momentum update over {n_params} tensors: fused {fused * 1e3:.2f} ms, Python loop "

@@ -52,3 +52,29 @@ def broadcast_(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     if is_dist():
         dist.broadcast(tensor, src=src)
     return tensor
+
+
+def state_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over named tensors (names, dtypes and bytes)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in tensors.items():
+        digest.update(name.encode())
+        digest.update(str(tensor.dtype).encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def check_replicas_identical(tensors: dict[str, torch.Tensor]) -> str:
+    """Raise if the named tensors differ between ranks; return their digest.
+
+    Cheap insurance at the end of a run: DDP keeps gradients in step, but state updated outside
+    it (a momentum encoder, a queue) could silently diverge. BatchNorm running statistics are
+    left out on purpose: each rank updates its own during forward (DDP re-broadcasts rank 0's
+    at the next forward), so they legitimately differ after the last step.
+    """
+    digests = all_gather_object(state_digest(tensors))
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"state differs between ranks: {digests}")
+    return digests[0]

@@ -16,7 +16,9 @@ model "cheat" (the positive pair shares batch statistics). Shuffle BN blocks tha
 key images are shuffled between ranks before the key encoder and un-shuffled after; on one
 process, BatchNorm is split into ``bn_splits`` groups and the key batch is shuffled locally.
 The key encoder's BatchNorm running statistics are its own (from its own forward passes in
-train mode, as in the MoCo authors' code), not an EMA of the query encoder's buffers.
+train mode), not an EMA of the query encoder's buffers, and they are per rank (no DDP broadcasts
+them; checkpoints keep rank 0's). Training never reads them: the key encoder always normalises
+with batch statistics, as in the MoCo authors' code.
 """
 from __future__ import annotations
 
