@@ -44,7 +44,8 @@ from ddp_utils.monitor import Progress, StepMeter, TensorBoard
 from ddp_utils.precision import autocast
 from ddp_utils.pretrained import LinearProbe, load_pretrained_backbone, tensors_equal
 from ddp_utils.run_state import unwrap
-from ddp_utils.trainer import TrainRun, build_optimization, resume_if_asked, run_script, save_run
+from ddp_utils.trainer import (TrainRun, after_optimizer_step, build_optimization, end_epoch_if_complete,
+                              resume_if_asked, run_script, save_run)
 from ddp_utils.collectives import check_replicas_identical, reduce_metrics
 from ddp_utils.models import build_model
 from ddp_utils.train_config import TrainConfig
@@ -147,9 +148,7 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
             check_finite(run.model, loss)
         meter.end_step(state.step, state.epoch, force=state.step == run.total_steps,
                        lr=run.optimizer.param_groups[0]["lr"])
-        if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
-            save_run(run)
-        if cfg.max_steps and state.step >= cfg.max_steps:
+        if after_optimizer_step(run):
             return
 
 
@@ -193,15 +192,16 @@ def fit(run: ClassifierRun) -> dict[str, float]:
     progress = Progress(min(run.total_steps, cfg.max_steps or run.total_steps), cfg.log_every, run.info.is_main)
     meter = StepMeter(run.tb, progress, run.info.device, run.info.world_size, cfg.log_every)
     metrics: dict[str, float] = {}
-    while state.epoch < cfg.epochs and not (cfg.max_steps and state.step >= cfg.max_steps):
+    while not run.finished():
         train_one_epoch(run, meter)
         progress.end_line()
+        if run.preempted:  # checkpoint already written; leave for the requeue
+            return metrics
         metrics = evaluate(run.model, run.loaders.val, run.info, cfg.amp)
         run.tb.scalars(state.step, val__loss=metrics["loss"], val__acc1=metrics["acc1"])
         log.info("epoch %d step %d: val loss %.4f, val acc1 %.2f%% (%d images)",
                  state.epoch, state.step, metrics["loss"], metrics["acc1"], metrics["count"])
-        if state.batches_done >= len(run.loaders.train):  # complete, not cut by --max-steps
-            state.epoch, state.batches_done = state.epoch + 1, 0
+        end_epoch_if_complete(run)
         save_run(run)
     if run.frozen_backbone is not None:
         if not tensors_equal(run.frozen_backbone, run.model.backbone_snapshot()):

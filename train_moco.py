@@ -46,7 +46,8 @@ from ddp_utils.monitor import Progress, StepMeter, TensorBoard
 from ddp_utils.precision import autocast
 from ddp_utils.pretrained import export_backbone
 from ddp_utils.schedule import LR_SCHEDULES, cosine_to_one
-from ddp_utils.trainer import TrainRun, build_optimization, resume_if_asked, run_script, save_run
+from ddp_utils.trainer import (TrainRun, after_optimizer_step, build_optimization, end_epoch_if_complete,
+                              resume_if_asked, run_script, save_run)
 from ddp_utils.train_config import TrainConfig
 
 log = logging.getLogger("train")
@@ -215,9 +216,7 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
         moco.momentum_update(momentum)  # once per optimizer step, after the query encoder moved
         meter.end_step(state.step, state.epoch, force=state.step == run.total_steps,
                        lr=run.optimizer.param_groups[0]["lr"], moco_m=momentum)
-        if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
-            save_run(run)
-        if cfg.max_steps and state.step >= cfg.max_steps:
+        if after_optimizer_step(run):
             return
 
 
@@ -238,14 +237,13 @@ def fit(run: MocoRun) -> None:
     meter = StepMeter(run.tb, progress, run.info.device, run.info.world_size, cfg.log_every)
     if cfg.knn_every and state.step == 0:
         knn_monitor(run)  # the step-0 baseline that training must beat
-    while state.epoch < cfg.epochs and not (cfg.max_steps and state.step >= cfg.max_steps):
+    while not run.finished():
         train_one_epoch(run, meter)
         progress.end_line()
-        complete = state.batches_done >= len(run.loaders.train)
-        if complete:
-            state.epoch, state.batches_done = state.epoch + 1, 0
-        last = state.epoch >= cfg.epochs or (cfg.max_steps and state.step >= cfg.max_steps)
-        if cfg.knn_every and ((complete and state.epoch % cfg.knn_every == 0) or last):
+        if run.preempted:  # checkpoint already written; leave for the requeue
+            return
+        complete = end_epoch_if_complete(run)
+        if cfg.knn_every and ((complete and state.epoch % cfg.knn_every == 0) or run.finished()):
             knn_monitor(run)
         save_run(run)
     moco = run.moco

@@ -19,6 +19,7 @@ from .dist import DistInfo, barrier, cleanup_distributed, detect_launch, init_di
 from .logs import setup_logging
 from .monitor import TensorBoard
 from .precision import grad_scaler
+from .preemption import PreemptionGuard
 from .run_state import RunState, restore_training_state, training_state
 from .schedule import build_lr_scheduler
 from .train_config import TrainConfig
@@ -41,6 +42,14 @@ class TrainRun:
     state: RunState
     total_steps: int
     tb: TensorBoard
+    preemption: PreemptionGuard | None = None
+    preempted: bool = False
+
+    def finished(self) -> bool:
+        """All epochs done, --max-steps reached, or stopped by a preemption signal."""
+        cfg = self.cfg
+        return (self.preempted or self.state.epoch >= cfg.epochs
+                or bool(cfg.max_steps and self.state.step >= cfg.max_steps))
 
 
 def build_optimization(cfg: TrainConfig, params, batches_per_epoch: int, device: torch.device):
@@ -74,6 +83,28 @@ def save_run(run: TrainRun) -> None:
     save_checkpoint(state, run.cfg.out)
 
 
+def after_optimizer_step(run: TrainRun) -> bool:
+    """Preemption, periodic checkpoint and --max-steps after each optimizer step (every rank
+    calls it, it may run collectives); True when the epoch must end here."""
+    if run.preemption is not None and run.preemption.should_stop(run.info.device):
+        run.preempted = True
+        save_run(run)
+        if run.info.is_main:
+            run.preemption.write_marker(run.state.step)
+        return True
+    if run.cfg.ckpt_every and run.state.step % run.cfg.ckpt_every == 0:
+        save_run(run)
+    return bool(run.cfg.max_steps and run.state.step >= run.cfg.max_steps)
+
+
+def end_epoch_if_complete(run: TrainRun) -> bool:
+    """Advance to the next epoch if this one ran to its end (not cut by a stop); True if so."""
+    if run.state.batches_done < len(run.loaders.train):
+        return False
+    run.state.epoch, run.state.batches_done = run.state.epoch + 1, 0
+    return True
+
+
 def log_batch_geometry(run: TrainRun) -> None:
     cfg, info = run.cfg, run.info
     log.info("global batch %d = %d rank(s) x %d accum steps x %d per micro-batch; %d optimizer "
@@ -98,6 +129,7 @@ def run_script(cfg: TrainConfig, setup: Callable[[TrainConfig, DistInfo], R], fi
         return usage_error_exit(prog, err)
     info = init_distributed(cfg.device, cfg.dist_timeout)
     setup_logging(info.rank, cfg.debug)
+    preemption = PreemptionGuard(cfg.out)  # from here on a signal means "checkpoint and leave"
     log.info("%s launch: world size %d, backend %s, device %s", info.launcher, info.world_size,
              info.backend or "none", info.device)
     try:
@@ -109,9 +141,11 @@ def run_script(cfg: TrainConfig, setup: Callable[[TrainConfig, DistInfo], R], fi
             run = setup(cfg, info)
         except UsageError as err:  # found once data or checkpoints are read; every rank finds it
             return usage_error_exit(prog, err)
+        run.preemption = preemption
         if info.is_main:
             Path(cfg.out).mkdir(parents=True, exist_ok=True)
             save_config(cfg, cfg.out, {"world_size": info.world_size})
+            preemption.clear_marker()
             run.tb = TensorBoard(Path(cfg.out) / "tb")
         barrier()
         log_batch_geometry(run)

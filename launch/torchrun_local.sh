@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One node, every GPU (or NPROC CPU processes): torchrun --standalone picks a free port itself.
+# One node, every GPU (or NPROC CPU processes); torchrun --standalone picks a free port itself.
 #
 #   launch/torchrun_local.sh train_classifier.py --dataset cifar10 --download --arch resnet18
 #   NPROC=2 launch/torchrun_local.sh train_moco.py --device cpu --dataset digits
@@ -7,13 +7,12 @@
 # NPROC defaults to the number of visible GPUs, or 2 CPU processes on a machine without any.
 set -euo pipefail
 if [[ $# -lt 1 ]]; then
-    echo "usage: $0 SCRIPT.py [ARGS...]  (NPROC=N to choose the process count)" >&2
+    echo "usage: [NPROC=N] $0 SCRIPT.py [ARGS...]" >&2
     exit 2
 fi
 script=$1; shift
-if [[ -z "${NPROC:-}" ]]; then
-    NPROC=$(python -c 'import torch; print(torch.cuda.device_count() or 2)')
-fi
-cmd=(torchrun --standalone --nnodes=1 "--nproc_per_node=$NPROC" "$script" "$@")
+nproc=${NPROC:-$(${PYTHON:-python} -c 'import torch; print(torch.cuda.device_count() or 2)')}
+cmd=("${PYTHON:-python}" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$nproc"
+     "$script" "$@")
 echo "+ ${cmd[*]}" >&2
 exec "${cmd[@]}"

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The body of every SLURM job of this project; launch/slurm_*.sbatch call it inside the
+# allocation (not meant to be submitted itself):
+#
+#   bash launch/slurm_job.sh SCRIPT.py [ARGS...]
+#
+# LAUNCH_MODE=torchrun (default): srun starts one torchrun per node; torchrun starts one worker
+#   per GPU (or NPROC_PER_NODE workers) and the nodes meet through c10d rendezvous on the first
+#   host of the allocation, at a port derived from the job id.
+# LAUNCH_MODE=srun: srun starts one task per GPU itself (set --ntasks-per-node to the GPUs per
+#   node); each worker reads SLURM_PROCID/SLURM_NTASKS (ddp_utils.dist.init_distributed).
+#
+# Always adds --resume auto (unless ARGS has --resume) and, without --out in ARGS, an --out that
+# is stable across requeues: runs/JOBNAME_JOBID. Preemption: SLURM's USR1 (#SBATCH --signal) or
+# `scancel --signal=USR1 JOBID` makes every worker finish its optimizer step; rank 0 checkpoints
+# and writes OUT/PREEMPTED; this script then requeues the job, which resumes where it stopped.
+set -uo pipefail
+
+if [[ $# -lt 1 || -z "${SLURM_JOB_ID:-}" ]]; then
+    echo "usage: bash launch/slurm_job.sh SCRIPT.py [ARGS...]  (inside a SLURM job: sbatch launch/slurm_*.sbatch)" >&2
+    exit 2
+fi
+cd "${SLURM_SUBMIT_DIR:-.}"
+script=$1; shift
+args=("$@")
+
+out=""
+have_resume=0
+for ((i = 0; i < ${#args[@]}; i++)); do
+    case "${args[i]}" in
+        --out) out="${args[i + 1]:-}" ;;
+        --out=*) out="${args[i]#--out=}" ;;
+        --resume|--resume=*) have_resume=1 ;;
+    esac
+done
+if [[ -z "$out" ]]; then
+    out="runs/${SLURM_JOB_NAME:-job}_${SLURM_JOB_ID}"
+    args+=(--out "$out")
+fi
+if [[ $have_resume == 0 ]]; then
+    args+=(--resume auto)
+fi
+
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+port=$((15000 + SLURM_JOB_ID % 15000))  # same rule as init_distributed's srun branch
+nnodes=${SLURM_JOB_NUM_NODES:-1}
+gpus=${SLURM_GPUS_ON_NODE:-0}
+nproc=${NPROC_PER_NODE:-}
+if [[ -z "$nproc" ]]; then
+    if [[ "$gpus" -gt 0 ]]; then nproc=$gpus; else nproc=${SLURM_CPUS_ON_NODE:-1}; fi
+fi
+mode=${LAUNCH_MODE:-torchrun}
+python_bin=${PYTHON:-python}
+
+echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $nnodes node(s): $SLURM_JOB_NODELIST; mode $mode; out $out"
+case "$mode" in
+    torchrun)
+        # torchrun's agent must survive USR1 (by default it dies of it): `trap '' USR1` makes the
+        # agent ignore it; the workers install their own handler and get the signal from SLURM.
+        cmd=("$python_bin" -m torch.distributed.run --nnodes="$nnodes" --nproc-per-node="$nproc"
+             --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" --rdzv-id="$SLURM_JOB_ID"
+             "$script" "${args[@]}")
+        echo "+ srun --ntasks-per-node=1 ${cmd[*]}"
+        srun --ntasks="$nnodes" --ntasks-per-node=1 bash -c 'trap "" USR1; exec "$@"' torchrun "${cmd[@]}"
+        ;;
+    srun)
+        cmd=("$python_bin" "$script" "${args[@]}")
+        echo "+ srun ${cmd[*]}   (MASTER_ADDR=$head_node MASTER_PORT=$port)"
+        MASTER_ADDR=$head_node MASTER_PORT=$port srun "${cmd[@]}"
+        ;;
+    *)
+        echo "LAUNCH_MODE must be torchrun or srun, got '$mode'" >&2
+        exit 2
+        ;;
+esac
+rc=$?
+
+if [[ -f "$out/PREEMPTED" ]]; then
+    echo "preempted at $(cat "$out/PREEMPTED"); requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+echo "training exited with code $rc"
+exit $rc

@@ -1,0 +1,131 @@
+"""A throw-away one-node SLURM cluster for the tests (Debian's slurmctld, slurmd and munge).
+
+Nothing is installed here (``.ci/run`` installs the packages); the daemons run from a generated
+slurm.conf under a temporary folder and are stopped by their PIDs. Where SLURM is not installed
+the tests that need it are skipped, except in CI (``CI=true``), where that is a failure.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "scancel", "squeue")
+
+CONF = """\
+ClusterName=ci
+SlurmctldHost={host}
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=cred_expire=10
+MailProg=/bin/true
+StateSaveLocation={base}/state
+SlurmdSpoolDir={base}/spool
+SlurmctldPidFile={base}/run/slurmctld.pid
+SlurmdPidFile={base}/run/slurmd.pid
+SlurmctldLogFile={base}/log/slurmctld.log
+SlurmdLogFile={base}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+JobRequeue=1
+MinJobAge=5
+KillWait=30
+NodeName={host} CPUs={cpus} RealMemory=1000 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+@dataclass
+class SlurmCluster:
+    base: Path
+    env: dict[str, str]
+
+    def run(self, *args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(list(args), env={**os.environ, **self.env}, capture_output=True,
+                              text=True, timeout=timeout, **kwargs)
+
+
+def missing_tools() -> list[str]:
+    return [tool for tool in DAEMONS if shutil.which(tool) is None]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _ensure_munged() -> None:
+    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0:
+        return  # one is running already (and serves the default socket)
+    Path("/run/munge").mkdir(parents=True, exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    # munged refuses to run as root ("Keyfile is insecure"): run it as its own user.
+    subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True, timeout=30)
+
+
+def _read_pid(path: Path, timeout: float = 15) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.is_file() and path.read_text().strip():
+            return int(path.read_text().strip())
+        time.sleep(0.1)
+    raise RuntimeError(f"{path} did not appear")
+
+
+def start_cluster(base: Path) -> tuple[SlurmCluster, list[int]]:
+    host = socket.gethostname().split(".")[0]
+    cpus = os.cpu_count() or 2
+    for sub in ("state", "spool", "run", "log"):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    conf = base / "slurm.conf"
+    conf.write_text(CONF.format(host=host, base=base, cpus=cpus, ctld_port=_free_port(),
+                                slurmd_port=_free_port()))
+    env = {"SLURM_CONF": str(conf)}
+    _ensure_munged()
+    full_env = {**os.environ, **env}
+    pids = []
+    subprocess.run(["slurmctld"], env=full_env, check=True, timeout=30)
+    pids.append(_read_pid(base / "run/slurmctld.pid"))
+    subprocess.run(["slurmd"], env=full_env, check=True, timeout=30)
+    pids.append(_read_pid(base / "run/slurmd.pid"))
+    cluster = SlurmCluster(base, env)
+    deadline = time.time() + 60
+    while time.time() < deadline:  # wait until the node can take jobs
+        state = cluster.run("sinfo", "-h", "-o", "%t").stdout.strip()
+        if state in ("idle", "mix", "alloc"):
+            return cluster, pids
+        time.sleep(0.5)
+    logs = "\n".join(p.read_text()[-2000:] for p in (base / "log").glob("*.log"))
+    stop_cluster(pids)
+    raise RuntimeError(f"SLURM node never became idle (state {state!r}); logs:\n{logs}")
+
+
+def stop_cluster(pids: list[int]) -> None:
+    for pid in reversed(pids):  # slurmd first, then slurmctld
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+        for _ in range(50):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)

@@ -1,0 +1,127 @@
+"""launch/: two torchrun "nodes" on one machine, and the sbatch scripts against a real SLURM
+(the `slurm` fixture in conftest.py), including preemption by USR1 and requeue."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, assert_ok, cli_env, free_port, load_ckpt, read_scalars
+
+DIGITS_CPU = ["--device", "cpu", "--dataset", "digits", "--log-every", "1"]
+
+
+def test_two_torchrun_nodes_train_together(tmp_path):
+    """Two torchrun agents, one worker each, meet by c10d rendezvous on 127.0.0.1 like two nodes."""
+    env = cli_env({"NNODES": "2", "NPROC": "1", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
+                   "RDZV_ID": "test-two-nodes", "PYTHON": sys.executable})
+    args = DIGITS_CPU + ["--arch", "lenet", "--batch-size", "16", "--max-steps", "5", "--out", str(tmp_path / "r")]
+    nodes = [subprocess.Popen(["bash", str(REPO / "launch/torchrun_multinode.sh"), "train_classifier.py", *args],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert all("--nnodes=2" in out and "--rdzv-backend=c10d" in out for out in outputs)  # printed command
+    main_log = next(out for out in outputs if "world size 2" in out)
+    # init_distributed saw 2 ranks; the end-of-run check compared every weight across the nodes.
+    assert "weights identical on all 2 rank(s)" in main_log
+    assert load_ckpt(tmp_path / "r/checkpoint_last.pt")["step"] == 5
+
+
+def test_local_launcher_prints_and_runs(tmp_path):
+    proc = subprocess.run(["bash", str(REPO / "launch/torchrun_local.sh"), "train_classifier.py", *DIGITS_CPU,
+                           "--arch", "lenet", "--max-steps", "2", "--out", str(tmp_path / "r")], cwd=REPO,
+                          env=cli_env({"NPROC": "2", "PYTHON": sys.executable}), capture_output=True, text=True,
+                          timeout=300)
+    assert_ok(proc)
+    assert "--standalone" in proc.stderr and "--nproc-per-node=2" in proc.stderr
+    assert "world size 2" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- SLURM
+def sbatch_env(**extra: str) -> dict[str, str]:
+    return cli_env({"PYTHON": sys.executable, **extra})
+
+
+def submit(slurm, script: str, sbatch_args: list[str], train_args: list[str], log: Path,
+           wait: bool = True, **env: str):
+    cmd = ["sbatch", "--parsable", f"--output={log}", "--gpus-per-node=0", *sbatch_args,
+           str(REPO / "launch" / script), *train_args]
+    if wait:
+        return subprocess.run(["sbatch", "--wait", *cmd[1:]], cwd=REPO, env={**sbatch_env(**env), **slurm.env},
+                              capture_output=True, text=True, timeout=600)
+    return subprocess.Popen(cmd[:1] + ["--wait"] + cmd[1:], cwd=REPO, env={**sbatch_env(**env), **slurm.env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slurm
+def test_sbatch_classifier_with_torchrun(slurm, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "job.log"
+    proc = submit(slurm, "slurm_classifier.sbatch", ["--cpus-per-task=2", "--time=10"],
+                  DIGITS_CPU + ["--arch", "lenet", "--max-steps", "6", "--out", str(out)], log)
+    text = log.read_text()
+    assert proc.returncode == 0, proc.stderr + text
+    assert "torch.distributed.run --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d" in text
+    assert "torchrun launch: world size 2" in text
+    assert load_ckpt(out / "checkpoint_last.pt")["step"] == 6
+    assert read_scalars(out / "tb")["train/loss"][-1][0] == 6
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("mode", ["torchrun", "srun"])
+def test_sbatch_moco(slurm, tmp_path, mode):
+    out, log = tmp_path / "run", tmp_path / "job.log"
+    geometry = ["--cpus-per-task=2"] if mode == "torchrun" else ["--ntasks-per-node=2", "--cpus-per-task=1"]
+    proc = submit(slurm, "slurm_moco.sbatch", geometry + ["--time=10"],
+                  DIGITS_CPU + ["--image-size", "16", "--batch-size", "16", "--moco-k", "64", "--max-steps", "4",
+                                "--knn-every", "0", "--out", str(out)], log, LAUNCH_MODE=mode)
+    text = log.read_text()
+    assert proc.returncode == 0, proc.stderr + text
+    launcher = "torchrun" if mode == "torchrun" else "slurm"  # srun mode: init_distributed's SLURM branch
+    assert f"{launcher} launch: world size 2" in text
+    assert "encoders, queue and pointer identical on all 2 rank(s)" in text
+    assert load_ckpt(out / "checkpoint_last.pt")["step"] == 4
+    assert read_scalars(out / "tb")["train/loss"]
+
+
+def _wait_for(path: Path, pattern: str, timeout: float) -> re.Match:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        match = re.search(pattern, path.read_text()) if path.exists() else None
+        if match:
+            return match
+        time.sleep(0.5)
+    raise AssertionError(f"{pattern!r} never appeared in {path}:\n{path.read_text() if path.exists() else ''}")
+
+
+@pytest.mark.slurm
+def test_preempted_moco_job_checkpoints_requeues_and_resumes(slurm, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "job.log"
+    max_steps = 120  # about 3 epochs: the signal lands with ~100 steps to go, never after the end
+    job = submit(slurm, "slurm_moco.sbatch", ["--cpus-per-task=2", "--time=10"],
+                 DIGITS_CPU + ["--image-size", "16", "--batch-size", "16", "--moco-k", "64", "--epochs", "5",
+                               "--max-steps", str(max_steps), "--knn-every", "0", "--out", str(out)],
+                 log, wait=False)
+    job_id = job.stdout.readline().strip()  # --parsable: the job id, printed at submission
+    assert job_id.isdigit(), job.stderr.read() if job.poll() is not None else job_id
+    _wait_for(log, rf"step (1[0-9])/{max_steps}", timeout=180)  # mid-run
+    signal = slurm.run("scancel", "--signal=USR1", job_id)
+    assert signal.returncode == 0, signal.stderr
+    job.wait(timeout=400)
+    text = log.read_text()
+    assert job.returncode == 0, job.stderr.read() + text
+    stopped = int(_wait_for(log, r"preempted \(SIGUSR1\): checkpoint written at step (\d+)", 1).group(1))
+    assert 10 <= stopped < max_steps
+    assert f"requeueing job {job_id}" in text
+    assert "(restart 1)" in text
+    resumed = int(_wait_for(log, r"resumed from .*: epoch \d+, step (\d+)", 1).group(1))
+    assert resumed == stopped  # from the preemption checkpoint, not from zero
+    final = load_ckpt(out / "checkpoint_last.pt")
+    assert final["step"] == max_steps
+    assert not (out / "PREEMPTED").exists()
+    steps = [s for s, _ in read_scalars(out / "tb")["train/loss"]]
+    assert steps[-1] == max_steps and stopped + 1 in steps
