@@ -36,19 +36,27 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_utils.accumulation import GradientAccumulator
+from ddp_utils.collectives import check_replicas_identical, reduce_metrics
 from ddp_utils.config import UsageError, opt, parse_config
-from ddp_utils.data import (DEBUG_TRAIN_SAMPLES, DEBUG_VAL_SAMPLES, Loaders, classification_transforms,
-                            debug_subset, default_workers, load_split, make_loaders)
-from ddp_utils.dist import DistInfo, barrier
+from ddp_utils.data import Loaders, classification_transforms, make_loaders
+from ddp_utils.dist import DistInfo
+from ddp_utils.models import build_model
 from ddp_utils.monitor import Progress, StepMeter, TensorBoard
 from ddp_utils.precision import autocast
 from ddp_utils.pretrained import LinearProbe, load_pretrained_backbone, tensors_equal
 from ddp_utils.run_state import unwrap
-from ddp_utils.trainer import (TrainRun, after_optimizer_step, build_optimization, end_epoch_if_complete,
-                              resume_if_asked, run_script, save_run)
-from ddp_utils.collectives import check_replicas_identical, reduce_metrics
-from ddp_utils.models import build_model
 from ddp_utils.train_config import TrainConfig
+from ddp_utils.trainer import (
+    TrainRun,
+    after_optimizer_step,
+    build_optimization,
+    end_epoch_if_complete,
+    load_raw_splits,
+    loader_options,
+    resume_if_asked,
+    run_script,
+    save_run,
+)
 
 log = logging.getLogger("train")
 
@@ -82,20 +90,9 @@ class ClassifierRun(TrainRun):
 
 # ----------------------------------------------------------------------------- building
 def build_loaders(cfg: ClassifierConfig, info: DistInfo) -> Loaders:
-    size = cfg.resolved_image_size()
-    if cfg.dataset == "cifar10" and cfg.download:
-        if info.is_main:  # one download, not one per rank
-            load_split("cifar10", cfg.data_dir, True, size, download=True)
-        barrier()
-    train_raw = load_split(cfg.dataset, cfg.data_dir, True, size, cfg.download, cfg.synthetic_samples)
-    val_raw = load_split(cfg.dataset, cfg.data_dir, False, size, cfg.download, cfg.synthetic_samples)
-    if cfg.debug:
-        train_raw, val_raw = debug_subset(train_raw, DEBUG_TRAIN_SAMPLES), debug_subset(val_raw, DEBUG_VAL_SAMPLES)
-    train_tf, eval_tf = classification_transforms(cfg.dataset, size, cfg.augment)
-    workers = cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, info.local_world_size)
-    return make_loaders(train_raw, val_raw, train_tf, eval_tf, batch_size=cfg.batch_size,
-                        workers=workers, seed=cfg.seed, rank=info.rank, world_size=info.world_size,
-                        pin_memory=info.device.type == "cuda")
+    train_raw, val_raw = load_raw_splits(cfg, info)
+    train_tf, eval_tf = classification_transforms(cfg.dataset, cfg.resolved_image_size(), cfg.augment)
+    return make_loaders(train_raw, val_raw, train_tf, eval_tf, seed=cfg.seed, **loader_options(cfg, info))
 
 
 def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn.Module:

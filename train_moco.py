@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
 
 from ddp_utils.accumulation import GradientAccumulator
 from ddp_utils.collectives import check_replicas_identical
 from ddp_utils.config import UsageError, opt, parse_config
-from ddp_utils.data import (DEBUG_TRAIN_SAMPLES, DEBUG_VAL_SAMPLES, classification_transforms, debug_subset,
-                            default_workers, eval_loader, load_split, make_loaders)
+from ddp_utils.data import Loaders, classification_transforms, eval_loader, make_loaders
 from ddp_utils.dist import DistInfo, LaunchEnv, barrier
 from ddp_utils.knn import knn_accuracy
 from ddp_utils.moco import Encoder, MoCo, contrastive_loss, split_batchnorm
@@ -46,9 +46,18 @@ from ddp_utils.monitor import Progress, StepMeter, TensorBoard
 from ddp_utils.precision import autocast
 from ddp_utils.pretrained import export_backbone
 from ddp_utils.schedule import LR_SCHEDULES, cosine_to_one
-from ddp_utils.trainer import (TrainRun, after_optimizer_step, build_optimization, end_epoch_if_complete,
-                              resume_if_asked, run_script, save_run)
 from ddp_utils.train_config import TrainConfig
+from ddp_utils.trainer import (
+    TrainRun,
+    after_optimizer_step,
+    build_optimization,
+    end_epoch_if_complete,
+    load_raw_splits,
+    loader_options,
+    resume_if_asked,
+    run_script,
+    save_run,
+)
 
 log = logging.getLogger("train")
 
@@ -112,6 +121,9 @@ class MocoConfig(TrainConfig):
         for name in ("moco_t", "knn_t", "moco_dim", "knn_k", "bn_splits"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.sync_bn and launch.world_size > 1 and (self.device == "cpu" or not torch.cuda.is_available()):
+            raise UsageError("--sync-bn needs CUDA when running several processes (SyncBatchNorm is "
+                             "GPU-only there); drop --sync-bn on CPU")
         if self.knn_every < 0:
             raise UsageError(f"--knn-every must be >= 0, got {self.knn_every}")
         if self.uses_split_bn(launch.world_size) and self.batch_size % self.bn_splits:
@@ -138,38 +150,34 @@ def build_moco(cfg: MocoConfig, info: DistInfo, num_classes: int) -> MoCo:
     encoder_q = Encoder(backbone, width, cfg.moco_dim, mlp=cfg.mlp)
     if cfg.sync_bn:
         encoder_q = nn.SyncBatchNorm.convert_sync_batchnorm(encoder_q)
-        log.warning("--sync-bn: BatchNorm statistics are shared across ranks, which defeats shuffle "
-                    "BN (the positive pair can share statistics again); shuffle BN is off")
+        if info.is_main:  # a config remark, not a per-rank problem: say it once
+            log.warning("--sync-bn: BatchNorm statistics are shared across ranks, which defeats "
+                        "shuffle BN (the positive pair can share statistics again); shuffle BN is off")
     elif cfg.uses_split_bn(info.world_size):
         encoder_q = split_batchnorm(encoder_q, cfg.bn_splits)
         log.info("shuffle BN on one process: BatchNorm split into %d groups of %d samples",
                  cfg.bn_splits, cfg.batch_size // cfg.bn_splits)
     shuffle = cfg.shuffle_bn and not cfg.sync_bn
-    if not shuffle and not cfg.sync_bn:
+    if not shuffle and not cfg.sync_bn and info.is_main:
         log.warning("--no-shuffle-bn: query and key share BatchNorm statistics; expect a weaker model")
     elif shuffle and info.is_distributed:
         log.info("shuffle BN: key batches are shuffled across %d ranks", info.world_size)
     return MoCo(encoder_q, dim=cfg.moco_dim, K=cfg.moco_k, T=cfg.moco_t, shuffle_bn=shuffle).to(info.device)
 
 
-def setup(cfg: MocoConfig, info: DistInfo) -> MocoRun:
+def build_loaders(cfg: MocoConfig, info: DistInfo) -> tuple[Loaders, DataLoader]:
+    """Two-crop training loader, validation loader, and the un-augmented train split for kNN."""
+    train_raw, val_raw = load_raw_splits(cfg, info)
     size = cfg.resolved_image_size()
-    if cfg.dataset == "cifar10" and cfg.download:
-        if info.is_main:
-            load_split("cifar10", cfg.data_dir, True, size, download=True)
-        barrier()
-    train_raw = load_split(cfg.dataset, cfg.data_dir, True, size, cfg.download, cfg.synthetic_samples)
-    val_raw = load_split(cfg.dataset, cfg.data_dir, False, size, cfg.download, cfg.synthetic_samples)
-    if cfg.debug:
-        train_raw, val_raw = debug_subset(train_raw, DEBUG_TRAIN_SAMPLES), debug_subset(val_raw, DEBUG_VAL_SAMPLES)
     _, eval_tf = classification_transforms(cfg.dataset, size, augment=False)
-    workers = cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, info.local_world_size)
-    loader_args = dict(batch_size=cfg.batch_size, workers=workers, rank=info.rank,
-                       world_size=info.world_size, pin_memory=info.device.type == "cuda")
+    options = loader_options(cfg, info)
     loaders = make_loaders(train_raw, val_raw, moco_train_transform(cfg.dataset, size, cfg.aug), eval_tf,
-                           seed=cfg.seed, **loader_args)
-    bank_loader = eval_loader(train_raw, eval_tf, **loader_args)
+                           seed=cfg.seed, **options)
+    return loaders, eval_loader(train_raw, eval_tf, **options)
 
+
+def setup(cfg: MocoConfig, info: DistInfo) -> MocoRun:
+    loaders, bank_loader = build_loaders(cfg, info)
     moco = build_moco(cfg, info, loaders.num_classes)
     torch.manual_seed(cfg.seed + 1000 * info.rank)
     optimizer, lr_scheduler, scaler, total_steps = build_optimization(

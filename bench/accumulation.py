@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -29,6 +26,7 @@ from ddp_utils.accumulation import GradientAccumulator  # noqa: E402
 from ddp_utils.collectives import all_gather_object  # noqa: E402
 from ddp_utils.dist import cleanup_distributed, init_distributed  # noqa: E402
 from ddp_utils.models import build_model  # noqa: E402
+from ddp_utils.spawn import spawn_local  # noqa: E402
 
 ACCUM_STEPS = (1, 2, 4, 8)
 
@@ -56,9 +54,7 @@ def time_steps(model: DDP, accumulator: GradientAccumulator, batches, steps: int
     return statistics.median(times), traffic["bytes"]
 
 
-def worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     info = init_distributed("cpu")
     torch.manual_seed(0)
@@ -99,10 +95,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per variant and A")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(worker, args=(args, port), nprocs=2, start_method="spawn")
+    spawn_local(worker, 2, args)
 
 
 if __name__ == "__main__":

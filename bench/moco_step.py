@@ -11,15 +11,12 @@ floor (query forward+backward plus a bare key-encoder forward), and the fused mo
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -27,8 +24,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ddp_utils.collectives import all_gather_object  # noqa: E402
 from ddp_utils.dist import cleanup_distributed, init_distributed  # noqa: E402
-from ddp_utils.models import build_model, feature_dim  # noqa: E402
 from ddp_utils.moco import Encoder, MoCo, contrastive_loss  # noqa: E402
+from ddp_utils.models import build_model, feature_dim  # noqa: E402
+from ddp_utils.spawn import spawn_local  # noqa: E402
 
 
 def timed(fn, times: dict, name: str):
@@ -46,9 +44,7 @@ def loop_momentum_update(moco: MoCo, m: float) -> None:
             k.mul_(m).add_(q.detach(), alpha=1 - m)
 
 
-def worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     info = init_distributed("cpu")
     torch.manual_seed(0)
@@ -134,10 +130,7 @@ def main() -> None:
     parser.add_argument("--momentum-repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(worker, args=(args, port), nprocs=2, start_method="spawn")
+    spawn_local(worker, 2, args)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 

@@ -3,8 +3,8 @@ projection head and the linear probe can swap it for a new classifier."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torchvision
+from torch import nn
 
 ARCHS = ("lenet", "small_cnn", "resnet18", "resnet34", "resnet50")
 

@@ -10,11 +10,20 @@ from typing import Callable, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from .accumulation import GradientAccumulator
 from .checkpoint import resolve_resume, save_checkpoint
 from .config import UsageError, config_dict, save_config, usage_error_exit
-from .data import Loaders, steps_per_epoch
+from .data import (
+    DEBUG_TRAIN_SAMPLES,
+    DEBUG_VAL_SAMPLES,
+    Loaders,
+    debug_subset,
+    default_workers,
+    load_split,
+    steps_per_epoch,
+)
 from .dist import DistInfo, barrier, cleanup_distributed, detect_launch, init_distributed
 from .logs import setup_logging
 from .monitor import TensorBoard
@@ -50,6 +59,27 @@ class TrainRun:
         cfg = self.cfg
         return (self.preempted or self.state.epoch >= cfg.epochs
                 or bool(cfg.max_steps and self.state.step >= cfg.max_steps))
+
+
+def load_raw_splits(cfg: TrainConfig, info: DistInfo) -> tuple[Dataset, Dataset]:
+    """Train and val splits without transforms; CIFAR-10 is downloaded once, by rank 0."""
+    size = cfg.resolved_image_size()
+    if cfg.dataset == "cifar10" and cfg.download:
+        if info.is_main:
+            load_split("cifar10", cfg.data_dir, True, size, download=True)
+        barrier()
+    train = load_split(cfg.dataset, cfg.data_dir, True, size, cfg.download, cfg.synthetic_samples)
+    val = load_split(cfg.dataset, cfg.data_dir, False, size, cfg.download, cfg.synthetic_samples)
+    if cfg.debug:
+        return debug_subset(train, DEBUG_TRAIN_SAMPLES), debug_subset(val, DEBUG_VAL_SAMPLES)
+    return train, val
+
+
+def loader_options(cfg: TrainConfig, info: DistInfo) -> dict:
+    """Keyword arguments for make_loaders / eval_loader: batch, workers, sharding, pinning."""
+    workers = cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, info.local_world_size)
+    return dict(batch_size=cfg.batch_size, workers=workers, rank=info.rank, world_size=info.world_size,
+                pin_memory=info.device.type == "cuda")
 
 
 def build_optimization(cfg: TrainConfig, params, batches_per_epoch: int, device: torch.device):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from slurm_cluster import missing_tools, start_cluster, stop_cluster
 
 

@@ -2,22 +2,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.multiprocessing as mp
+
+from ddp_utils.spawn import spawn_local
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -50,16 +44,12 @@ def load_ckpt(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _rank_entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _rank_entry(rank: int, fn: Callable, out_dir: str, args: tuple) -> None:
     from ddp_utils.dist import cleanup_distributed, init_distributed
 
     info = init_distributed("cpu", timeout_s=60)
     try:
-        result = fn(info, *args)
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        torch.save(fn(info, *args), Path(out_dir) / f"rank{rank}.pt")
     finally:
         cleanup_distributed()
 
@@ -69,8 +59,7 @@ def run_on_ranks(fn: Callable, tmp_path: Path, *args: Any, world_size: int = 2) 
 
     ``fn`` must be importable (defined at module level) and return torch.save-able data.
     """
-    mp.start_processes(_rank_entry, args=(fn, world_size, free_port(), str(tmp_path), args),
-                       nprocs=world_size, join=True, start_method="spawn")
+    spawn_local(_rank_entry, world_size, fn, str(tmp_path), args)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 

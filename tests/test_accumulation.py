@@ -6,12 +6,12 @@ import copy
 
 import pytest
 import torch
+from helpers import assert_ok, load_ckpt, run_cli, run_on_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_utils.accumulation import GradientAccumulator, MicroStep, plan_windows
 from ddp_utils.models import build_model
-from helpers import assert_ok, load_ckpt, run_cli, run_on_ranks
 
 DIGITS_LENET = ["--dataset", "digits", "--arch", "lenet", "--no-augment", "--device", "cpu",
                 # constant LR: a cosine schedule's length depends on how many samples drop_last

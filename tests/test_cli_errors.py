@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
+from helpers import run_cli
 
 import train_classifier
-from helpers import run_cli
 
 CASES = [
     (["--batch-size", "0"], "--batch-size must be positive"),

@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import torch
+from helpers import assert_ok, load_ckpt, run_cli
 from PIL import Image
 
-from ddp_utils.data import (DigitsDataset, SeededTransform, SyntheticImages, classification_transforms,
-                            load_split, make_loaders)
-from helpers import assert_ok, load_ckpt, run_cli
+from ddp_utils.data import (
+    DigitsDataset,
+    SeededTransform,
+    SyntheticImages,
+    classification_transforms,
+    load_split,
+    make_loaders,
+)
 
 
 def test_digits_split_is_fixed_and_disjoint():

@@ -5,10 +5,10 @@ import dataclasses
 import re
 
 import pytest
+from helpers import REPO
 
 import train_classifier
 import train_moco
-from helpers import REPO
 
 SCRIPTS = {"train_classifier.py": train_classifier.ClassifierConfig, "train_moco.py": train_moco.MocoConfig}
 

@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import REPO, assert_ok, cli_env, load_ckpt, read_scalars
 
-from helpers import REPO, assert_ok, cli_env, free_port, load_ckpt, read_scalars
+from ddp_utils.spawn import free_port
 
 DIGITS_CPU = ["--device", "cpu", "--dataset", "digits", "--log-every", "1"]
 

@@ -9,14 +9,14 @@ import resource
 import pytest
 import torch
 import torchvision
+from helpers import assert_ok, load_ckpt, read_scalars, run_cli, run_on_ranks
 from torch import nn
 
 import train_moco
 from ddp_utils.dist import DistInfo
-from ddp_utils.models import build_model
 from ddp_utils.moco import MoCo, SplitBatchNorm2d
+from ddp_utils.models import build_model
 from ddp_utils.monitor import Progress, StepMeter, TensorBoard
-from helpers import assert_ok, load_ckpt, read_scalars, run_cli, run_on_ranks
 
 TINY = dict(dataset="digits", arch="small_cnn", image_size=16, batch_size=8, moco_k=40, device="cpu",
             knn_every=0, log_every=1000, epochs=1, augment=True)
@@ -280,6 +280,7 @@ def test_exported_backbone_loads_into_torchvision_resnet(tmp_path):
     (["--batch-size", "30"], "must be a multiple of --bn-splits 8"),
     (["--moco-m", "1.0"], "--moco-m must be in [0, 1)"),
     (["--preset", "v3"], "invalid choice: 'v3'"),
+    (["--knn-every", "-1"], "--knn-every must be >= 0"),
 ])
 def test_moco_bad_input(tmp_path, capsys, args, message):
     try:
@@ -297,3 +298,20 @@ def test_presets_fill_only_unset_flags():
     assert (v1.moco_t, v1.mlp, v1.lr_schedule, v1.lr_milestones, v1.aug) == (0.07, False, "step", "120,160", "v1")
     v2 = train_moco.MocoConfig(preset="v2", moco_t=0.5).apply_preset()
     assert (v2.moco_t, v2.mlp, v2.lr_schedule, v2.aug) == (0.5, True, "cosine", "v2")
+
+
+def test_sync_bn_on_cpu_with_two_processes_is_refused_on_every_rank(tmp_path):
+    proc = run_cli("train_moco.py", ["--device", "cpu", "--sync-bn", "--out", str(tmp_path / "r")], nproc=2)
+    assert proc.returncode != 0
+    assert proc.stderr.count("--sync-bn needs CUDA") == 2
+    assert not (tmp_path / "r").exists()
+
+
+def test_bf16_autocast_moco_steps(tmp_path):
+    out = tmp_path / "bf16"
+    assert_ok(run_cli("train_moco.py", ["--debug", "--device", "cpu", "--amp", "bf16", "--image-size", "16",
+                                        "--batch-size", "16", "--moco-k", "64", "--max-steps", "3",
+                                        "--knn-every", "0", "--out", str(out)]))
+    state = load_ckpt(out / "checkpoint_last.pt")["model"]
+    assert state["queue"].dtype == torch.float32  # bf16 keys are stored in the fp32 queue
+    assert int(state["queue_ptr"]) == (3 * 16) % 64

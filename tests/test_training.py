@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from helpers import REPO, assert_ok, cli_env, load_ckpt, read_scalars, run_cli
 
 from ddp_utils.data import ShardedEvalSampler
-from helpers import REPO, assert_ok, cli_env, load_ckpt, read_scalars, run_cli
 
 CPU = ["--device", "cpu"]
 
