@@ -53,7 +53,8 @@ def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
         if kind not in (int, float, str):
             raise TypeError(f"config field {f.name} has unsupported type {kind}")
         parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=meta["help"],
-                            choices=meta.get("choices"), metavar=f.name.upper())
+                            choices=meta.get("choices"),
+                            metavar=None if meta.get("choices") else f.name.upper())
     return parser
 
 
