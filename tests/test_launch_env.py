@@ -131,3 +131,32 @@ def test_two_real_processes_form_a_group(launcher):
     for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, err
         assert f"RESULT {launcher} {rank} {rank} 2 gloo 3.0" in out
+
+
+_DEAD_PEER = textwrap.dedent("""
+    import os, sys, time, torch, torch.distributed as dist
+    from ddp_utils.dist import init_distributed
+    info = init_distributed("cpu", timeout_s=float(sys.argv[1]))
+    if info.rank == 1:
+        os._exit(0)  # dies without a word, like a crashed node
+    start = time.time()
+    try:
+        dist.all_reduce(torch.ones(1))
+        print("NO ERROR")
+    except Exception as err:  # gloo: connection closed, or the timeout
+        print(f"FAILED after {time.time() - start:.1f}s: {type(err).__name__}")
+        sys.exit(1)
+""")
+
+
+def test_dead_peer_ends_the_job_instead_of_hanging():
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _DEAD_PEER, "20"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=cli_env(dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                               MASTER_ADDR="127.0.0.1", MASTER_PORT=port)))
+             for r in range(2)]
+    out, err = procs[0].communicate(timeout=120)  # well past the 20 s collective timeout: no hang
+    procs[1].wait(timeout=30)
+    assert procs[0].returncode == 1, out + err
+    assert "FAILED after" in out
