@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_utils.accumulation import GradientAccumulator
-from ddp_utils.collectives import check_replicas_identical, reduce_metrics
+from ddp_utils.collectives import check_replicas_identical, reduce_metrics, sync_buffers_from_rank0
 from ddp_utils.config import UsageError, opt, parse_config
 from ddp_utils.data import Loaders, classification_transforms, make_loaders
 from ddp_utils.dist import DistInfo
@@ -111,7 +111,7 @@ def setup(cfg: ClassifierConfig, info: DistInfo) -> ClassifierRun:
     model = build_network(cfg, info, loaders.num_classes)
     torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer, lr_scheduler, scaler, total_steps = build_optimization(cfg, trainable, len(loaders.train), info.device)
+    optimizer, lr_scheduler, scaler, total_steps = build_optimization(cfg, trainable, loaders.batches_per_epoch, info.device)
     state = resume_if_asked(cfg, info, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler)
     network = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None) \
         if info.is_distributed else model
@@ -168,6 +168,7 @@ def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, info: DistIn
     ranks hold different numbers of validation batches.
     """
     model = unwrap(model)
+    sync_buffers_from_rank0(model)
     was_training = model.training
     model.eval()
     sums = {"loss": 0.0, "correct": 0.0, "count": 0.0}
@@ -194,12 +195,13 @@ def fit(run: ClassifierRun) -> dict[str, float]:
         progress.end_line()
         if run.preempted:  # checkpoint already written; leave for the requeue
             return metrics
+        epoch = state.epoch
+        end_epoch_if_complete(run)
+        save_run(run)  # before evaluating: a preemption during evaluation loses nothing
         metrics = evaluate(run.model, run.loaders.val, run.info, cfg.amp)
         run.tb.scalars(state.step, val__loss=metrics["loss"], val__acc1=metrics["acc1"])
         log.info("epoch %d step %d: val loss %.4f, val acc1 %.2f%% (%d images)",
-                 state.epoch, state.step, metrics["loss"], metrics["acc1"], metrics["count"])
-        end_epoch_if_complete(run)
-        save_run(run)
+                 epoch, state.step, metrics["loss"], metrics["acc1"], metrics["count"])
     if run.frozen_backbone is not None:
         if not tensors_equal(run.frozen_backbone, run.model.backbone_snapshot()):
             raise RuntimeError("the frozen backbone changed during the linear probe")

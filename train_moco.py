@@ -7,7 +7,7 @@ One process (CPU or one GPU; BatchNorm is split into --bn-splits groups to emula
 One node, every GPU (the MoCo authors' CIFAR-10 demo settings, global batch 512):
     torchrun --standalone --nproc_per_node=4 train_moco.py --dataset cifar10 --download \\
         --arch resnet18 --batch-size 128 --lr 0.06 --weight-decay 5e-4 --lr-schedule cosine \\
-        --moco-k 4096 --moco-m 0.99 --moco-t 0.1 --epochs 200 --out runs/moco_c10
+        --no-mlp --aug v2-noblur --moco-k 4096 --moco-m 0.99 --moco-t 0.1 --epochs 200 --out runs/moco_c10
 
 Several nodes, ImageNet, MoCo v2 (run on every node; HOST is node 0's address):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \\
@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from ddp_utils.accumulation import GradientAccumulator
-from ddp_utils.collectives import check_replicas_identical
+from ddp_utils.collectives import check_replicas_identical, sync_buffers_from_rank0
 from ddp_utils.config import UsageError, opt, parse_config
 from ddp_utils.data import Loaders, classification_transforms, eval_loader, make_loaders
 from ddp_utils.dist import DistInfo, LaunchEnv, barrier
@@ -87,7 +87,8 @@ class MocoConfig(TrainConfig):
     moco_m_cos: bool = opt(False, "raise the momentum from --moco-m to 1 on a half cosine over training")
     moco_t: float | None = opt(None, "softmax temperature (preset: v1 0.07, v2 0.2)")
     mlp: bool | None = opt(None, "2-layer MLP projection head instead of one linear layer (preset: v2 on)")
-    aug: str | None = opt(None, "augmentation: v1 weak, v2 strong with blur (preset)", choices=("v1", "v2"))
+    aug: str | None = opt(None, "augmentation: v1 weak, v2 strong with blur, v2-noblur (preset: v1 / v2)",
+                          choices=("v1", "v2", "v2-noblur"))
     shuffle_bn: bool = opt(True, "shuffle BN: key batch shuffled across ranks (one process: split BN)")
     bn_splits: int = opt(8, "one process with --shuffle-bn: BatchNorm groups emulating that many GPUs")
     sync_bn: bool = opt(False, "SyncBatchNorm in both encoders instead of shuffle BN (it defeats "
@@ -111,11 +112,11 @@ class MocoConfig(TrainConfig):
     def validate(self, launch: LaunchEnv) -> None:
         self.apply_preset()
         super().validate(launch)
-        global_batch = launch.world_size * self.batch_size
-        if self.moco_k < global_batch:
-            raise UsageError(f"--moco-k {self.moco_k} is smaller than one enqueue (world size "
-                             f"{launch.world_size} x batch {self.batch_size} = {global_batch}); raise "
-                             f"--moco-k or lower --batch-size")
+        global_batch = launch.world_size * self.accum_steps * self.batch_size
+        if self.moco_k < global_batch:  # else one optimizer step would overwrite its own keys
+            raise UsageError(f"--moco-k {self.moco_k} is smaller than the global batch (world size "
+                             f"{launch.world_size} x accum steps {self.accum_steps} x batch "
+                             f"{self.batch_size} = {global_batch}); raise --moco-k or lower the batch")
         if not 0 <= self.moco_m < 1:
             raise UsageError(f"--moco-m must be in [0, 1), got {self.moco_m}")
         for name in ("moco_t", "knn_t", "moco_dim", "knn_k", "bn_splits"):
@@ -181,7 +182,7 @@ def setup(cfg: MocoConfig, info: DistInfo) -> MocoRun:
     moco = build_moco(cfg, info, loaders.num_classes)
     torch.manual_seed(cfg.seed + 1000 * info.rank)
     optimizer, lr_scheduler, scaler, total_steps = build_optimization(
-        cfg, moco.encoder_q.parameters(), len(loaders.train), info.device)  # never encoder_k
+        cfg, moco.encoder_q.parameters(), loaders.batches_per_epoch, info.device)  # never encoder_k
     state = resume_if_asked(cfg, info, model=moco, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler)
     moco.sync_state_from_rank0()
     query_encoder = moco.encoder_q
@@ -221,7 +222,8 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
             continue
         state.step += 1
         momentum = momentum_at(cfg, state.step, run.total_steps)
-        moco.momentum_update(momentum)  # once per optimizer step, after the query encoder moved
+        if not stepped.skipped:  # fp16: no momentum update when the scaler skipped the step
+            moco.momentum_update(momentum)  # once per optimizer step, after the query encoder moved
         meter.end_step(state.step, state.epoch, force=state.step == run.total_steps,
                        lr=run.optimizer.param_groups[0]["lr"], moco_m=momentum)
         if after_optimizer_step(run):
@@ -229,6 +231,7 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
 
 
 def knn_monitor(run: MocoRun) -> float:
+    sync_buffers_from_rank0(run.moco.encoder_q)  # score rank 0's model (what checkpoints hold)
     acc = knn_accuracy(run.moco.encoder_q.backbone, run.bank_loader, run.loaders.val,
                        run.loaders.num_classes, run.info.device, k=run.cfg.knn_k, T=run.cfg.knn_t)
     run.tb.scalars(run.state.step, knn__acc1=acc)
@@ -251,9 +254,9 @@ def fit(run: MocoRun) -> None:
         if run.preempted:  # checkpoint already written; leave for the requeue
             return
         complete = end_epoch_if_complete(run)
+        save_run(run)  # before the kNN pass: a preemption during it loses nothing
         if cfg.knn_every and ((complete and state.epoch % cfg.knn_every == 0) or run.finished()):
             knn_monitor(run)
-        save_run(run)
     moco = run.moco
     digest = check_replicas_identical({**{f"q.{n}": p for n, p in moco.encoder_q.named_parameters()},
                                        **{f"k.{n}": p for n, p in moco.encoder_k.named_parameters()},

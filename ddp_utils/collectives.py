@@ -54,6 +54,14 @@ def broadcast_(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     return tensor
 
 
+@torch.no_grad()
+def sync_buffers_from_rank0(module: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm statistics): after the last training forward
+    each rank holds its own, and evaluation should score one model, the one rank 0 saves."""
+    for buffer in module.buffers():
+        broadcast_(buffer, src=0)
+
+
 def state_digest(tensors: dict[str, torch.Tensor]) -> str:
     """SHA-256 over named tensors (names, dtypes and bytes)."""
     import hashlib

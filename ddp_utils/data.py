@@ -213,6 +213,11 @@ class Loaders:
     train_set: SeededTransform
     num_classes: int
 
+    @property
+    def batches_per_epoch(self) -> int:
+        """Training micro-batches in a whole epoch (``len(train)`` shrinks while resuming)."""
+        return self.train_sampler.num_samples // self.train.batch_size
+
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Reshuffle for ``epoch`` and reseed augmentation; skip batches a checkpoint consumed."""
         self.train_sampler.set_epoch(epoch, skip=skip_batches * self.train.batch_size)

@@ -27,8 +27,13 @@ class PreemptionGuard:
     def __init__(self, out_dir: str | Path, signals: tuple[signal.Signals, ...] = SIGNALS):
         self.marker = Path(out_dir) / MARKER
         self.received: int | None = None
-        for sig in signals:
-            signal.signal(sig, self._on_signal)
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+
+    def close(self) -> None:
+        """Give the signals back to their previous handlers (the run is over)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def _on_signal(self, signum: int, frame) -> None:
         self.received = signum  # nothing else here: act at the next step boundary

@@ -42,6 +42,28 @@ def training_state(state: RunState, config: dict[str, Any], world_size: int, *,
     }
 
 
+def restore_schedule_position(lr_scheduler: Any, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Continue the schedule *of this run's config* at the saved step.
+
+    ``LambdaLR.load_state_dict`` would also bring back the saved schedule's definition (its
+    length, warm-up, milestones, peak LR), so resuming with more --epochs would keep decaying
+    towards the old end while MoCo's momentum schedule followed the new one. Only the position is taken; the LR is then recomputed from the current definition
+    (the same value, bit for bit, when nothing changed).
+    """
+    definitions = [dict(vars(fn)) for fn in lr_scheduler.lr_lambdas]
+    base_lrs = list(lr_scheduler.base_lrs)  # --lr of this run
+    lr_scheduler.load_state_dict(saved)
+    lr_scheduler.base_lrs = base_lrs
+    for fn, definition in zip(lr_scheduler.lr_lambdas, definitions):
+        if vars(fn) != definition:
+            log.warning("LR schedule differs from the checkpoint's (%s, was %s): continuing with "
+                        "this run's", definition, dict(vars(fn)))
+            vars(fn).update(definition)
+    for group, base_lr, fn in zip(optimizer.param_groups, lr_scheduler.base_lrs, lr_scheduler.lr_lambdas):
+        group["lr"] = base_lr * fn(lr_scheduler.last_epoch)
+    lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def restore_training_state(path: str, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                            lr_scheduler: Any, grad_scaler: Any, world_size: int,
                            batch_size: int) -> tuple[RunState, dict[str, Any]]:
@@ -50,7 +72,7 @@ def restore_training_state(path: str, *, model: nn.Module, optimizer: torch.opti
     unwrap(model).load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     if lr_scheduler is not None and ckpt["lr_scheduler"] is not None:
-        lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+        restore_schedule_position(lr_scheduler, optimizer, ckpt["lr_scheduler"])
     if grad_scaler is not None and ckpt["grad_scaler"] is not None:
         grad_scaler.load_state_dict(ckpt["grad_scaler"])
     restore_rng_states(ckpt["rng"])

@@ -129,7 +129,7 @@ def after_optimizer_step(run: TrainRun) -> bool:
 
 def end_epoch_if_complete(run: TrainRun) -> bool:
     """Advance to the next epoch if this one ran to its end (not cut by a stop); True if so."""
-    if run.state.batches_done < len(run.loaders.train):
+    if run.state.batches_done < run.loaders.batches_per_epoch:
         return False
     run.state.epoch, run.state.batches_done = run.state.epoch + 1, 0
     return True
@@ -140,7 +140,7 @@ def log_batch_geometry(run: TrainRun) -> None:
     log.info("global batch %d = %d rank(s) x %d accum steps x %d per micro-batch; %d optimizer "
              "steps per epoch, %d in all", info.world_size * cfg.accum_steps * cfg.batch_size,
              info.world_size, cfg.accum_steps, cfg.batch_size,
-             steps_per_epoch(len(run.loaders.train), cfg.accum_steps), run.total_steps)
+             steps_per_epoch(run.loaders.batches_per_epoch, cfg.accum_steps), run.total_steps)
 
 
 R = TypeVar("R", bound=TrainRun)
@@ -157,9 +157,9 @@ def run_script(cfg: TrainConfig, setup: Callable[[TrainConfig, DistInfo], R], fi
         cfg.validate(detect_launch())
     except UsageError as err:
         return usage_error_exit(prog, err)
+    preemption = PreemptionGuard(cfg.out)  # before the rendezvous: a USR1 then must not kill us
     info = init_distributed(cfg.device, cfg.dist_timeout)
     setup_logging(info.rank, cfg.debug)
-    preemption = PreemptionGuard(cfg.out)  # from here on a signal means "checkpoint and leave"
     log.info("%s launch: world size %d, backend %s, device %s", info.launcher, info.world_size,
              info.backend or "none", info.device)
     try:
@@ -182,5 +182,6 @@ def run_script(cfg: TrainConfig, setup: Callable[[TrainConfig, DistInfo], R], fi
         fit(run)
         run.tb.close()
     finally:
+        preemption.close()
         cleanup_distributed()
     return 0

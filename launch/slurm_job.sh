@@ -51,6 +51,11 @@ if [[ -z "$nproc" ]]; then
 fi
 mode=${LAUNCH_MODE:-torchrun}
 python_bin=${PYTHON:-python}
+# srun no longer inherits --cpus-per-task from sbatch (Slurm >= 22.05): pass it on explicitly.
+cpus=()
+if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK"); fi
+# A marker left by an earlier attempt must not requeue this one if it fails before training.
+rm -f "$out/PREEMPTED"
 
 echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $nnodes node(s): $SLURM_JOB_NODELIST; mode $mode; out $out"
 case "$mode" in
@@ -60,13 +65,13 @@ case "$mode" in
         cmd=("$python_bin" -m torch.distributed.run --nnodes="$nnodes" --nproc-per-node="$nproc"
              --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" --rdzv-id="$SLURM_JOB_ID"
              "$script" "${args[@]}")
-        echo "+ srun --ntasks-per-node=1 ${cmd[*]}"
-        srun --ntasks="$nnodes" --ntasks-per-node=1 bash -c 'trap "" USR1; exec "$@"' torchrun "${cmd[@]}"
+        echo "+ srun --ntasks-per-node=1 ${cpus[*]} ${cmd[*]}"
+        srun --ntasks="$nnodes" --ntasks-per-node=1 "${cpus[@]}" bash -c 'trap "" USR1; exec "$@"' torchrun "${cmd[@]}"
         ;;
     srun)
         cmd=("$python_bin" "$script" "${args[@]}")
         echo "+ srun ${cmd[*]}   (MASTER_ADDR=$head_node MASTER_PORT=$port)"
-        MASTER_ADDR=$head_node MASTER_PORT=$port srun "${cmd[@]}"
+        MASTER_ADDR=$head_node MASTER_PORT=$port srun "${cpus[@]}" "${cmd[@]}"
         ;;
     *)
         echo "LAUNCH_MODE must be torchrun or srun, got '$mode'" >&2
@@ -75,9 +80,9 @@ case "$mode" in
 esac
 rc=$?
 
-if [[ -f "$out/PREEMPTED" ]]; then
+if [[ $rc == 0 && -f "$out/PREEMPTED" ]]; then
     echo "preempted at $(cat "$out/PREEMPTED"); requeueing job $SLURM_JOB_ID"
-    scontrol requeue "$SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" || { echo "scontrol requeue failed" >&2; exit 1; }
     exit 0
 fi
 echo "training exited with code $rc"

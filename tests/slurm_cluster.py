@@ -71,13 +71,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ensure_munged() -> None:
+def _ensure_munged() -> int | None:
+    """Start munged unless one runs already; the PID of the one started here, if any."""
     if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0:
-        return  # one is running already (and serves the default socket)
+        return None  # someone else's (it serves the default socket): leave it alone
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
     # munged refuses to run as root ("Keyfile is insecure"): run it as its own user.
     subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True, timeout=30)
+    return _read_pid(Path("/run/munge/munged.pid"))
 
 
 def _read_pid(path: Path, timeout: float = 15) -> int:
@@ -98,9 +100,9 @@ def start_cluster(base: Path) -> tuple[SlurmCluster, list[int]]:
     conf.write_text(CONF.format(host=host, base=base, cpus=cpus, ctld_port=_free_port(),
                                 slurmd_port=_free_port()))
     env = {"SLURM_CONF": str(conf)}
-    _ensure_munged()
+    munged = _ensure_munged()
     full_env = {**os.environ, **env}
-    pids = []
+    pids = [munged] if munged else []  # stopped last, after the SLURM daemons
     subprocess.run(["slurmctld"], env=full_env, check=True, timeout=30)
     pids.append(_read_pid(base / "run/slurmctld.pid"))
     subprocess.run(["slurmd"], env=full_env, check=True, timeout=30)
@@ -118,7 +120,7 @@ def start_cluster(base: Path) -> tuple[SlurmCluster, list[int]]:
 
 
 def stop_cluster(pids: list[int]) -> None:
-    for pid in reversed(pids):  # slurmd first, then slurmctld
+    for pid in reversed(pids):  # slurmd, slurmctld, then munged if it was started here
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:

@@ -126,3 +126,18 @@ def test_preempted_moco_job_checkpoints_requeues_and_resumes(slurm, tmp_path):
     assert not (out / "PREEMPTED").exists()
     steps = [s for s, _ in read_scalars(out / "tb")["train/loss"]]
     assert steps[-1] == max_steps and stopped + 1 in steps
+
+
+@pytest.mark.slurm
+def test_stale_marker_does_not_requeue_a_failing_job(slurm, tmp_path):
+    """A PREEMPTED file left by an earlier attempt must not requeue a job that fails at start."""
+    out, log = tmp_path / "run", tmp_path / "job.log"
+    out.mkdir()
+    (out / "PREEMPTED").write_text("step 3\n")
+    proc = submit(slurm, "slurm_classifier.sbatch", ["--cpus-per-task=2", "--time=5"],
+                  DIGITS_CPU + ["--batch-size", "0", "--out", str(out)], log)
+    text = log.read_text()
+    assert proc.returncode != 0, text
+    assert "--batch-size must be positive" in text
+    assert "requeueing" not in text and "(restart 1)" not in text
+    assert not (out / "PREEMPTED").exists()

@@ -256,6 +256,21 @@ def test_linear_probe_from_moco_checkpoint_keeps_backbone(tmp_path):
     assert len(acc) == 3 and acc[-1][1] > 40.0  # chance is 10%; measured: see the closing note
 
 
+def test_linear_probe_with_mocos_protocol(tmp_path):
+    """MoCo's own protocol (no feature normalisation, LR 30, no weight decay): runs, logs its
+    accuracy and leaves the backbone untouched."""
+    moco_out = tmp_path / "moco"
+    assert_ok(run_cli("train_moco.py", ["--device", "cpu", "--image-size", "16", "--batch-size", "32",
+                                        "--moco-k", "256", "--max-steps", "2", "--knn-every", "0",
+                                        "--export-backbone", str(tmp_path / "backbone.pt"), "--out", str(moco_out)]))
+    proc = run_cli("train_classifier.py", ["--device", "cpu", "--image-size", "16", "--pretrained",
+                                           str(tmp_path / "backbone.pt"), "--linear-probe", "--lr", "30",
+                                           "--weight-decay", "0", "--epochs", "1", "--out", str(tmp_path / "p")])
+    assert_ok(proc)
+    assert "frozen backbone unchanged" in proc.stdout
+    assert len(read_scalars(tmp_path / "p/tb")["val/acc1"]) == 1
+
+
 def test_exported_backbone_loads_into_torchvision_resnet(tmp_path):
     path = tmp_path / "backbone.pt"
     assert_ok(run_cli("train_moco.py", ["--debug", "--device", "cpu", "--arch", "resnet18", "--batch-size", "8",
@@ -276,7 +291,8 @@ def test_exported_backbone_loads_into_torchvision_resnet(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--moco-k", "16", "--batch-size", "32"], "--moco-k 16 is smaller than one enqueue"),
+    (["--moco-k", "16", "--batch-size", "32"], "--moco-k 16 is smaller than the global batch"),
+    (["--moco-k", "48", "--batch-size", "32", "--accum-steps", "2"], "accum steps 2 x batch 32 = 64"),
     (["--batch-size", "30"], "must be a multiple of --bn-splits 8"),
     (["--moco-m", "1.0"], "--moco-m must be in [0, 1)"),
     (["--preset", "v3"], "invalid choice: 'v3'"),

@@ -43,8 +43,8 @@ def test_eval_shards_cover_every_sample_exactly_once(world_size):
 
 
 def test_resume_continues_exactly(tmp_path):
-    """Stop mid-epoch at step 5, resume with --resume auto to step 14 (across an epoch end):
-    weights, BatchNorm buffers, momentum buffers, LR and step equal an uninterrupted run."""
+    """Stop mid-epoch at step 5, resume to step 8 (same epoch), resume to step 14 (across an epoch
+    end): weights, BatchNorm buffers, momentum buffers, LR and step equal an uninterrupted run."""
     common = CPU + ["--arch", "small_cnn", "--batch-size", "32", "--accum-steps", "2", "--lr", "0.05",
                     "--warmup-steps", "3", "--epochs", "3", "--log-every", "1"]
     assert_ok(run_cli("train_classifier.py", common + ["--max-steps", "14", "--out", str(tmp_path / "ref")], nproc=2))
@@ -52,10 +52,15 @@ def test_resume_continues_exactly(tmp_path):
     assert_ok(run_cli("train_classifier.py", common + ["--max-steps", "5", "--out", str(part)], nproc=2))
     stopped = load_ckpt(part / "checkpoint_last.pt")
     assert (stopped["epoch"], stopped["step"], stopped["batches_done"]) == (0, 5, 10)
+    # Resume and stop again inside the same epoch: the epoch must still count as unfinished.
+    assert_ok(run_cli("train_classifier.py", common + ["--max-steps", "8", "--resume", "auto",
+                                                        "--out", str(part)], nproc=2))
+    stopped = load_ckpt(part / "checkpoint_last.pt")
+    assert (stopped["epoch"], stopped["step"], stopped["batches_done"]) == (0, 8, 16)
     resumed_run = run_cli("train_classifier.py", common + ["--max-steps", "14", "--resume", "auto",
                                                             "--out", str(part)], nproc=2)
     assert_ok(resumed_run)
-    assert "resumed from" in resumed_run.stdout and "epoch 0, step 5, 10 batches" in resumed_run.stdout
+    assert "resumed from" in resumed_run.stdout and "epoch 0, step 8, 16 batches" in resumed_run.stdout
     ref, resumed = load_ckpt(tmp_path / "ref/checkpoint_last.pt"), load_ckpt(part / "checkpoint_last.pt")
     assert (resumed["epoch"], resumed["step"]) == (ref["epoch"], ref["step"]) == (1, 14)
     for name, value in ref["model"].items():
@@ -112,3 +117,27 @@ def test_mixed_precision_runs_and_checkpoints_the_scaler(tmp_path, amp):
         assert ckpt["grad_scaler"]["scale"] > 0
     else:
         assert ckpt["grad_scaler"] is None  # bf16 needs no loss scaling
+
+
+def test_resume_follows_this_runs_schedule_not_the_checkpoints(tmp_path):
+    """Resuming with more --epochs continues at the saved step on the *new* schedule."""
+    from ddp_utils.run_state import restore_schedule_position
+    from ddp_utils.schedule import build_lr_scheduler, warmup_cosine_factor
+
+    def make(total):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+        return opt, build_lr_scheduler(opt, "cosine", 2, total)
+
+    opt, sched = make(100)
+    for _ in range(30):
+        opt.step()
+        sched.step()
+    saved = sched.state_dict()
+    opt2, sched2 = make(200)
+    restore_schedule_position(sched2, opt2, saved)
+    assert sched2.last_epoch == 30
+    assert opt2.param_groups[0]["lr"] == 0.5 * warmup_cosine_factor(30, 2, 200)
+    assert sched2.lr_lambdas[0].total_steps == 200
+    opt3, sched3 = make(100)  # unchanged schedule: the very same LR as the uninterrupted one
+    restore_schedule_position(sched3, opt3, saved)
+    assert opt3.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
