@@ -212,7 +212,7 @@ def test_moco_learns_digits_features_on_two_ranks(tmp_path):
     assert end >= start + KNN_MARGIN, knn
 
 
-KNN_MARGIN = 8.0  # percentage points; see the closing note for the measured values
+KNN_MARGIN = 12.0  # percentage points; measured: 77.16% at step 0 -> 91.92% at step 330
 
 
 def test_resume_restores_queue_pointer_and_key_encoder_exactly(tmp_path):
