@@ -33,15 +33,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_utils.accumulation import GradientAccumulator
-from ddp_utils.collectives import check_replicas_identical, reduce_metrics, sync_buffers_from_rank0
+from ddp_utils.collectives import all_reduce_sum, check_replicas_identical, sync_buffers_from_rank0
 from ddp_utils.config import UsageError, opt, parse_config
 from ddp_utils.data import Loaders, classification_transforms, make_loaders
 from ddp_utils.dist import DistInfo
 from ddp_utils.models import build_model
-from ddp_utils.monitor import Progress, StepMeter, TensorBoard
+from ddp_utils.monitor import StepMeter, TensorBoard
 from ddp_utils.precision import autocast
 from ddp_utils.pretrained import LinearProbe, load_pretrained_backbone, tensors_equal
 from ddp_utils.run_state import unwrap
@@ -56,6 +54,8 @@ from ddp_utils.trainer import (
     resume_if_asked,
     run_script,
     save_run,
+    training_meter,
+    wrap_for_training,
 )
 
 log = logging.getLogger("train")
@@ -113,10 +113,7 @@ def setup(cfg: ClassifierConfig, info: DistInfo) -> ClassifierRun:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer, lr_scheduler, scaler, total_steps = build_optimization(cfg, trainable, loaders.batches_per_epoch, info.device)
     state = resume_if_asked(cfg, info, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler)
-    network = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None) \
-        if info.is_distributed else model
-    accumulator = GradientAccumulator(network, optimizer, cfg.accum_steps, lr_scheduler=lr_scheduler,
-                                      grad_scaler=scaler, clip_grad=cfg.clip_grad)
+    network, accumulator = wrap_for_training(model, cfg, info, optimizer, lr_scheduler, scaler)
     frozen = model.backbone_snapshot() if cfg.linear_probe else None
     return ClassifierRun(cfg, info, loaders, model, optimizer, lr_scheduler, scaler, accumulator, state,
                          total_steps, TensorBoard(None), network=network, frozen_backbone=frozen)
@@ -171,24 +168,24 @@ def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, info: DistIn
     sync_buffers_from_rank0(model)
     was_training = model.training
     model.eval()
-    sums = {"loss": 0.0, "correct": 0.0, "count": 0.0}
+    # loss, correct, count: summed on the device, read once at the end (no host sync per batch)
+    sums = torch.zeros(3, dtype=torch.float64, device=info.device)
     for images, targets in loader:
         images, targets = images.to(info.device), targets.to(info.device)
         with autocast(amp, info.device):
             logits = model(images)
-        sums["loss"] += nn.functional.cross_entropy(logits.float(), targets, reduction="sum").item()
-        sums["correct"] += (logits.argmax(dim=1) == targets).sum().item()
-        sums["count"] += len(targets)
+        sums[0] += nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
+        sums[1] += (logits.argmax(dim=1) == targets).sum()
+        sums[2] += len(targets)
     model.train(was_training)
-    total = reduce_metrics(sums, info.device)
+    total = dict(zip(("loss", "correct", "count"), all_reduce_sum(sums).tolist()))
     return {"loss": total["loss"] / total["count"], "acc1": 100.0 * total["correct"] / total["count"],
             "count": total["count"]}
 
 
 def fit(run: ClassifierRun) -> dict[str, float]:
     cfg, state = run.cfg, run.state
-    progress = Progress(min(run.total_steps, cfg.max_steps or run.total_steps), cfg.log_every, run.info.is_main)
-    meter = StepMeter(run.tb, progress, run.info.device, run.info.world_size, cfg.log_every)
+    progress, meter = training_meter(run)
     metrics: dict[str, float] = {}
     while not run.finished():
         train_one_epoch(run, meter)

@@ -30,10 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from ddp_utils.accumulation import GradientAccumulator
 from ddp_utils.collectives import check_replicas_identical, sync_buffers_from_rank0
 from ddp_utils.config import UsageError, opt, parse_config
 from ddp_utils.data import Loaders, classification_transforms, eval_loader, make_loaders
@@ -42,7 +40,7 @@ from ddp_utils.knn import knn_accuracy
 from ddp_utils.moco import Encoder, MoCo, contrastive_loss, split_batchnorm
 from ddp_utils.moco_augment import moco_train_transform
 from ddp_utils.models import build_model, feature_dim
-from ddp_utils.monitor import Progress, StepMeter, TensorBoard
+from ddp_utils.monitor import StepMeter, TensorBoard
 from ddp_utils.precision import autocast
 from ddp_utils.pretrained import export_backbone
 from ddp_utils.schedule import LR_SCHEDULES, cosine_to_one
@@ -57,6 +55,8 @@ from ddp_utils.trainer import (
     resume_if_asked,
     run_script,
     save_run,
+    training_meter,
+    wrap_for_training,
 )
 
 log = logging.getLogger("train")
@@ -185,11 +185,8 @@ def setup(cfg: MocoConfig, info: DistInfo) -> MocoRun:
         cfg, moco.encoder_q.parameters(), loaders.batches_per_epoch, info.device)  # never encoder_k
     state = resume_if_asked(cfg, info, model=moco, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler)
     moco.sync_state_from_rank0()
-    query_encoder = moco.encoder_q
-    if info.is_distributed:  # only the query encoder: DDP must not broadcast the queue or encoder_k
-        query_encoder = DDP(moco.encoder_q, device_ids=[info.device.index] if info.device.type == "cuda" else None)
-    accumulator = GradientAccumulator(query_encoder, optimizer, cfg.accum_steps, lr_scheduler=lr_scheduler,
-                                      grad_scaler=scaler, clip_grad=cfg.clip_grad)
+    # Only the query encoder goes into DDP: it must not broadcast the queue or encoder_k.
+    query_encoder, accumulator = wrap_for_training(moco.encoder_q, cfg, info, optimizer, lr_scheduler, scaler)
     return MocoRun(cfg, info, loaders, moco, optimizer, lr_scheduler, scaler, accumulator, state,
                    total_steps, TensorBoard(None), moco=moco, query_encoder=query_encoder,
                    bank_loader=bank_loader)
@@ -244,8 +241,7 @@ def fit(run: MocoRun) -> None:
     cfg, state = run.cfg, run.state
     log.info("MoCo %s: K=%d, m=%g%s, T=%g, %s head, %s augmentation", cfg.preset, cfg.moco_k, cfg.moco_m,
              " (cosine to 1)" if cfg.moco_m_cos else "", cfg.moco_t, "MLP" if cfg.mlp else "linear", cfg.aug)
-    progress = Progress(min(run.total_steps, cfg.max_steps or run.total_steps), cfg.log_every, run.info.is_main)
-    meter = StepMeter(run.tb, progress, run.info.device, run.info.world_size, cfg.log_every)
+    progress, meter = training_meter(run)
     if cfg.knn_every and state.step == 0:
         knn_monitor(run)  # the step-0 baseline that training must beat
     while not run.finished():

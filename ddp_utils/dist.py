@@ -147,9 +147,10 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0,
     if launch.world_size == 1:
         return DistInfo(0, 0, 1, 1, torch_device, None, launch.launcher)
     if not dist.is_initialized():
-        init_method = f"tcp://{_bracket_ipv6(launch.master_addr)}:{launch.master_port}"
         if launch.launcher == "torchrun":
             init_method = "env://"  # torchrun may hand over a TCPStore; env:// reuses it
+        else:
+            init_method = f"tcp://{_bracket_ipv6(launch.master_addr)}:{launch.master_port}"
         dist.init_process_group(
             backend=backend,
             init_method=init_method,

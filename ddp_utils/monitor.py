@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+from .collectives import reduce_metrics
+
 log = logging.getLogger("train")
 
 
@@ -93,8 +95,6 @@ class StepMeter:
         self.steps += 1
         if not (force or step % self.log_every == 0):
             return None
-        from .collectives import reduce_metrics
-
         elapsed = time.perf_counter() - self.since
         local = {name: value.item() for name, value in self.sums.items()}
         means = {k: v / (self.world_size * self.steps) for k, v in reduce_metrics(local, self.device).items()}

@@ -66,8 +66,8 @@ def restore_schedule_position(lr_scheduler: Any, optimizer: torch.optim.Optimize
 
 def restore_training_state(path: str, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                            lr_scheduler: Any, grad_scaler: Any, world_size: int,
-                           batch_size: int) -> tuple[RunState, dict[str, Any]]:
-    """Load ``path`` into the objects given; returns the run state and the raw checkpoint."""
+                           batch_size: int) -> RunState:
+    """Load ``path`` into the objects given; returns where the run stands."""
     ckpt = load_checkpoint(path)
     unwrap(model).load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
@@ -85,4 +85,4 @@ def restore_training_state(path: str, *, model: nn.Module, optimizer: torch.opti
                     "near, not exactly at, the saved position", world_size, batch_size, old_ws, old_bs)
     log.info("resumed from %s: epoch %d, step %d, %d batches into the epoch",
              path, state.epoch, state.step, state.batches_done)
-    return state, ckpt
+    return state

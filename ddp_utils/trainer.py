@@ -10,6 +10,7 @@ from typing import Callable, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
 from .accumulation import GradientAccumulator
@@ -26,7 +27,7 @@ from .data import (
 )
 from .dist import DistInfo, barrier, cleanup_distributed, detect_launch, init_distributed
 from .logs import setup_logging
-from .monitor import TensorBoard
+from .monitor import Progress, StepMeter, TensorBoard
 from .precision import grad_scaler
 from .preemption import PreemptionGuard
 from .run_state import RunState, restore_training_state, training_state
@@ -92,6 +93,24 @@ def build_optimization(cfg: TrainConfig, params, batches_per_epoch: int, device:
     return optimizer, lr_scheduler, grad_scaler(cfg.amp, device), total_steps
 
 
+def wrap_for_training(module: nn.Module, cfg: TrainConfig, info: DistInfo, optimizer, lr_scheduler,
+                      scaler) -> tuple[nn.Module, GradientAccumulator]:
+    """DDP around ``module`` when distributed (the only part DDP ever sees), and its accumulator."""
+    network = module
+    if info.is_distributed:
+        network = DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+    accumulator = GradientAccumulator(network, optimizer, cfg.accum_steps, lr_scheduler=lr_scheduler,
+                                      grad_scaler=scaler, clip_grad=cfg.clip_grad)
+    return network, accumulator
+
+
+def training_meter(run: TrainRun) -> tuple[Progress, StepMeter]:
+    """Progress line/bar and per-step metrics for ``fit``."""
+    cfg = run.cfg
+    progress = Progress(min(run.total_steps, cfg.max_steps or run.total_steps), cfg.log_every, run.info.is_main)
+    return progress, StepMeter(run.tb, progress, run.info.device, run.info.world_size, cfg.log_every)
+
+
 def resume_if_asked(cfg: TrainConfig, info: DistInfo, *, model: nn.Module, optimizer, lr_scheduler,
                     scaler) -> RunState:
     """Load ``--resume`` (a path, or ``auto``: the run folder's last checkpoint if any)."""
@@ -100,10 +119,9 @@ def resume_if_asked(cfg: TrainConfig, info: DistInfo, *, model: nn.Module, optim
         if cfg.resume == "auto":
             log.info("--resume auto: no checkpoint in %s yet, starting from scratch", cfg.out)
         return RunState()
-    state, _ = restore_training_state(str(path), model=model, optimizer=optimizer,
+    return restore_training_state(str(path), model=model, optimizer=optimizer,
                                       lr_scheduler=lr_scheduler, grad_scaler=scaler,
                                       world_size=info.world_size, batch_size=cfg.batch_size)
-    return state
 
 
 def save_run(run: TrainRun) -> None:
