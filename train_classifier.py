@@ -13,8 +13,11 @@ Several nodes (run on every node; HOST is node 0's address):
         train_classifier.py --dataset imagefolder --data-dir /data/imagenet --arch resnet50 \\
         --batch-size 64 --lr 0.2 --epochs 90 --warmup-steps 2500 --amp bf16 --out runs/in1k
 
-SLURM (see launch/): sbatch launch/slurm_classifier.sbatch --dataset cifar10 ...
-Resume after a crash or preemption: add --resume auto (same --out).
+SLURM (see launch/): sbatch /path/to/repo/launch/slurm_classifier.sbatch --dataset cifar10 ...
+Resume after a crash or preemption: add --resume auto (same --out). A fresh run refuses an --out
+that holds a checkpoint; --overwrite starts over there. Survive dead workers: MAX_RESTARTS=3
+launch/torchrun_local.sh train_classifier.py ... (torchrun --max-restarts, resuming by itself).
+Exit codes: 0 done or preempted, 1 crash, 2 bad input, 3 NaN/Inf loss, 130 Ctrl-C.
 
 Linear probe of a MoCo checkpoint (frozen backbone in eval mode, a new linear classifier):
     python train_classifier.py --pretrained runs/moco/checkpoint_last.pt --linear-probe \
@@ -30,28 +33,33 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from ddp_utils.collectives import all_reduce_sum, check_replicas_identical, sync_buffers_from_rank0
-from ddp_utils.config import UsageError, opt, parse_config
+from ddp_utils.collectives import (
+    all_ranks_agree,
+    all_reduce_sum,
+    check_replicas_identical,
+    sync_buffers_from_rank0,
+)
+from ddp_utils.config import UsageError, opt
 from ddp_utils.data import Loaders, classification_transforms, make_loaders
 from ddp_utils.dist import DistInfo
 from ddp_utils.models import build_model
 from ddp_utils.monitor import StepMeter, TensorBoard
 from ddp_utils.precision import autocast
 from ddp_utils.pretrained import LinearProbe, load_pretrained_backbone, tensors_equal
-from ddp_utils.run_state import unwrap
+from ddp_utils.run_state import Resume, unwrap
 from ddp_utils.train_config import TrainConfig
 from ddp_utils.trainer import (
     TrainRun,
     after_optimizer_step,
     build_optimization,
-    end_epoch_if_complete,
     load_raw_splits,
     loader_options,
-    resume_if_asked,
+    restore_if_resuming,
     run_script,
     save_run,
     training_meter,
@@ -59,11 +67,16 @@ from ddp_utils.trainer import (
 )
 
 log = logging.getLogger("train")
+SCRIPT = "train_classifier.py"
 
 
 @dataclass
 class ClassifierConfig(TrainConfig):
-    out: str = opt("runs/classifier", "run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard)")
+    # What shapes the model: a checkpoint that differs in any of these cannot be resumed.
+    RESUME_FIXED: ClassVar[tuple[str, ...]] = ("arch", "linear_probe", "probe_bn")
+
+    out: str = opt("runs/classifier", "run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a "
+                   "fresh run refuses a folder that already holds a checkpoint")
     pretrained: str = opt("", "initialise the backbone from a train_moco.py checkpoint or an "
                           "exported backbone (--export-backbone); fc starts fresh")
     linear_probe: bool = opt(False, "with --pretrained: freeze the backbone (kept in eval mode) and "
@@ -78,6 +91,9 @@ class ClassifierConfig(TrainConfig):
             raise UsageError("--linear-probe needs --pretrained PATH (a train_moco.py checkpoint)")
         if self.probe_bn and not self.linear_probe:
             raise UsageError("--probe-bn only applies with --linear-probe")
+
+    def check_paths(self) -> None:
+        super().check_paths()
         if self.pretrained and not Path(self.pretrained).is_file():
             raise UsageError(f"--pretrained {self.pretrained}: no such file")
 
@@ -99,60 +115,62 @@ def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn
     torch.manual_seed(cfg.seed)  # identical initial weights whatever the world size
     model = build_model(cfg.arch, num_classes, cfg.resolved_image_size())
     if cfg.pretrained:
-        load_pretrained_backbone(model, cfg.pretrained)
-        log.info("backbone initialised from %s", cfg.pretrained)
+        load_pretrained_backbone(model, cfg.pretrained, cfg.arch)
+        if info.is_main:
+            log.info("backbone initialised from %s", cfg.pretrained)
     if cfg.linear_probe:
         model = LinearProbe(model, num_classes, feature_norm=cfg.probe_bn)
     return model.to(info.device)
 
 
-def setup(cfg: ClassifierConfig, info: DistInfo) -> ClassifierRun:
-    loaders = build_loaders(cfg, info)
-    model = build_network(cfg, info, loaders.num_classes)
-    torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer, lr_scheduler, scaler, total_steps = build_optimization(cfg, trainable, loaders.batches_per_epoch, info.device)
-    state = resume_if_asked(cfg, info, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler)
+def setup(cfg: ClassifierConfig, info: DistInfo, resume: Resume | None = None) -> ClassifierRun:
+    with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
+        loaders = build_loaders(cfg, info)
+        model = build_network(cfg, info, loaders.num_classes)
+        torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer, lr_scheduler, scaler, total_steps = build_optimization(
+            cfg, trainable, loaders.batches_per_epoch, info.device)
+        facts = {"num_classes": loaders.num_classes}
+        state = restore_if_resuming(cfg, info, resume, script=SCRIPT, fixed=cfg.RESUME_FIXED, facts=facts,
+                                    model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler)
     network, accumulator = wrap_for_training(model, cfg, info, optimizer, lr_scheduler, scaler)
     frozen = model.backbone_snapshot() if cfg.linear_probe else None
     return ClassifierRun(cfg, info, loaders, model, optimizer, lr_scheduler, scaler, accumulator, state,
-                         total_steps, TensorBoard(None), network=network, frozen_backbone=frozen)
+                         total_steps, TensorBoard(None), SCRIPT, facts, network=network, frozen_backbone=frozen)
 
 
 # ----------------------------------------------------------------------------- training
 def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
-    """One pass over the (rest of the) epoch; stops early at --max-steps."""
+    """One pass over the (rest of the) epoch; stops early at --max-steps or a stop signal."""
     cfg, info, state = run.cfg, run.info, run.state
     criterion = nn.CrossEntropyLoss()
     run.network.train()
-    run.loaders.set_epoch(state.epoch, skip_batches=state.batches_done)
+    run.start_epoch()
     for micro, (images, targets) in run.accumulator.micro_batches(run.loaders.train):
         images = images.to(info.device, non_blocking=True)
         targets = targets.to(info.device, non_blocking=True)
         with run.accumulator.sync_context(micro):
             with autocast(cfg.amp, info.device):
                 loss = criterion(run.network(images), targets)
+            loss = run.faults.poison(loss, info.rank, state.step + 1, first_micro=micro.index == 0)
             stepped = run.accumulator.backward(loss, micro)
         meter.add_micro(info.world_size * len(images), micro.window_size, loss=loss)
         state.batches_done += 1
         if stepped is None:
             continue
-        state.step += 1
+        run.count_step()
         if cfg.debug:
-            check_finite(run.model, loss)
-        meter.end_step(state.step, state.epoch, force=state.step == run.total_steps,
+            check_gradients_released(run.model)
+        meter.end_step(state.step, state.epoch_number, force=run.is_last_step(stepped),
                        lr=run.optimizer.param_groups[0]["lr"])
-        if after_optimizer_step(run):
+        if after_optimizer_step(run, stepped):
             return
 
 
-def check_finite(model: nn.Module, loss: torch.Tensor) -> None:
-    """--debug: fail at the first step that produced a non-finite loss or weight."""
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"non-finite loss {loss.item()}")
+def check_gradients_released(model: nn.Module) -> None:
+    """--debug: no gradient may outlive its optimizer step (zero_grad(set_to_none=True))."""
     for name, param in unwrap(model).named_parameters():
-        if not torch.isfinite(param).all():
-            raise FloatingPointError(f"non-finite values in parameter {name}")
         if param.grad is not None:
             raise AssertionError(f"gradient of {name} survived zero_grad(set_to_none=True)")
 
@@ -192,28 +210,26 @@ def fit(run: ClassifierRun) -> dict[str, float]:
         progress.end_line()
         if run.preempted:  # checkpoint already written; leave for the requeue
             return metrics
-        epoch = state.epoch
-        end_epoch_if_complete(run)
         save_run(run)  # before evaluating: a preemption during evaluation loses nothing
         metrics = evaluate(run.model, run.loaders.val, run.info, cfg.amp)
         run.tb.scalars(state.step, val__loss=metrics["loss"], val__acc1=metrics["acc1"])
         log.info("epoch %d step %d: val loss %.4f, val acc1 %.2f%% (%d images)",
-                 epoch, state.step, metrics["loss"], metrics["acc1"], metrics["count"])
+                 state.epoch_number, state.step, metrics["loss"], metrics["acc1"], metrics["count"])
     if run.frozen_backbone is not None:
         if not tensors_equal(run.frozen_backbone, run.model.backbone_snapshot()):
             raise RuntimeError("the frozen backbone changed during the linear probe")
         log.info("linear probe: frozen backbone unchanged (%d tensors compared bit for bit)",
                  len(run.frozen_backbone))
-    digest = check_replicas_identical(dict(unwrap(run.model).named_parameters()))
-    log.info("weights identical on all %d rank(s) (sha256 %s)", run.info.world_size, digest[:16])
+    if run.info.is_distributed:
+        digest = check_replicas_identical(dict(unwrap(run.model).named_parameters()))
+        log.info("weights identical on all %d ranks (sha256 %s)", run.info.world_size, digest[:16])
     if metrics:
         log.info("final val acc1 %.2f%% at step %d", metrics["acc1"], state.step)
     return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(ClassifierConfig, argv, description=__doc__.split("\n")[0])
-    return run_script(cfg, setup, fit)
+    return run_script(ClassifierConfig, argv, __doc__.split("\n")[0], setup, fit)
 
 
 if __name__ == "__main__":

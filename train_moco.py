@@ -14,8 +14,10 @@ Several nodes, ImageNet, MoCo v2 (run on every node; HOST is node 0's address):
         train_moco.py --preset v2 --dataset imagefolder --data-dir /data/imagenet --arch resnet50 \\
         --batch-size 16 --epochs 200 --amp bf16 --out runs/mocov2_in1k
 
-SLURM (see launch/): sbatch launch/slurm_moco.sbatch --preset v2 ...
+SLURM (see launch/): sbatch /path/to/repo/launch/slurm_moco.sbatch --preset v2 ...
 Resume: add --resume auto (same --out); the queue, its pointer and encoder_k come back exactly.
+A fresh run refuses an --out that holds a checkpoint; --overwrite starts over there.
+Exit codes: 0 done or preempted, 1 crash, 2 bad input, 3 NaN/Inf loss, 130 Ctrl-C.
 Export the query backbone for torchvision / train_classifier.py --pretrained:
     python train_moco.py ... --resume auto --export-backbone runs/moco_c10/backbone.pt
 
@@ -27,13 +29,14 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddp_utils.collectives import check_replicas_identical, sync_buffers_from_rank0
-from ddp_utils.config import UsageError, opt, parse_config
+from ddp_utils.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
+from ddp_utils.config import UsageError, opt
 from ddp_utils.data import Loaders, classification_transforms, eval_loader, make_loaders
 from ddp_utils.dist import DistInfo, LaunchEnv, barrier
 from ddp_utils.knn import knn_accuracy
@@ -43,16 +46,16 @@ from ddp_utils.models import build_model, feature_dim
 from ddp_utils.monitor import StepMeter, TensorBoard
 from ddp_utils.precision import autocast
 from ddp_utils.pretrained import export_backbone
+from ddp_utils.run_state import Resume
 from ddp_utils.schedule import LR_SCHEDULES, cosine_to_one
 from ddp_utils.train_config import TrainConfig
 from ddp_utils.trainer import (
     TrainRun,
     after_optimizer_step,
     build_optimization,
-    end_epoch_if_complete,
     load_raw_splits,
     loader_options,
-    resume_if_asked,
+    restore_if_resuming,
     run_script,
     save_run,
     training_meter,
@@ -60,6 +63,7 @@ from ddp_utils.trainer import (
 )
 
 log = logging.getLogger("train")
+SCRIPT = "train_moco.py"
 
 # What --preset sets for every flag left unset. Milestones are fractions of --epochs
 # (MoCo v1: epochs 120 and 160 of 200).
@@ -71,10 +75,15 @@ PRESETS = {
 
 @dataclass
 class MocoConfig(TrainConfig):
+    FIRST_FLAGS: ClassVar[tuple[str, ...]] = ("preset",)  # --help lists it before the flags it sets
+    # What shapes the model and the queue: a checkpoint that differs in any of these cannot be resumed.
+    RESUME_FIXED: ClassVar[tuple[str, ...]] = ("arch", "moco_dim", "moco_k", "mlp")
+
     preset: str = opt("v2", "v1: linear head, T 0.07, step LR, weak augmentation; v2: MLP head, T 0.2, "
                       "cosine LR, strong augmentation with blur; any flag below overrides it",
                       choices=("v1", "v2"))
-    out: str = opt("runs/moco", "run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard)")
+    out: str = opt("runs/moco", "run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a fresh "
+                   "run refuses a folder that already holds a checkpoint")
     lr: float | None = opt(None, "peak learning rate for the global batch (preset: 0.03)")
     lr_schedule: str | None = opt(None, "cosine, step or constant after warm-up (preset: v1 step, v2 "
                                   "cosine)", choices=LR_SCHEDULES)
@@ -177,18 +186,20 @@ def build_loaders(cfg: MocoConfig, info: DistInfo) -> tuple[Loaders, DataLoader]
     return loaders, eval_loader(train_raw, eval_tf, **options)
 
 
-def setup(cfg: MocoConfig, info: DistInfo) -> MocoRun:
-    loaders, bank_loader = build_loaders(cfg, info)
-    moco = build_moco(cfg, info, loaders.num_classes)
-    torch.manual_seed(cfg.seed + 1000 * info.rank)
-    optimizer, lr_scheduler, scaler, total_steps = build_optimization(
-        cfg, moco.encoder_q.parameters(), loaders.batches_per_epoch, info.device)  # never encoder_k
-    state = resume_if_asked(cfg, info, model=moco, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler)
+def setup(cfg: MocoConfig, info: DistInfo, resume: Resume | None = None) -> MocoRun:
+    with all_ranks_agree():  # every check that can fail, before the first collective
+        loaders, bank_loader = build_loaders(cfg, info)
+        moco = build_moco(cfg, info, loaders.num_classes)
+        torch.manual_seed(cfg.seed + 1000 * info.rank)
+        optimizer, lr_scheduler, scaler, total_steps = build_optimization(
+            cfg, moco.encoder_q.parameters(), loaders.batches_per_epoch, info.device)  # never encoder_k
+        state = restore_if_resuming(cfg, info, resume, script=SCRIPT, fixed=cfg.RESUME_FIXED, facts={},
+                                    model=moco, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler)
     moco.sync_state_from_rank0()
     # Only the query encoder goes into DDP: it must not broadcast the queue or encoder_k.
     query_encoder, accumulator = wrap_for_training(moco.encoder_q, cfg, info, optimizer, lr_scheduler, scaler)
     return MocoRun(cfg, info, loaders, moco, optimizer, lr_scheduler, scaler, accumulator, state,
-                   total_steps, TensorBoard(None), moco=moco, query_encoder=query_encoder,
+                   total_steps, TensorBoard(None), SCRIPT, moco=moco, query_encoder=query_encoder,
                    bank_loader=bank_loader)
 
 
@@ -202,7 +213,8 @@ def momentum_at(cfg: MocoConfig, step: int, total_steps: int) -> float:
 def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
     cfg, info, state, moco = run.cfg, run.info, run.state, run.moco
     moco.train()
-    run.loaders.set_epoch(state.epoch, skip_batches=state.batches_done)
+    run.start_epoch()
+    window_keys: list[torch.Tensor] = []
     for micro, ((im_q, im_k), _) in run.accumulator.micro_batches(run.loaders.train):
         im_q = im_q.to(info.device, non_blocking=True)
         im_k = im_k.to(info.device, non_blocking=True)
@@ -210,20 +222,25 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
             with autocast(cfg.amp, info.device):
                 logits, keys = moco(im_q, im_k, run.query_encoder)  # logits: N x (1+K)
                 loss, contrastive_acc = contrastive_loss(logits)
+            loss = run.faults.poison(loss, info.rank, state.step + 1, first_micro=micro.index == 0)
             stepped = run.accumulator.backward(loss, micro)
-        moco.enqueue(keys)  # every micro-step's keys, from every rank
+        window_keys.append(keys)  # N x C, no graph
         meter.add_micro(info.world_size * len(im_q), micro.window_size, loss=loss,
                         contrastive_acc1=100.0 * contrastive_acc)
         state.batches_done += 1
         if stepped is None:
             continue
-        state.step += 1
+        run.count_step()
         momentum = momentum_at(cfg, state.step, run.total_steps)
-        if not stepped.skipped:  # fp16: no momentum update when the scaler skipped the step
+        if not stepped.skipped:  # a step that was not applied leaves encoder_k and the queue as they were
             moco.momentum_update(momentum)  # once per optimizer step, after the query encoder moved
-        meter.end_step(state.step, state.epoch, force=state.step == run.total_steps,
+            # The window's keys enter the queue together, so every micro-step of a window saw the same
+            # negatives, as one big batch would.
+            moco.enqueue(torch.cat(window_keys))
+        window_keys = []
+        meter.end_step(state.step, state.epoch_number, force=run.is_last_step(stepped),
                        lr=run.optimizer.param_groups[0]["lr"], moco_m=momentum)
-        if after_optimizer_step(run):
+        if after_optimizer_step(run, stepped):
             return
 
 
@@ -232,7 +249,7 @@ def knn_monitor(run: MocoRun) -> float:
     acc = knn_accuracy(run.moco.encoder_q.backbone, run.bank_loader, run.loaders.val,
                        run.loaders.num_classes, run.info.device, k=run.cfg.knn_k, T=run.cfg.knn_t)
     run.tb.scalars(run.state.step, knn__acc1=acc)
-    log.info("epoch %d step %d: kNN acc1 %.2f%% (k=%d, T=%g)", run.state.epoch, run.state.step, acc,
+    log.info("epoch %d step %d: kNN acc1 %.2f%% (k=%d, T=%g)", run.state.epoch_number, run.state.step, acc,
              run.cfg.knn_k, run.cfg.knn_t)
     return acc
 
@@ -242,32 +259,37 @@ def fit(run: MocoRun) -> None:
     log.info("MoCo %s: K=%d, m=%g%s, T=%g, %s head, %s augmentation", cfg.preset, cfg.moco_k, cfg.moco_m,
              " (cosine to 1)" if cfg.moco_m_cos else "", cfg.moco_t, "MLP" if cfg.mlp else "linear", cfg.aug)
     progress, meter = training_meter(run)
+    knn = None
     if cfg.knn_every and state.step == 0:
-        knn_monitor(run)  # the step-0 baseline that training must beat
+        knn = knn_monitor(run)  # the step-0 baseline that training must beat
     while not run.finished():
         train_one_epoch(run, meter)
         progress.end_line()
         if run.preempted:  # checkpoint already written; leave for the requeue
             return
-        complete = end_epoch_if_complete(run)
         save_run(run)  # before the kNN pass: a preemption during it loses nothing
-        if cfg.knn_every and ((complete and state.epoch % cfg.knn_every == 0) or run.finished()):
-            knn_monitor(run)
+        epoch_ended = state.batches_done == 0
+        if cfg.knn_every and ((epoch_ended and state.epoch % cfg.knn_every == 0) or run.finished()):
+            knn = knn_monitor(run)
     moco = run.moco
-    digest = check_replicas_identical({**{f"q.{n}": p for n, p in moco.encoder_q.named_parameters()},
-                                       **{f"k.{n}": p for n, p in moco.encoder_k.named_parameters()},
-                                       "queue": moco.queue, "queue_ptr": moco.queue_ptr})
-    log.info("encoders, queue and pointer identical on all %d rank(s) (sha256 %s)",
-             run.info.world_size, digest[:16])
+    if run.info.is_distributed:
+        digest = check_replicas_identical({**{f"q.{n}": p for n, p in moco.encoder_q.named_parameters()},
+                                           **{f"k.{n}": p for n, p in moco.encoder_k.named_parameters()},
+                                           "queue": moco.queue, "queue_ptr": moco.queue_ptr})
+        log.info("encoders, queue and pointer identical on all %d ranks (sha256 %s)",
+                 run.info.world_size, digest[:16])
     if cfg.export_backbone and run.info.is_main:
         path = export_backbone(run.moco.encoder_q.backbone, cfg.export_backbone)
         log.info("exported the query backbone to %s", path)
     barrier()
+    if knn is not None:
+        log.info("final kNN acc1 %.2f%% at step %d", knn, state.step)
+    else:
+        log.info("finished at step %d", state.step)
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(MocoConfig, argv, description=__doc__.split("\n")[0])
-    return run_script(cfg, setup, fit)
+    return run_script(MocoConfig, argv, __doc__.split("\n")[0], setup, fit)
 
 
 if __name__ == "__main__":

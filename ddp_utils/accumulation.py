@@ -11,8 +11,10 @@ A window of ``A`` micro-batches makes one optimizer step. For every micro-batch:
 * micro-steps 1..n-1 of a window run inside ``model.no_sync()``; the n-th synchronises, so
   gradients cross the network once per optimizer step.
 
-Only on the synchronising micro-step: unscale (fp16), clip, optimizer step, scaler update,
-LR-scheduler step and ``zero_grad(set_to_none=True)``.
+Only on the synchronising micro-step: the ranks' agreement (an optional ``guard``: did any rank
+see a non-finite loss in this window, did any receive a stop signal), then unscale (fp16), clip,
+optimizer step, scaler update, LR-scheduler step and ``zero_grad(set_to_none=True)``. A window
+whose loss was NaN or Inf on any rank is not applied: its gradients are dropped on every rank.
 
 Usage::
 
@@ -25,11 +27,13 @@ Usage::
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import ContextManager, Iterable, Iterator, TypeVar
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Iterable, Iterator, TypeVar
 
 import torch
 from torch import nn
+
+from .stopping import StepVerdict
 
 B = TypeVar("B")
 
@@ -48,7 +52,8 @@ class MicroStep:
 @dataclass(frozen=True)
 class StepResult:
     grad_norm: float | None  # total L2 norm before clipping, when --clip-grad is on
-    skipped: bool            # fp16 only: the scaler found inf/NaN and skipped the step
+    skipped: bool            # the weights did not move: a non-finite loss, or fp16 overflow
+    verdict: StepVerdict = field(default_factory=StepVerdict)  # what the ranks agreed on
 
 
 def plan_windows(num_micro_batches: int, accum_steps: int) -> list[MicroStep]:
@@ -63,11 +68,14 @@ def plan_windows(num_micro_batches: int, accum_steps: int) -> list[MicroStep]:
 class GradientAccumulator:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, accum_steps: int, *,
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                 grad_scaler: torch.amp.GradScaler | None = None, clip_grad: float = 0.0):
+                 grad_scaler: torch.amp.GradScaler | None = None, clip_grad: float = 0.0,
+                 guard: Callable[[torch.Tensor | None], StepVerdict] | None = None):
         if accum_steps < 1:
             raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
         self.model, self.optimizer, self.accum_steps = model, optimizer, accum_steps
         self.lr_scheduler, self.grad_scaler, self.clip_grad = lr_scheduler, grad_scaler, clip_grad
+        self.guard = guard  # e.g. stopping.StepGuard: one all_reduce per optimizer step
+        self._nonfinite: torch.Tensor | None = None  # on the device: any NaN/Inf loss in this window
         self.optimizer.zero_grad(set_to_none=True)
 
     def micro_batches(self, batches: Iterable[B]) -> Iterator[tuple[MicroStep, B]]:
@@ -83,13 +91,26 @@ class GradientAccumulator:
 
     def backward(self, loss: torch.Tensor, micro: MicroStep) -> StepResult | None:
         """Back-propagate this micro-batch's share of the loss; step on the window's last one."""
+        if self.guard is not None:  # device ops only: no host sync per micro-step
+            bad = ~torch.isfinite(loss.detach())
+            self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
         scaled = loss / micro.window_size
         if self.grad_scaler is not None:
             scaled = self.grad_scaler.scale(scaled)
         scaled.backward()
-        return self._optimizer_step() if micro.syncs else None
+        return self._end_window() if micro.syncs else None
 
-    def _optimizer_step(self) -> StepResult:
+    def _end_window(self) -> StepResult:
+        verdict = self.guard(self._nonfinite) if self.guard is not None else StepVerdict()
+        self._nonfinite = None
+        if verdict.nonfinite_ranks:  # every rank agreed: drop this window, keep the weights
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()  # the schedule counts optimizer steps, applied or not
+            return StepResult(None, True, verdict)
+        return self._optimizer_step(verdict)
+
+    def _optimizer_step(self, verdict: StepVerdict) -> StepResult:
         grad_norm = None
         if self.clip_grad > 0:
             if self.grad_scaler is not None:
@@ -107,4 +128,4 @@ class GradientAccumulator:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(grad_norm, skipped)
+        return StepResult(grad_norm, skipped, verdict)

@@ -1,50 +1,130 @@
-"""Checkpoints: written atomically by rank 0, read back as data (``weights_only=True``)."""
+"""Checkpoints: written atomically by rank 0 with a short history, read back as data only.
+
+``OUT/checkpoint_last.pt`` is the newest; ``checkpoint_prev1.pt`` ... ``checkpoint_prev{N-1}.pt``
+are older ones (``--keep-checkpoints N``). A new checkpoint is written to a temp file and fsynced;
+only then is the history rotated by renames, so a crash, a preemption or a full disk at any moment
+leaves at least the previous checkpoint whole.
+"""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import pickle
 import random
+import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .collectives import all_gather_object
-from .dist import barrier, get_rank, get_world_size
+from .collectives import all_gather_object, broadcast_object
+from .dist import get_rank, get_world_size
+from .stopping import EXIT_FAILURE, RunStopped
 
 log = logging.getLogger(__name__)
 LAST = "checkpoint_last.pt"
+_PREVIOUS = re.compile(r"checkpoint_prev(\d+)\.pt")
+REQUIRED_KEYS = ("model", "step", "epoch", "config")
 
 
-def save_checkpoint(state: dict[str, Any], out_dir: str | os.PathLike, name: str = LAST) -> Path | None:
-    """Rank 0 writes ``out_dir/name`` through a temp file and a rename, so a crash or a preemption
-    mid-write leaves the previous checkpoint intact. Every rank must call it (it ends in a barrier)."""
-    path = Path(out_dir) / name
-    if get_rank() == 0:
-        tmp = path.with_name(f".{path.name}.tmp")
+class UnreadableCheckpoint(Exception):
+    """A checkpoint file that cannot be used; ``str()`` says why in a few words."""
+
+
+def history_names(keep: int) -> list[str]:
+    """File names of the kept checkpoints, newest first."""
+    return [LAST] + [f"checkpoint_prev{i}.pt" for i in range(1, keep)]
+
+
+def checkpoint_files(out_dir: str | os.PathLike) -> list[Path]:
+    """The checkpoints in a run folder, newest first (whatever --keep-checkpoints wrote them)."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    previous = sorted((int(m.group(1)), p) for p in out.iterdir() if (m := _PREVIOUS.fullmatch(p.name)))
+    return ([out / LAST] if (out / LAST).is_file() else []) + [p for _, p in previous]
+
+
+def save_checkpoint(state: dict[str, Any], out_dir: str | os.PathLike, keep: int = 2) -> Path:
+    """Rank 0 writes ``out_dir/checkpoint_last.pt`` and rotates the history; every rank must call
+    it and learns the outcome (a broadcast, which also keeps anyone from racing ahead while the
+    file is written). A failed write raises :class:`RunStopped` on every rank."""
+    out = Path(out_dir)
+    error = _write_with_history(state, out, keep) if get_rank() == 0 else None
+    error = broadcast_object(error)
+    if error:
+        raise RunStopped(error, EXIT_FAILURE)
+    return out / LAST
+
+
+def _write_with_history(state: dict[str, Any], out: Path, keep: int) -> str | None:
+    last, tmp = out / LAST, out / f".{LAST}.tmp"
+    try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-        log.info("saved checkpoint %s (epoch %d, step %d)", path, state["epoch"], state["step"])
-    barrier()  # nobody races ahead (or exits) while the file is still being written
-    return path if get_rank() == 0 else None
+    except (OSError, RuntimeError) as err:  # a full disk is an OSError; torch may wrap a failed write
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        kept = f"the previous checkpoint {last} is intact" if last.exists() else "no checkpoint was written yet"
+        reason = getattr(err, "strerror", None) or str(err).split(". ")[0]
+        return (f"could not write the step-{state['step']} checkpoint in {out} ({reason}); "
+                f"{kept}; free some space (or fix the folder) and continue with --resume auto")
+    try:
+        names = history_names(keep)
+        for older, newer in zip(reversed(names[1:]), reversed(names[:-1])):  # prev1 -> prev2, last -> prev1
+            if (out / newer).exists():
+                os.replace(out / newer, out / older)
+        os.replace(tmp, last)
+        for stale in checkpoint_files(out)[keep:]:  # left by an earlier run with a larger --keep-checkpoints
+            stale.unlink()
+        dir_fd = os.open(out, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the renames themselves survive a power cut
+        finally:
+            os.close(dir_fd)
+    except OSError as err:
+        return f"could not rotate the checkpoints in {out} ({err.strerror or err}); the newest is {tmp}"
+    return None
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """A checkpoint is data, not code: tensors, numbers, strings and containers only."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint of these scripts (:func:`load_data`, then a check of its entries)."""
+    data = load_data(path)
+    missing = [key for key in REQUIRED_KEYS if key not in data] if isinstance(data, dict) else list(REQUIRED_KEYS)
+    if missing:
+        raise UnreadableCheckpoint("not a checkpoint of train_classifier.py or train_moco.py "
+                                   f"(it has no {', '.join(missing)})")
+    return data
 
 
-def resolve_resume(resume: str, out_dir: str | os.PathLike) -> Path | None:
-    """``--resume auto``: the last checkpoint in ``out_dir`` if there is one; ``PATH``: that file."""
-    if not resume:
-        return None
-    if resume == "auto":
-        path = Path(out_dir) / LAST
-        return path if path.is_file() else None
-    return Path(resume)
+def load_data(path: str | os.PathLike) -> Any:
+    """Load a file written by ``torch.save`` as data (``weights_only=True``: tensors, numbers,
+    strings, containers). Raises :class:`UnreadableCheckpoint` with a short reason; never
+    suggests ``weights_only=False``, which would let a file from an unknown source run code.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UnreadableCheckpoint("no such file")
+    if path.stat().st_size == 0:
+        raise UnreadableCheckpoint("the file is empty")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a cut-off one has no directory
+        raise UnreadableCheckpoint("truncated or not a PyTorch checkpoint (no complete zip archive)")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        what = f" ({found.group(1)})" if found else ""
+        raise UnreadableCheckpoint(f"it holds a pickled Python object{what} that could run code; "
+                                   "weights_only=True refused it and nothing in the file was run. "
+                                   "These scripts never write such files") from None
+    except Exception as err:  # a damaged archive: torch's messages are long, keep the first clause
+        first = str(err).split(". ")[0].strip() or type(err).__name__
+        raise UnreadableCheckpoint(f"damaged ({first})") from None
+    return data
 
 
 def rng_states() -> list[dict[str, Any]]:
@@ -59,8 +139,9 @@ def rng_states() -> list[dict[str, Any]]:
 def restore_rng_states(states: list[dict[str, Any]]) -> None:
     """Restore this rank's RNG states; skipped (with a warning) if the world size changed."""
     if len(states) != get_world_size():
-        log.warning("checkpoint has RNG states for %d ranks, running %d: RNG streams not restored",
-                    len(states), get_world_size())
+        if get_rank() == 0:
+            log.warning("checkpoint has RNG states for %d ranks, running %d: RNG streams not restored",
+                        len(states), get_world_size())
         return
     mine = states[get_rank()]
     torch.set_rng_state(mine["torch"])

@@ -1,11 +1,13 @@
 """Collectives with a world-size-1 path, so callers never test for a process group themselves."""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
+from .config import UsageError
 from .dist import get_world_size, is_dist
 
 
@@ -45,6 +47,38 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` (picklable), on every rank."""
+    if not is_dist():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if ``flag`` is true on any rank (one small all_reduce)."""
+    return bool(all_reduce_sum(torch.tensor([int(flag)], device=device)).item())
+
+
+@contextlib.contextmanager
+def all_ranks_agree() -> Iterator[None]:
+    """Run a block of checks on every rank; a :class:`UsageError` on *any* rank is raised on
+    *every* rank when the block ends, so all of them exit 2 together and none waits for a peer
+    that already left. The block must run no collective itself (a rank that raised skips the
+    rest of it). A rank whose error it is not raises a copy naming the rank it came from.
+    """
+    problem = None
+    try:
+        yield
+    except UsageError as err:
+        problem = str(err)
+    problems = all_gather_object(problem)
+    for rank, text in enumerate(problems):
+        if text is not None:
+            raise UsageError(text if rank == 0 else f"(rank {rank}) {text}")
 
 
 def broadcast_(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ T = TypeVar("T")
 
 
 class UsageError(Exception):
-    """Bad input found before training starts: reported as one line, exit code 2."""
+    """Bad input: reported as one line (by rank 0 only), exit code 2, before any work is done."""
 
 
 def opt(default: Any, help: str, choices: Sequence[Any] | None = None) -> Any:
@@ -28,9 +29,38 @@ def opt(default: Any, help: str, choices: Sequence[Any] | None = None) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def finite_float(text: str) -> float:
+    """argparse type for every float flag: nan and inf are refused at parse time."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
+
+
 class _OneLineErrorParser(argparse.ArgumentParser):
+    def __init__(self, *args, quiet: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.quiet = quiet  # other ranks of a multi-process launch: exit 2 without a word
+
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, None if self.quiet else f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)", except for preset-controlled flags (default None), whose help says
+    "(preset: ...)" instead."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def _unwrap_optional(kind: Any) -> Any:
@@ -38,13 +68,20 @@ def _unwrap_optional(kind: Any) -> Any:
     return args[0] if len(args) == 1 and type(None) in typing.get_args(kind) else kind
 
 
-def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(description=description,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def ordered_fields(cls: type) -> list[dataclasses.Field]:
+    """The config's fields, those named in ``cls.FIRST_FLAGS`` first (e.g. a preset before the
+    flags it sets), the rest in declaration order."""
+    first = getattr(cls, "FIRST_FLAGS", ())
+    fields = dataclasses.fields(cls)
+    return sorted(fields, key=lambda f: (f.name not in first, first.index(f.name) if f.name in first else 0))
+
+
+def build_parser(cls: type, description: str = "", quiet: bool = False) -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(description=description, formatter_class=_HelpFormatter, quiet=quiet)
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        kind = _unwrap_optional(hints[f.name])  # `float | None`: None = "decided later" (a preset)
+    for f in ordered_fields(cls):
+        flag = flag_name(f.name)
+        kind = _unwrap_optional(hints[f.name])  # `float | None`: None = "set by the preset"
         meta = f.metadata
         if kind is bool:
             parser.add_argument(flag, dest=f.name, default=f.default, help=meta["help"],
@@ -52,22 +89,17 @@ def build_parser(cls: type, description: str = "") -> argparse.ArgumentParser:
             continue
         if kind not in (int, float, str):
             raise TypeError(f"config field {f.name} has unsupported type {kind}")
-        parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=meta["help"],
-                            choices=meta.get("choices"),
+        parser.add_argument(flag, dest=f.name, type=finite_float if kind is float else kind,
+                            default=f.default, help=meta["help"], choices=meta.get("choices"),
                             metavar=None if meta.get("choices") else f.name.upper())
     return parser
 
 
-def parse_config(cls: type[T], argv: Sequence[str] | None = None, description: str = "") -> T:
-    """Parse the command line into ``cls``; argparse errors exit 2 with one line."""
-    args = build_parser(cls, description).parse_args(argv)
+def parse_config(cls: type[T], argv: Sequence[str] | None = None, description: str = "",
+                 quiet: bool = False) -> T:
+    """Parse the command line into ``cls``; argparse errors exit 2 with one line (none if quiet)."""
+    args = build_parser(cls, description, quiet).parse_args(argv)
     return cls(**vars(args))
-
-
-def usage_error_exit(prog: str, err: UsageError) -> int:
-    """Report bad input as one line on stderr; 2 is the conventional exit code for usage errors."""
-    print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
-    return 2
 
 
 def git_revision() -> str | None:
@@ -93,3 +125,27 @@ def save_config(cfg: Any, out_dir: str | os.PathLike, extra: dict[str, Any] | No
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def markdown_flag_table(cls: type) -> str:
+    """The README's flag table for ``cls`` (tests/test_docs.py keeps the README equal to it)."""
+    rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    hints = typing.get_type_hints(cls)
+    for f in ordered_fields(cls):
+        flag, meta = flag_name(f.name), f.metadata
+        if _unwrap_optional(hints[f.name]) is bool:
+            flag = f"{flag} / --no-{flag[2:]}"
+        if f.default is None:
+            default = "preset"
+        elif isinstance(f.default, bool):
+            default = "on" if f.default else "off"
+        elif f.default == "":
+            default = "empty"
+        else:
+            default = f"`{f.default}`"
+        meaning = meta["help"].replace("%%", "%")
+        choices = [str(c) for c in meta.get("choices") or ()]
+        if choices and not all(c in meaning for c in choices):
+            meaning += "; one of " + ", ".join(choices)
+        rows.append(f"| `{flag}` | {default} | {meaning} |")
+    return "\n".join(rows)

@@ -145,18 +145,33 @@ def check_data_dir(dataset: str, data_dir: str, download: bool) -> str | None:
     return None
 
 
-def load_split(dataset: str, data_dir: str, train: bool, size: int,
-               download: bool = False, synthetic_samples: int = 2048) -> Dataset:
-    """The raw split (no transform): tensors for digits/synthetic, PIL images otherwise."""
+def download_cifar10(data_dir: str) -> None:
+    """Fetch and verify both CIFAR-10 splits into ``data_dir`` (done by one process per node)."""
+    try:
+        for train in (True, False):
+            datasets.CIFAR10(data_dir, train=train, download=True)
+    except (OSError, RuntimeError) as err:  # URLError is an OSError; a bad checksum a RuntimeError
+        raise UsageError(f"--download: CIFAR-10 could not be fetched into {data_dir} ({err}); check the "
+                         f"network, or copy cifar-10-batches-py/ there and drop --download") from None
+
+
+def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_samples: int = 2048) -> Dataset:
+    """The raw split (no transform): tensors for digits/synthetic, PIL images otherwise.
+    CIFAR-10 must already be on disk (see :func:`download_cifar10`)."""
     if dataset == "digits":
         return DigitsDataset(train, size)
     if dataset == "synthetic":
         n = synthetic_samples if train else max(1, synthetic_samples // 4)
         return SyntheticImages(n, size, seed=0 if train else 1)
     if dataset == "cifar10":
-        return datasets.CIFAR10(data_dir, train=train, download=download)
+        return datasets.CIFAR10(data_dir, train=train, download=False)
     if dataset == "imagefolder":
-        return datasets.ImageFolder(os.path.join(data_dir, "train" if train else "val"))
+        split = "train" if train else "val"
+        try:
+            return datasets.ImageFolder(os.path.join(data_dir, split))
+        except FileNotFoundError as err:  # a class folder without images, or no class folder at all
+            raise UsageError(f"--data-dir {data_dir}: {split}/: {str(err).split('. ')[0]}; every class "
+                             f"folder needs at least one image") from None
     raise ValueError(f"unknown dataset {dataset!r}")
 
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
+
+from .config import UsageError
 
 # Ports derived from a SLURM job id fall in [_PORT_BASE, _PORT_BASE + _PORT_SPAN): above the
 # well-known and registered ranges most services use, below Linux's default ephemeral range.
@@ -123,15 +126,55 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(launcher="single", rank=0, local_rank=0, world_size=1, local_world_size=1)
 
 
-def select_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
+def restart_count(env: Mapping[str, str] | None = None) -> int:
+    """How many times this job was restarted: by torchrun (--max-restarts) or by a SLURM requeue."""
+    env = os.environ if env is None else env
+    return int(env.get("TORCHELASTIC_RESTART_COUNT") or 0) + int(env.get("SLURM_RESTART_COUNT") or 0)
+
+
+def cuda_index(local_rank: int, local_world_size: int, visible: int, launcher: str) -> int:
+    """The GPU of this process: ``cuda:(local_rank mod visible)``.
+
+    torchrun starts every worker of a node with the same visible GPUs, so more workers than GPUs
+    means sharing one, which NCCL refuses: fail with one line instead. Under ``srun
+    --gpus-per-task=1`` (or ``--gpu-bind``) each task sees only its own GPU, as ``cuda:0``, while
+    SLURM_LOCALID counts 0..n-1; the modulo maps it there. Whether srun tasks really got
+    different GPUs is checked after the process group exists (:func:`shared_gpu_problem`).
+    """
+    if visible == 0:
+        raise UsageError("--device cuda: this process sees no CUDA device "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                         "use --device cpu")
+    if local_world_size > visible and launcher != "slurm":
+        raise UsageError(f"{local_world_size} processes on this node but only {visible} visible GPU(s): "
+                         f"start at most {visible} per node (--nproc-per-node={visible}) or use --device cpu")
+    return local_rank % visible
+
+
+def shared_gpu_problem(gpus: list[tuple[str, str | None]]) -> str | None:
+    """One line if two ranks run on the same GPU; ``gpus[rank]`` is (host name, GPU UUID)."""
+    owner: dict[tuple[str, str], int] = {}
+    for rank, (host, uuid) in enumerate(gpus):
+        if uuid is None:
+            continue
+        if (host, uuid) in owner:
+            return (f"ranks {owner[host, uuid]} and {rank} share one GPU on {host}: this node has more "
+                    f"ranks than GPUs; give each task its own (srun --gpus-per-task=1) or start fewer")
+        owner[host, uuid] = rank
+    return None
+
+
+def select_device(requested: str, launch: LaunchEnv) -> tuple[torch.device, str]:
     """Pick the device and the matching backend: CUDA + NCCL where possible, else CPU + gloo."""
     if requested not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"unknown device {requested!r}")
+        raise UsageError(f"--device {requested}: choose auto, cpu or cuda")
     if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for but CUDA is not available; use --device cpu")
+        raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu (or auto)")
     if requested != "cpu" and torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), "nccl"
+        index = cuda_index(launch.local_rank, launch.local_world_size, torch.cuda.device_count(),
+                           launch.launcher)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index), "nccl"
     return torch.device("cpu"), "gloo"
 
 
@@ -140,10 +183,11 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0,
     """Initialise the process group for torchrun, srun or a single process.
 
     ``timeout_s`` bounds every collective: a peer that died makes the others fail after this many
-    seconds instead of hanging the job until its wall-clock limit.
+    seconds instead of hanging the job until its wall-clock limit. A device problem (``--device
+    cuda`` without CUDA, more workers than GPUs) raises :class:`UsageError` before any rendezvous.
     """
     launch = detect_launch(env)
-    torch_device, backend = select_device(device, launch.local_rank)
+    torch_device, backend = select_device(device, launch)
     if launch.world_size == 1:
         return DistInfo(0, 0, 1, 1, torch_device, None, launch.launcher)
     if not dist.is_initialized():
@@ -161,6 +205,14 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0,
         )
     return DistInfo(launch.rank, launch.local_rank, launch.world_size,
                     launch.local_world_size, torch_device, backend, launch.launcher)
+
+
+def gpu_identity(device: torch.device) -> tuple[str, str | None]:
+    """(host name, GPU UUID) of this process, for :func:`shared_gpu_problem`."""
+    if device.type != "cuda":
+        return socket.gethostname(), None
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return socket.gethostname(), None if uuid is None else str(uuid)
 
 
 def _bracket_ipv6(host: str | None) -> str:

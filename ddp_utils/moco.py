@@ -163,7 +163,7 @@ class MoCo(nn.Module):
         """Contrastive logits (N x (1+K), positive first) and this batch's keys (N x C).
 
         ``query_encoder`` is the DDP wrapper of ``encoder_q`` when distributed, so that the
-        backward all-reduces its gradients. The caller enqueues the keys after backward.
+        backward all-reduces its gradients. The caller enqueues the keys once the optimizer step is applied.
         """
         encode = self.encoder_q if query_encoder is None else query_encoder
         q = F.normalize(encode(im_q), dim=1)                              # N x C

@@ -14,12 +14,14 @@ log = logging.getLogger("train")
 class TensorBoard:
     """A SummaryWriter on rank 0, a no-op elsewhere (so callers need no rank checks)."""
 
-    def __init__(self, log_dir: str | Path | None):
+    def __init__(self, log_dir: str | Path | None, purge_step: int | None = None):
+        """``purge_step``: on resume, the step after the checkpoint's; TensorBoard then hides the
+        points a crashed attempt logged after that checkpoint, so each step appears once."""
         self.writer = None
         if log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # slow import: only rank 0 pays
 
-            self.writer = SummaryWriter(str(log_dir))
+            self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
     def scalars(self, step: int, **values: float) -> None:
         if self.writer is not None:
@@ -29,6 +31,7 @@ class TensorBoard:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
 
 
 def format_duration(seconds: float) -> str:
@@ -37,29 +40,31 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """Step, loss, throughput and ETA on rank 0: a redrawn bar on a terminal, log lines elsewhere."""
+    """Step, loss, throughput and ETA on rank 0: a redrawn bar on a terminal, log lines elsewhere.
 
-    def __init__(self, total_steps: int, log_every: int, enabled: bool):
-        self.total_steps, self.log_every, self.enabled = total_steps, log_every, enabled
+    The clock starts when the object is made (just before the first step of this process), so
+    the first line's ETA already includes a whole step.
+    """
+
+    def __init__(self, total_steps: int, epochs: int, enabled: bool, start_step: int = 0):
+        self.total_steps, self.epochs, self.enabled = total_steps, epochs, enabled
         self.tty = enabled and sys.stdout.isatty()
-        self.start_time = time.perf_counter()
-        self.start_step: int | None = None
+        self.start_step, self.start_time = start_step, time.perf_counter()
 
     def update(self, step: int, epoch: int, loss: float, lr: float, images_per_sec: float) -> None:
+        """``epoch``: the step's epoch, counted from 1."""
         if not self.enabled:
             return
-        if self.start_step is None:
-            self.start_step, self.start_time = step - 1, time.perf_counter()
-        done = step - self.start_step
+        done = max(1, step - self.start_step)
         eta = (time.perf_counter() - self.start_time) / done * (self.total_steps - step)
-        text = (f"epoch {epoch} step {step}/{self.total_steps} loss {loss:.4f} lr {lr:.4g} "
+        text = (f"epoch {epoch}/{self.epochs} step {step}/{self.total_steps} loss {loss:.4f} lr {lr:.4g} "
                 f"{images_per_sec:,.0f} img/s eta {format_duration(eta)}")
         if self.tty:
             width = 24
             filled = int(width * step / max(1, self.total_steps))
             sys.stdout.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}\033[K")
             sys.stdout.flush()
-        elif step % self.log_every == 0 or step == self.total_steps:
+        else:
             log.info(text)
 
     def end_line(self) -> None:
@@ -91,7 +96,8 @@ class StepMeter:
             self.sums[name] = self.sums[name] + value if name in self.sums else value
 
     def end_step(self, step: int, epoch: int, force: bool = False, **values: float) -> dict | None:
-        """Call after each optimizer step; logs (and returns the averages) every log_every steps."""
+        """Call after each optimizer step; logs (and returns the averages) every log_every steps,
+        and at a ``force``d step (the run's last). Every rank must call it (it may all_reduce)."""
         self.steps += 1
         if not (force or step % self.log_every == 0):
             return None

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import load_checkpoint
+from .checkpoint import UnreadableCheckpoint, load_data
 from .config import UsageError
 
 QUERY_BACKBONE = "encoder_q.backbone."
@@ -23,9 +23,27 @@ def backbone_state_dict(source: dict) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model_state.items() if not k.startswith("fc.")}
 
 
-def load_pretrained_backbone(model: nn.Module, path: str | os.PathLike) -> None:
+def read_pretrained(path: str | os.PathLike) -> dict:
+    """A train_moco.py / train_classifier.py checkpoint, or an exported backbone (a plain state
+    dict), read as data only."""
+    try:
+        source = load_data(path)
+    except UnreadableCheckpoint as err:
+        raise UsageError(f"--pretrained {path}: {err}") from None
+    if not isinstance(source, dict):
+        raise UsageError(f"--pretrained {path}: not a checkpoint or an exported backbone")
+    return source
+
+
+def load_pretrained_backbone(model: nn.Module, path: str | os.PathLike, arch: str) -> None:
     """Load every weight but ``fc`` into ``model``; anything else missing or extra is an error."""
-    state = backbone_state_dict(load_checkpoint(path))
+    source = read_pretrained(path)
+    config = source.get("config")
+    trained_arch = config.get("arch") if isinstance(config, dict) else None  # exported backbones have none
+    if trained_arch is not None and trained_arch != arch:
+        raise UsageError(f"--pretrained {path}: a {trained_arch} backbone, but this run has --arch {arch}; "
+                         f"pass --arch {trained_arch}")
+    state = backbone_state_dict(source)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # shape mismatch: another architecture or stem

@@ -1,24 +1,51 @@
-"""Where a run stands (epoch, optimizer step, batches of the epoch already consumed), and
-the checkpoint round trip of everything that has to continue exactly after a resume."""
+"""Where a run stands (epoch, optimizer step, batches of the epoch already consumed), and the
+checkpoint round trip of everything that has to continue exactly after a resume."""
 from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .checkpoint import load_checkpoint, restore_rng_states, rng_states
+from .checkpoint import restore_rng_states, rng_states
+from .config import UsageError, flag_name
 
 log = logging.getLogger("train")
+# Config fields that name this run, not its training: they may differ on resume without a word.
+RUN_ONLY_FIELDS = ("out", "resume", "overwrite")
 
 
 @dataclass
 class RunState:
-    epoch: int = 0          # the epoch in progress (0-based)
-    step: int = 0           # optimizer steps done since the start of training
-    batches_done: int = 0   # micro-batches of `epoch` this rank consumed (a multiple of accum_steps)
+    epoch: int = 0              # epochs completed (0-based index of the epoch in progress)
+    step: int = 0               # optimizer steps done since the start of training
+    batches_done: int = 0       # micro-batches of `epoch` this rank consumed (a multiple of accum_steps)
+    nonfinite_skipped: int = 0  # optimizer steps skipped for a non-finite loss (--skip-nonfinite)
+
+    @property
+    def epoch_number(self) -> int:
+        """The epoch of the last step, counted from 1, as every message counts epochs (0 = none yet)."""
+        return self.epoch if self.batches_done == 0 else self.epoch + 1
+
+    def describe(self) -> str:
+        return describe_position(self.step, self.epoch, self.batches_done)
+
+
+def describe_position(step: int, epoch: int, batches_done: int) -> str:
+    if batches_done == 0:
+        return f"step {step}, end of epoch {epoch}" if epoch else f"step {step}"
+    return f"step {step}, in epoch {epoch + 1}"
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A checkpoint chosen by ``--resume`` (already read and checked to be a checkpoint)."""
+
+    path: Path
+    checkpoint: dict[str, Any]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -26,12 +53,15 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def training_state(state: RunState, config: dict[str, Any], world_size: int, *,
-                   model: nn.Module, optimizer: torch.optim.Optimizer,
+def training_state(state: RunState, config: dict[str, Any], world_size: int, *, script: str,
+                   facts: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
                    lr_scheduler: Any, grad_scaler: Any) -> dict[str, Any]:
-    """Everything a resume needs, as plain data (every rank must call: RNG states are gathered)."""
+    """Everything a resume needs, as plain data (every rank must call: RNG states are gathered).
+    ``script`` and ``facts`` (e.g. the class count) let a resume refuse a checkpoint that cannot fit."""
     return {
         **asdict(state),
+        "script": script,
+        "facts": facts,
         "world_size": world_size,
         "config": config,
         "model": unwrap(model).state_dict(),
@@ -42,47 +72,85 @@ def training_state(state: RunState, config: dict[str, Any], world_size: int, *,
     }
 
 
+def checkpoint_script(ckpt: dict[str, Any]) -> str:
+    """Which script wrote ``ckpt`` (checkpoints from before the field existed: from their keys)."""
+    return ckpt.get("script") or ("train_moco.py" if "queue" in ckpt["model"] else "train_classifier.py")
+
+
+def check_resume_fits(resume: Resume, script: str, config: dict[str, Any], fixed: tuple[str, ...],
+                      facts: dict[str, Any], world_size: int, announce: bool) -> None:
+    """Refuse (one line, every difference listed) a checkpoint of the other script or with another
+    model shape; log the settings that changed and may change (epochs, lr, batch, world size...)."""
+    ckpt, path = resume.checkpoint, resume.path
+    other = checkpoint_script(ckpt)
+    if other != script:
+        hint = "; to start a classifier from it use --pretrained" if other == "train_moco.py" else ""
+        raise UsageError(f"--resume {path}: a checkpoint of {other}, not of {script}{hint}")
+    saved = {**ckpt["config"], **ckpt.get("facts", {})}
+    now = {**config, **facts}
+    differences = [f"{_label(name)}: checkpoint {saved[name]}, now {now[name]}"
+                   for name in (*fixed, *facts) if name in saved and saved[name] != now[name]]
+    if differences:
+        raise UsageError(f"--resume {path} does not fit this run ({'; '.join(differences)}); resume with "
+                         f"the checkpoint's settings, or start a new run in another --out")
+    changed = [f"{_label(name)} {saved[name]} -> {value}" for name, value in config.items()
+               if name in saved and saved[name] != value and name not in RUN_ONLY_FIELDS]
+    if ckpt["world_size"] != world_size:
+        changed.append(f"world size {ckpt['world_size']} -> {world_size}")
+    if changed and announce:
+        log.info("resuming with changed settings: %s", ", ".join(changed))
+
+
+def _label(name: str) -> str:
+    return "number of classes" if name == "num_classes" else flag_name(name)
+
+
 def restore_schedule_position(lr_scheduler: Any, optimizer: torch.optim.Optimizer, saved: dict) -> None:
     """Continue the schedule *of this run's config* at the saved step.
 
     ``LambdaLR.load_state_dict`` would also bring back the saved schedule's definition (its
     length, warm-up, milestones, peak LR), so resuming with more --epochs would keep decaying
-    towards the old end while MoCo's momentum schedule followed the new one. Only the position is taken; the LR is then recomputed from the current definition
-    (the same value, bit for bit, when nothing changed).
+    towards the old end while MoCo's momentum schedule followed the new one. Only the position is
+    taken; the LR is then recomputed from the current definition (the same value, bit for bit,
+    when nothing changed).
     """
     definitions = [dict(vars(fn)) for fn in lr_scheduler.lr_lambdas]
     base_lrs = list(lr_scheduler.base_lrs)  # --lr of this run
     lr_scheduler.load_state_dict(saved)
     lr_scheduler.base_lrs = base_lrs
     for fn, definition in zip(lr_scheduler.lr_lambdas, definitions):
-        if vars(fn) != definition:
-            log.warning("LR schedule differs from the checkpoint's (%s, was %s): continuing with "
-                        "this run's", definition, dict(vars(fn)))
-            vars(fn).update(definition)
+        vars(fn).update(definition)
     for group, base_lr, fn in zip(optimizer.param_groups, lr_scheduler.base_lrs, lr_scheduler.lr_lambdas):
         group["lr"] = base_lr * fn(lr_scheduler.last_epoch)
     lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
-def restore_training_state(path: str, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                           lr_scheduler: Any, grad_scaler: Any, world_size: int,
-                           batch_size: int) -> RunState:
-    """Load ``path`` into the objects given; returns where the run stands."""
-    ckpt = load_checkpoint(path)
-    unwrap(model).load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+def restore_training_state(resume: Resume, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                           lr_scheduler: Any, grad_scaler: Any, world_size: int, batch_size: int,
+                           announce: bool) -> RunState:
+    """Load the checkpoint into the objects given; returns where the run stands. A model that
+    does not fit (another --image-size, say) is a UsageError with the first mismatch."""
+    ckpt, path = resume.checkpoint, resume.path
+    try:
+        unwrap(model).load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as err:
+        detail = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err))
+        raise UsageError(f"--resume {path}: its model does not fit this one ({detail[:160]}); was it "
+                         f"written with another --arch or --image-size?") from None
     if lr_scheduler is not None and ckpt["lr_scheduler"] is not None:
         restore_schedule_position(lr_scheduler, optimizer, ckpt["lr_scheduler"])
     if grad_scaler is not None and ckpt["grad_scaler"] is not None:
         grad_scaler.load_state_dict(ckpt["grad_scaler"])
     restore_rng_states(ckpt["rng"])
-    state = RunState(ckpt["epoch"], ckpt["step"], ckpt["batches_done"])
+    state = RunState(ckpt["epoch"], ckpt["step"], ckpt["batches_done"], ckpt.get("nonfinite_skipped", 0))
     old_ws, old_bs = ckpt["world_size"], ckpt["config"]["batch_size"]
     if (old_ws, old_bs) != (world_size, batch_size) and state.batches_done:
         # Same global sample position, expressed in this run's micro-batches.
         state.batches_done = state.batches_done * old_ws * old_bs // (world_size * batch_size)
-        log.warning("resuming with world size %d x batch %d (was %d x %d): the epoch continues "
-                    "near, not exactly at, the saved position", world_size, batch_size, old_ws, old_bs)
-    log.info("resumed from %s: epoch %d, step %d, %d batches into the epoch",
-             path, state.epoch, state.step, state.batches_done)
+        if announce:
+            log.warning("resuming with world size %d x batch %d (was %d x %d): the epoch continues "
+                        "near, not exactly at, the saved position", world_size, batch_size, old_ws, old_bs)
+    if announce:
+        log.info("resumed from %s: %s, %d batches into the epoch", path, state.describe(), state.batches_done)
     return state

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from .config import UsageError, opt
 from .data import DATASETS, NATIVE_SIZE, check_data_dir
 from .dist import LaunchEnv
-from .models import ARCHS
+from .models import ARCHS, MIN_IMAGE_SIZE
 from .precision import AMP_MODES
+from .run_folder import check_out_dir
 from .schedule import LR_SCHEDULES, parse_milestones
 
 
@@ -47,27 +47,46 @@ class TrainConfig:
     device: str = opt("auto", "auto = cuda:LOCAL_RANK with NCCL if CUDA is available, else CPU with gloo",
                       choices=("auto", "cpu", "cuda"))
     dist_timeout: float = opt(600.0, "seconds a collective may wait for a peer before the job fails")
-    out: str = opt("runs/run", "run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard)")
-    resume: str = opt("", "'auto' = continue from OUT/checkpoint_last.pt if it exists; or a "
-                      "checkpoint path; empty = start fresh")
+    out: str = opt("runs/run", "run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a fresh "
+                   "run refuses a folder that already holds a checkpoint")
+    resume: str = opt("", "'auto' = continue from the newest readable checkpoint in OUT (start fresh if "
+                      "there is none); or a checkpoint path; empty = start fresh")
+    overwrite: bool = opt(False, "start over in an OUT that holds a run: its checkpoints, TensorBoard "
+                          "events and config are deleted first")
     ckpt_every: int = opt(0, "also checkpoint every this many optimizer steps (0 = at epoch ends only)")
+    keep_checkpoints: int = opt(2, "checkpoints kept in OUT: checkpoint_last.pt and N-1 older ones "
+                                "(checkpoint_prev1.pt, ...); the oldest goes only once a new one is on disk")
+    skip_nonfinite: int = opt(0, "optimizer steps with a NaN/Inf loss that may be skipped (nothing is "
+                              "updated) before the run stops with exit code 3")
     log_every: int = opt(20, "optimizer steps between progress lines and train/* TensorBoard points")
     debug: bool = opt(False, "one process, tiny data subset, autograd anomaly detection, extra checks")
 
     def validate(self, launch: LaunchEnv) -> None:
         """Raise UsageError (one line, with the fix) for input that cannot train."""
-        positive = ("batch_size", "accum_steps", "epochs", "log_every", "synthetic_samples")
+        """Checks of the flags alone: the same answer on every rank, so no rank waits for another.
+        Files and folders are checked by :meth:`check_paths`, once the ranks can agree."""
+        positive = ("batch_size", "accum_steps", "epochs", "log_every", "synthetic_samples",
+                    "keep_checkpoints")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        non_negative = ("max_steps", "warmup_steps", "ckpt_every", "image_size", "clip_grad", "weight_decay")
+        non_negative = ("max_steps", "warmup_steps", "ckpt_every", "image_size", "clip_grad", "weight_decay",
+                        "skip_nonfinite")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise UsageError(f"--lr must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise UsageError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.dist_timeout <= 0:
             raise UsageError(f"--dist-timeout must be positive seconds, got {self.dist_timeout}")
+        if self.overwrite and self.resume:
+            raise UsageError("--overwrite starts over and --resume continues: give only one of them")
+        size, smallest = self.resolved_image_size(), MIN_IMAGE_SIZE[self.arch]
+        if size < smallest:
+            raise UsageError(f"--image-size {size} is too small for --arch {self.arch}: give at least "
+                             f"{smallest} px")
         try:
             milestones = parse_milestones(self.lr_milestones)
         except ValueError:
@@ -77,14 +96,15 @@ class TrainConfig:
             raise UsageError("--lr-schedule step needs --lr-milestones, e.g. --lr-milestones 120,160")
         if self.workers < -1:
             raise UsageError(f"--workers must be -1 (auto) or >= 0, got {self.workers}")
+        if self.debug and launch.world_size > 1:
+            raise UsageError("--debug runs one process; start it with plain `python`, not torchrun/srun")
+
+    def check_paths(self) -> None:
+        """Checks that read the file system (run on every rank inside an agreement)."""
+        check_out_dir(self.out)
         problem = check_data_dir(self.dataset, self.data_dir, self.download)
         if problem:
             raise UsageError(problem)
-        if self.resume not in ("", "auto") and not Path(self.resume).is_file():
-            raise UsageError(f"--resume {self.resume}: no such file; give a checkpoint path or "
-                             f"'--resume auto' to continue from {self.out}")
-        if self.debug and launch.world_size > 1:
-            raise UsageError("--debug runs one process; start it with plain `python`, not torchrun/srun")
 
     def milestone_steps(self, steps_per_epoch: int) -> list[int]:
         return [epoch * steps_per_epoch for epoch in parse_milestones(self.lr_milestones)]

@@ -1,37 +1,67 @@
-"""The skeleton both training scripts share: validate -> init -> build -> train -> clean up,
-the optimizer/schedule/scaler trio, resume, and the run checkpoint."""
+"""The skeleton both training scripts share: validate -> init -> check -> build -> train -> stop,
+the optimizer/schedule/scaler trio, resume, the run checkpoint, and one exit code per way a run
+can end (see ddp_utils.stopping)."""
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
+import os
+import re
 import sys
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
-from .accumulation import GradientAccumulator
-from .checkpoint import resolve_resume, save_checkpoint
-from .config import UsageError, config_dict, save_config, usage_error_exit
+from .accumulation import GradientAccumulator, StepResult
+from .checkpoint import save_checkpoint
+from .collectives import all_gather_object, all_ranks_agree, any_rank
+from .config import UsageError, config_dict, parse_config, save_config
 from .data import (
     DEBUG_TRAIN_SAMPLES,
     DEBUG_VAL_SAMPLES,
     Loaders,
     debug_subset,
     default_workers,
+    download_cifar10,
     load_split,
+    num_classes_of,
     steps_per_epoch,
 )
-from .dist import DistInfo, barrier, cleanup_distributed, detect_launch, init_distributed
-from .logs import setup_logging
+from .dist import (
+    DistInfo,
+    barrier,
+    cleanup_distributed,
+    detect_launch,
+    gpu_identity,
+    init_distributed,
+    restart_count,
+    shared_gpu_problem,
+)
+from .faults import FaultPlan
+from .logs import release_held_logs, setup_logging
 from .monitor import Progress, StepMeter, TensorBoard
 from .precision import grad_scaler
-from .preemption import PreemptionGuard
-from .run_state import RunState, restore_training_state, training_state
+from .run_folder import TB_DIR, choose_resume, prepare_run_folder
+from .run_state import Resume, RunState, check_resume_fits, restore_training_state, training_state
 from .schedule import build_lr_scheduler
+from .stopping import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_NONFINITE,
+    EXIT_OK,
+    EXIT_USAGE,
+    RunStopped,
+    StepGuard,
+    StopSignals,
+)
 from .train_config import TrainConfig
 
 log = logging.getLogger("train")
@@ -52,7 +82,11 @@ class TrainRun:
     state: RunState
     total_steps: int
     tb: TensorBoard
-    preemption: PreemptionGuard | None = None
+    script: str                                      # "train_classifier.py" / "train_moco.py"
+    facts: dict = field(default_factory=dict)        # must match on resume (e.g. the class count)
+    signals: StopSignals | None = None
+    faults: FaultPlan = field(default_factory=FaultPlan)
+    saved_step: int | None = None                    # step of the newest checkpoint on disk
     preempted: bool = False
 
     def finished(self) -> bool:
@@ -61,16 +95,42 @@ class TrainRun:
         return (self.preempted or self.state.epoch >= cfg.epochs
                 or bool(cfg.max_steps and self.state.step >= cfg.max_steps))
 
+    def start_epoch(self) -> None:
+        """Reshuffle for the epoch in progress, skipping the batches a checkpoint already consumed."""
+        if self.state.batches_done >= self.loaders.batches_per_epoch:  # resumed with a smaller world size
+            self.state.epoch, self.state.batches_done = self.state.epoch + 1, 0
+        self.loaders.set_epoch(self.state.epoch, skip_batches=self.state.batches_done)
 
+    def count_step(self) -> None:
+        """After each optimizer step (applied or skipped): one more step; a new epoch once this
+        one's batches are all consumed, so every message and checkpoint of the step agrees on
+        which epoch it ended."""
+        self.state.step += 1
+        if self.state.batches_done >= self.loaders.batches_per_epoch:
+            self.state.epoch, self.state.batches_done = self.state.epoch + 1, 0
+
+    def is_last_step(self, stepped: StepResult) -> bool:
+        """Whether the step just taken ends the run (its metrics are then logged whatever
+        --log-every says)."""
+        verdict, state, cfg = stepped.verdict, self.state, self.cfg
+        return (verdict.stop or (verdict.nonfinite_ranks > 0 and state.nonfinite_skipped >= cfg.skip_nonfinite)
+                or state.step >= self.total_steps or bool(cfg.max_steps and state.step >= cfg.max_steps))
+
+    def last_checkpoint(self) -> str:
+        if self.saved_step is None:
+            return "no checkpoint was written yet"
+        return f"the last good checkpoint is {Path(self.cfg.out) / 'checkpoint_last.pt'} (step {self.saved_step})"
+
+
+# ----------------------------------------------------------------------------- building
 def load_raw_splits(cfg: TrainConfig, info: DistInfo) -> tuple[Dataset, Dataset]:
-    """Train and val splits without transforms; CIFAR-10 is downloaded once, by rank 0."""
+    """Train and val splits without transforms (CIFAR-10 was downloaded, if asked, by run_script)."""
     size = cfg.resolved_image_size()
-    if cfg.dataset == "cifar10" and cfg.download:
-        if info.is_main:
-            load_split("cifar10", cfg.data_dir, True, size, download=True)
-        barrier()
-    train = load_split(cfg.dataset, cfg.data_dir, True, size, cfg.download, cfg.synthetic_samples)
-    val = load_split(cfg.dataset, cfg.data_dir, False, size, cfg.download, cfg.synthetic_samples)
+    train = load_split(cfg.dataset, cfg.data_dir, True, size, cfg.synthetic_samples)
+    val = load_split(cfg.dataset, cfg.data_dir, False, size, cfg.synthetic_samples)
+    if num_classes_of(train) != num_classes_of(val):
+        raise UsageError(f"--data-dir {cfg.data_dir}: train/ has {num_classes_of(train)} classes but val/ "
+                         f"has {num_classes_of(val)}; both need the same class folders")
     if cfg.debug:
         return debug_subset(train, DEBUG_TRAIN_SAMPLES), debug_subset(val, DEBUG_VAL_SAMPLES)
     return train, val
@@ -95,7 +155,8 @@ def build_optimization(cfg: TrainConfig, params, batches_per_epoch: int, device:
 
 def wrap_for_training(module: nn.Module, cfg: TrainConfig, info: DistInfo, optimizer, lr_scheduler,
                       scaler) -> tuple[nn.Module, GradientAccumulator]:
-    """DDP around ``module`` when distributed (the only part DDP ever sees), and its accumulator."""
+    """DDP around ``module`` when distributed (the only part DDP ever sees), and its accumulator.
+    Every rank must call it (DDP broadcasts rank 0's weights)."""
     network = module
     if info.is_distributed:
         network = DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None)
@@ -107,50 +168,84 @@ def wrap_for_training(module: nn.Module, cfg: TrainConfig, info: DistInfo, optim
 def training_meter(run: TrainRun) -> tuple[Progress, StepMeter]:
     """Progress line/bar and per-step metrics for ``fit``."""
     cfg = run.cfg
-    progress = Progress(min(run.total_steps, cfg.max_steps or run.total_steps), cfg.log_every, run.info.is_main)
+    progress = Progress(min(run.total_steps, cfg.max_steps or run.total_steps), cfg.epochs, run.info.is_main,
+                        start_step=run.state.step)
     return progress, StepMeter(run.tb, progress, run.info.device, run.info.world_size, cfg.log_every)
 
 
-def resume_if_asked(cfg: TrainConfig, info: DistInfo, *, model: nn.Module, optimizer, lr_scheduler,
-                    scaler) -> RunState:
-    """Load ``--resume`` (a path, or ``auto``: the run folder's last checkpoint if any)."""
-    path = resolve_resume(cfg.resume, cfg.out)
-    if path is None:
-        if cfg.resume == "auto":
-            log.info("--resume auto: no checkpoint in %s yet, starting from scratch", cfg.out)
+def restore_if_resuming(cfg: TrainConfig, info: DistInfo, resume: Resume | None, *, script: str,
+                        fixed: Sequence[str], facts: dict, model: nn.Module, optimizer, lr_scheduler,
+                        scaler) -> RunState:
+    """Where the run starts: from scratch, or from ``resume`` once it is known to fit (``fixed``:
+    the config fields that shape the model; ``facts``: derived ones such as the class count)."""
+    if resume is None:
         return RunState()
-    return restore_training_state(str(path), model=model, optimizer=optimizer,
-                                      lr_scheduler=lr_scheduler, grad_scaler=scaler,
-                                      world_size=info.world_size, batch_size=cfg.batch_size)
+    check_resume_fits(resume, script, config_dict(cfg), tuple(fixed), facts, info.world_size, info.is_main)
+    return restore_training_state(resume, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                  grad_scaler=scaler, world_size=info.world_size, batch_size=cfg.batch_size,
+                                  announce=info.is_main)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def weights_finite(model: nn.Module, device: torch.device) -> bool:
+    """True on every rank when every floating tensor of the model is finite on every rank."""
+    local = all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
+    return not any_rank(not local, device)
 
 
 def save_run(run: TrainRun) -> None:
-    """Checkpoint the run (all ranks call; rank 0 writes)."""
-    state = training_state(run.state, config_dict(run.cfg), run.info.world_size, model=run.model,
-                           optimizer=run.optimizer, lr_scheduler=run.lr_scheduler, grad_scaler=run.scaler)
-    save_checkpoint(state, run.cfg.out)
+    """Checkpoint the run, unless this very step is on disk already (all ranks call; rank 0
+    writes). Non-finite weights are never written over a good checkpoint."""
+    state = run.state
+    if run.saved_step == state.step:
+        return
+    if not weights_finite(run.model, run.info.device):
+        raise RunStopped(f"step {state.step}: the weights are NaN or Inf, so no checkpoint was written; "
+                         f"{run.last_checkpoint()}. Lower --lr or add --clip-grad", EXIT_NONFINITE)
+    checkpoint = training_state(state, config_dict(run.cfg), run.info.world_size, script=run.script,
+                                facts=run.facts, model=run.model, optimizer=run.optimizer,
+                                lr_scheduler=run.lr_scheduler, grad_scaler=run.scaler)
+    path = save_checkpoint(checkpoint, run.cfg.out, run.cfg.keep_checkpoints)
+    run.saved_step = state.step
+    log.info("saved checkpoint %s (%s)", path, state.describe())
 
 
-def after_optimizer_step(run: TrainRun) -> bool:
-    """Preemption, periodic checkpoint and --max-steps after each optimizer step (every rank
-    calls it, it may run collectives); True when the epoch must end here."""
-    if run.preemption is not None and run.preemption.should_stop(run.info.device):
-        run.preempted = True
+# ----------------------------------------------------------------------------- each step
+def after_optimizer_step(run: TrainRun, stepped: StepResult) -> bool:
+    """What the ranks agreed on at this step, the periodic checkpoint and --max-steps (every
+    rank calls it; it may run collectives). True when the epoch loop must end here."""
+    cfg, state, verdict = run.cfg, run.state, stepped.verdict
+    if verdict.nonfinite_ranks:
+        skip_or_stop_nonfinite(run, verdict.nonfinite_ranks)
+    if verdict.stop:
         save_run(run)
+        if verdict.interrupted:
+            raise RunStopped(f"interrupted at step {state.step}: checkpoint written in {cfg.out}; continue "
+                             f"with the same command plus --resume auto", EXIT_INTERRUPTED)
         if run.info.is_main:
-            run.preemption.write_marker(run.state.step)
+            run.signals.write_marker(state.step)
+        run.preempted = True
         return True
-    if run.cfg.ckpt_every and run.state.step % run.cfg.ckpt_every == 0:
+    if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
         save_run(run)
-    return bool(run.cfg.max_steps and run.state.step >= run.cfg.max_steps)
+    run.faults.after_step(run.info.rank, state.step)
+    return bool(cfg.max_steps and state.step >= cfg.max_steps)
 
 
-def end_epoch_if_complete(run: TrainRun) -> bool:
-    """Advance to the next epoch if this one ran to its end (not cut by a stop); True if so."""
-    if run.state.batches_done < run.loaders.batches_per_epoch:
-        return False
-    run.state.epoch, run.state.batches_done = run.state.epoch + 1, 0
-    return True
+def skip_or_stop_nonfinite(run: TrainRun, ranks: int) -> None:
+    """The step's loss was NaN/Inf on ``ranks`` ranks; its update was already dropped on every rank.
+    Count it against --skip-nonfinite, or stop every rank with exit code 3."""
+    cfg, state, world = run.cfg, run.state, run.info.world_size
+    if state.nonfinite_skipped < cfg.skip_nonfinite:
+        state.nonfinite_skipped += 1
+        run.tb.scalars(state.step, train__nonfinite_skipped=state.nonfinite_skipped)
+        if run.info.is_main:
+            log.warning("step %d: NaN/Inf loss on %d of %d rank(s); step skipped (%d of --skip-nonfinite %d)",
+                        state.step, ranks, world, state.nonfinite_skipped, cfg.skip_nonfinite)
+        return
+    raise RunStopped(f"step {state.step}: the loss was NaN or Inf on {ranks} of {world} rank(s); that step was "
+                     f"not applied and the run stops; {run.last_checkpoint()}. Lower --lr, add --clip-grad, "
+                     f"or allow skipping such steps with --skip-nonfinite N", EXIT_NONFINITE)
 
 
 def log_batch_geometry(run: TrainRun) -> None:
@@ -161,45 +256,154 @@ def log_batch_geometry(run: TrainRun) -> None:
              steps_per_epoch(run.loaders.batches_per_epoch, cfg.accum_steps), run.total_steps)
 
 
+# ----------------------------------------------------------------------------- the whole run
+C = TypeVar("C", bound=TrainConfig)
 R = TypeVar("R", bound=TrainRun)
+Setup = Callable[[C, DistInfo, "Resume | None"], R]
 
 
-def run_script(cfg: TrainConfig, setup: Callable[[TrainConfig, DistInfo], R], fit: Callable[[R], object]) -> int:
-    """Validate, initialise the process group, build the run, train, and always clean up.
+def start_run(cfg: C, info: DistInfo, signals: StopSignals, setup: Setup) -> R:
+    """Every check, agreed by all ranks, then the run built and its folder prepared. Nothing is
+    written into --out before all checks have passed."""
+    with all_ranks_agree():
+        cfg.check_paths()
+        faults = FaultPlan.from_env()
+        resume = choose_resume(cfg.resume, cfg.out, cfg.overwrite, info.is_main)
+    download_once_per_node(cfg, info)
+    if info.device.type == "cuda" and info.is_distributed:
+        problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))
+        if problem:
+            raise UsageError(problem)
+    run = setup(cfg, info, resume)
+    run.signals, run.faults = signals, faults
+    run.accumulator.guard = StepGuard(signals, info.device)
+    run.saved_step = run.state.step if resume is not None and resume.path.parent == Path(cfg.out) else None
+    if info.is_main:
+        prepare_run_folder(cfg.out, cfg.overwrite, resuming=resume is not None)
+        save_config(cfg, cfg.out, {"world_size": info.world_size})
+        signals.clear_marker()
+        run.tb = TensorBoard(Path(cfg.out) / TB_DIR, purge_step=run.state.step + 1 if resume else None)
+    barrier()
+    log_batch_geometry(run)
+    return run
 
-    Bad input is found before the process group exists, so every rank reports it and exits 2
-    without waiting for a peer; nothing is written until the run is fully built.
+
+def download_once_per_node(cfg: TrainConfig, info: DistInfo) -> None:
+    """``--download``: local rank 0 of each node fetches CIFAR-10 while the others wait (the
+    agreement is the barrier, and a failed download stops every rank with exit 2); afterwards
+    every rank only reads it (download=False: no checksum work repeated, no race on the files)."""
+    if cfg.dataset == "cifar10" and cfg.download:
+        with all_ranks_agree():
+            if info.local_rank == 0:
+                download_cifar10(cfg.data_dir)
+
+
+def report_usage_error(prog: str, err: UsageError, reporter: bool) -> int:
+    """Bad input: one line on stderr from rank 0 (the others agree silently); exit code 2."""
+    if reporter and not said_in_an_earlier_attempt(str(err)):
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def said_in_an_earlier_attempt(message: str) -> bool:
+    """torchrun restarts a failed group whatever the cause, a typo included (it cannot tell them
+    apart): say a bad-input error in the job's first attempt only. Remembered per torchrun run
+    in the temp folder; outside torchrun, always False."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return False
+    memo = Path(tempfile.gettempdir()) / f"ddp-usage-error-{hashlib.sha1(run_id.encode()).hexdigest()[:16]}"
+    if restart_count() > 0 and memo.is_file() and memo.read_text() == message:
+        return True
+    with contextlib.suppress(OSError):
+        memo.write_text(message)
+    return False
+
+
+_COMM_FAILURE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|[Tt]imed out|timeout|NCCL|gloo")
+
+
+def leave_after_failure(err: BaseException, info: DistInfo, run: TrainRun | None) -> None:
+    """A distributed run that failed: say why once, then leave at once with exit code 1.
+
+    ``sys.exit`` would tear down a process group whose peer may be dead, which can abort the
+    process (gloo: "terminate called without an active exception"); ``os._exit`` after flushing
+    the logs cannot. A rank whose own code failed shows its traceback; a rank that only lost a
+    peer says so in one line, so the real error is shown once.
     """
+    release_held_logs(show=True)
+    text = str(err)
+    if isinstance(err, getattr(dist, "DistError", ())) or _COMM_FAILURE.search(text):
+        brief = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else "").split(". ")[0]
+        log.error("rank %d stops: lost contact with another rank (%s); that rank's own error is shown "
+                  "above or in its log", info.rank, brief or type(err).__name__)
+    else:
+        log.error("rank %d failed:", info.rank, exc_info=err)
+    if run is not None:
+        run.tb.close()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_FAILURE)
+
+
+def run_script(config_cls: type[C], argv: Sequence[str] | None, description: str, setup: Setup,
+               fit: Callable[[R], object]) -> int:
+    """Parse and validate, initialise the process group, check and build the run, train; the
+    return value is the exit code (0, 2, 3 or 130; 1 leaves through leave_after_failure)."""
     prog = Path(sys.argv[0]).name
+    launch = detect_launch()
+    reporter = launch.rank == 0  # the one process that prints bad-input errors
     try:
-        cfg.validate(detect_launch())
+        cfg = parse_config(config_cls, argv, description, quiet=not reporter)
+        cfg.validate(launch)
     except UsageError as err:
-        return usage_error_exit(prog, err)
-    preemption = PreemptionGuard(cfg.out)  # before the rendezvous: a USR1 then must not kill us
-    info = init_distributed(cfg.device, cfg.dist_timeout)
-    setup_logging(info.rank, cfg.debug)
-    log.info("%s launch: world size %d, backend %s, device %s", info.launcher, info.world_size,
-             info.backend or "none", info.device)
+        return report_usage_error(prog, err, reporter)
+    signals = StopSignals(cfg.out, announce=reporter)  # before the rendezvous: a USR1 then must not kill us
+    info: DistInfo | None = None
+    run: TrainRun | None = None
     try:
+        info = init_distributed(cfg.device, cfg.dist_timeout)
+        setup_logging(info.rank, cfg.debug, hold=True)
+        log.info("%s launch: world size %d, backend %s, device %s", info.launcher, info.world_size,
+                 info.backend or "none", info.device)
+        if info.is_main and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) and \
+                os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+            log.warning("torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted "
+                        "group can hang at start-up (pytorch/pytorch#135712); set it in torchrun's "
+                        "environment (launch/*.sh do)")
         torch.autograd.set_detect_anomaly(cfg.debug)
         if cfg.debug:
-            log.info("--debug: autograd anomaly detection on, small data subsets, finite checks "
-                     "after every step")
-        try:
-            run = setup(cfg, info)
-        except UsageError as err:  # found once data or checkpoints are read; every rank finds it
-            return usage_error_exit(prog, err)
-        run.preemption = preemption
-        if info.is_main:
-            Path(cfg.out).mkdir(parents=True, exist_ok=True)
-            save_config(cfg, cfg.out, {"world_size": info.world_size})
-            preemption.clear_marker()
-            run.tb = TensorBoard(Path(cfg.out) / "tb")
-        barrier()
-        log_batch_geometry(run)
+            log.info("--debug: autograd anomaly detection on, small data subsets, extra checks after "
+                     "every step")
+        run = start_run(cfg, info, signals, setup)
+        release_held_logs(show=True)
+        signals.training_started()
         fit(run)
-        run.tb.close()
+        return EXIT_OK
+    except UsageError as err:
+        release_held_logs(show=False)  # the error line says it all
+        return report_usage_error(prog, err, reporter)
+    except RunStopped as stop:
+        if reporter:
+            (log.warning if stop.code == EXIT_INTERRUPTED else log.error)("%s", stop)
+        return stop.code
+    except KeyboardInterrupt:
+        where = run.last_checkpoint() if run is not None else "nothing was written"
+        if reporter:
+            print(f"{prog}: interrupted: stopped at once without a new checkpoint; {where}",
+                  file=sys.stderr, flush=True)
+        if info is not None and info.is_distributed:
+            os._exit(EXIT_INTERRUPTED)  # peers may be inside a collective: no group teardown
+        return EXIT_INTERRUPTED
+    except Exception as err:
+        if info is None or not info.is_distributed:
+            raise  # one process: an ordinary traceback, the clearest report of a bug
+        leave_after_failure(err, info, run)
+        raise  # not reached: leave_after_failure exits
     finally:
-        preemption.close()
+        release_held_logs(show=True)
+        signals.close()
+        if run is not None:
+            run.tb.close()
         cleanup_distributed()
-    return 0

@@ -2,44 +2,47 @@
 # The body of every SLURM job of this project; launch/slurm_*.sbatch call it inside the
 # allocation (not meant to be submitted itself):
 #
-#   bash launch/slurm_job.sh SCRIPT.py [ARGS...]
+#   bash /path/to/repo/launch/slurm_job.sh SCRIPT.py [ARGS...]
 #
 # LAUNCH_MODE=torchrun (default): srun starts one torchrun per node; torchrun starts one worker
 #   per GPU (or NPROC_PER_NODE workers) and the nodes meet through c10d rendezvous on the first
-#   host of the allocation, at a port derived from the job id.
+#   host of the allocation, at a port derived from the job id. A worker that dies makes torchrun
+#   restart the group, up to MAX_RESTARTS times (default 3), from the newest checkpoint.
 # LAUNCH_MODE=srun: srun starts one task per GPU itself (set --ntasks-per-node to the GPUs per
-#   node); each worker reads SLURM_PROCID/SLURM_NTASKS (ddp_utils.dist.init_distributed).
+#   node); each worker reads SLURM_PROCID/SLURM_NTASKS (ddp_utils.dist.init_distributed). No
+#   restarts within the job: a failed task fails the job.
 #
-# Always adds --resume auto (unless ARGS has --resume) and, without --out in ARGS, an --out that
-# is stable across requeues: runs/JOBNAME_JOBID. Preemption: SLURM's USR1 (#SBATCH --signal) or
+# Always adds --resume auto (unless ARGS has --resume or --overwrite) and, without --out in ARGS,
+# an --out that is stable across requeues: runs/JOBNAME_JOBID. Relative paths are taken from the
+# directory sbatch was called in. Preemption: SLURM's USR1 (#SBATCH --signal) or
 # `scancel --signal=USR1 JOBID` makes every worker finish its optimizer step; rank 0 checkpoints
 # and writes OUT/PREEMPTED; this script then requeues the job, which resumes where it stopped.
 set -uo pipefail
+
+say() { echo "$(date +%H:%M:%S) [job] $*"; }  # the training log's time format: gaps can be read
 
 if [[ $# -lt 1 || -z "${SLURM_JOB_ID:-}" ]]; then
     echo "usage: bash launch/slurm_job.sh SCRIPT.py [ARGS...]  (inside a SLURM job: sbatch launch/slurm_*.sbatch)" >&2
     exit 2
 fi
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "${SLURM_SUBMIT_DIR:-.}"
-script=$1; shift
+script=$repo/$1; shift
 args=("$@")
 
 out=""
-have_resume=0
 for ((i = 0; i < ${#args[@]}; i++)); do
     case "${args[i]}" in
         --out) out="${args[i + 1]:-}" ;;
         --out=*) out="${args[i]#--out=}" ;;
-        --resume|--resume=*) have_resume=1 ;;
     esac
 done
 if [[ -z "$out" ]]; then
     out="runs/${SLURM_JOB_NAME:-job}_${SLURM_JOB_ID}"
     args+=(--out "$out")
 fi
-if [[ $have_resume == 0 ]]; then
-    args+=(--resume auto)
-fi
+source "$repo/launch/restarts.sh"  # MAX_RESTARTS (torchrun mode)
+add_resume_auto  # a requeued job must continue, restarts or not
 
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 port=$((15000 + SLURM_JOB_ID % 15000))  # same rule as init_distributed's srun branch
@@ -57,20 +60,20 @@ if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then cpus=(--cpus-per-task="$SLURM_CPUS_
 # A marker left by an earlier attempt must not requeue this one if it fails before training.
 rm -f "$out/PREEMPTED"
 
-echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $nnodes node(s): $SLURM_JOB_NODELIST; mode $mode; out $out"
+say "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $nnodes node(s): $SLURM_JOB_NODELIST; mode $mode; out $out"
 case "$mode" in
     torchrun)
         # torchrun's agent must survive USR1 (by default it dies of it): `trap '' USR1` makes the
         # agent ignore it; the workers install their own handler and get the signal from SLURM.
         cmd=("$python_bin" -m torch.distributed.run --nnodes="$nnodes" --nproc-per-node="$nproc"
              --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" --rdzv-id="$SLURM_JOB_ID"
-             "$script" "${args[@]}")
-        echo "+ srun --ntasks-per-node=1 ${cpus[*]} ${cmd[*]}"
+             --max-restarts="$max_restarts" "$script" "${args[@]}")
+        say "+ srun --ntasks=$nnodes --ntasks-per-node=1 ${cpus[*]} ${cmd[*]}"
         srun --ntasks="$nnodes" --ntasks-per-node=1 "${cpus[@]}" bash -c 'trap "" USR1; exec "$@"' torchrun "${cmd[@]}"
         ;;
     srun)
         cmd=("$python_bin" "$script" "${args[@]}")
-        echo "+ srun ${cmd[*]}   (MASTER_ADDR=$head_node MASTER_PORT=$port)"
+        say "+ MASTER_ADDR=$head_node MASTER_PORT=$port srun ${cpus[*]} ${cmd[*]}"
         MASTER_ADDR=$head_node MASTER_PORT=$port srun "${cpus[@]}" "${cmd[@]}"
         ;;
     *)
@@ -81,9 +84,9 @@ esac
 rc=$?
 
 if [[ $rc == 0 && -f "$out/PREEMPTED" ]]; then
-    echo "preempted at $(cat "$out/PREEMPTED"); requeueing job $SLURM_JOB_ID"
-    scontrol requeue "$SLURM_JOB_ID" || { echo "scontrol requeue failed" >&2; exit 1; }
+    say "preempted at $(cat "$out/PREEMPTED"); requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" || { say "scontrol requeue failed" >&2; exit 1; }
     exit 0
 fi
-echo "training exited with code $rc"
+say "training exited with code $rc"
 exit $rc

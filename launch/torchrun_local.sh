@@ -5,14 +5,20 @@
 #   NPROC=2 launch/torchrun_local.sh train_moco.py --device cpu --dataset digits
 #
 # NPROC defaults to the number of visible GPUs, or 2 CPU processes on a machine without any.
+# MAX_RESTARTS (default 3): when a worker dies, torchrun restarts the whole group up to this many
+# times and the run continues from its newest checkpoint (--resume auto is added unless the
+# arguments have --resume or --overwrite). MAX_RESTARTS=0 turns restarts off.
 set -euo pipefail
 if [[ $# -lt 1 ]]; then
-    echo "usage: [NPROC=N] $0 SCRIPT.py [ARGS...]" >&2
+    echo "usage: [NPROC=N] [MAX_RESTARTS=K] $0 SCRIPT.py [ARGS...]" >&2
     exit 2
 fi
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 script=$1; shift
+args=("$@")
+source "$here/restarts.sh"
 nproc=${NPROC:-$(${PYTHON:-python} -c 'import torch; print(torch.cuda.device_count() or 2)')}
 cmd=("${PYTHON:-python}" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$nproc"
-     "$script" "$@")
+     --max-restarts="$max_restarts" "$script" "${args[@]}")
 echo "+ ${cmd[*]}" >&2
 exec "${cmd[@]}"

@@ -25,13 +25,13 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_cli(script: str, args: list[str], nproc: int = 1, timeout: float = 300,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+            env: dict[str, str] | None = None, torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """``python SCRIPT ARGS`` for one process, ``torchrun --standalone`` for several."""
     if nproc == 1:
         cmd = [sys.executable, str(REPO / script), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", str(REPO / script), *args]
+               f"--nproc_per_node={nproc}", *torchrun_args, str(REPO / script), *args]
     return subprocess.run(cmd, cwd=REPO, env=cli_env(env), capture_output=True, text=True,
                           timeout=timeout)
 
@@ -70,3 +70,22 @@ def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def write_image_folder(root: Path, per_class: int = 12) -> None:
+    """A tiny ImageNet-layout tree made of digits (real images, written as PNG files)."""
+    from PIL import Image
+
+    from ddp_utils.data import DigitsDataset
+
+    digits = DigitsDataset(train=True)
+    for split in ("train", "val"):
+        for cls in range(3):
+            (root / split / f"class{cls}").mkdir(parents=True)
+        counts = {c: 0 for c in range(3)}
+        for i in range(len(digits)):
+            image, label = digits[i]
+            if label < 3 and counts[label] < per_class:
+                pixels = (image.permute(1, 2, 0) * 255).to(torch.uint8).numpy()
+                Image.fromarray(pixels).save(root / split / f"class{label}" / f"{i}.png")
+                counts[label] += 1

@@ -1,59 +1,214 @@
-"""Bad input stops before training: one line naming the fix, exit code 2, nothing written."""
+"""Every user mistake: exit code 2, one line naming the fix, no traceback, nothing written into
+--out, printed once (by rank 0) under torchrun. The README's "Bad input" table lists the same."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
-from helpers import run_cli
+import torch
+from helpers import REPO, cli_env, run_cli, write_image_folder
 
 import train_classifier
+import train_moco
 
+SCRIPTS = {"classifier": train_classifier, "moco": train_moco}
+FAST = ["--device", "cpu", "--knn-every", "0"]  # --knn-every is MoCo's; stripped for the classifier
+
+
+class _Evil:
+    """Unpickling this object would create a marker file: the code a hostile checkpoint runs."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """Real checkpoints of both scripts and the broken inputs the cases point at."""
+    root = tmp_path_factory.mktemp("inputs")
+    common = ["--device", "cpu", "--max-steps", "1", "--batch-size", "16", "--image-size", "16"]
+    assert train_classifier.main(common + ["--arch", "lenet", "--out", str(root / "cls")]) == 0
+    assert train_moco.main(common + ["--moco-k", "64", "--knn-every", "0", "--out", str(root / "moco")]) == 0
+    (root / "corrupt.pt").write_bytes((root / "cls/checkpoint_last.pt").read_bytes()[:5000])
+    torch.save({"model": _Evil(root / "PWNED")}, root / "evil.pt")
+    (root / "a_file").write_text("not a folder\n")
+    (root / "no_train").mkdir()
+    write_image_folder(root / "empty_class", per_class=2)
+    (root / "empty_class/train/class9").mkdir()
+    return {"cls": root / "cls/checkpoint_last.pt", "moco": root / "moco/checkpoint_last.pt",
+            "corrupt": root / "corrupt.pt", "evil": root / "evil.pt", "marker": root / "PWNED",
+            "a_file": root / "a_file", "no_train": root / "no_train", "empty_class": root / "empty_class",
+            "cls_dir": root / "cls"}
+
+
+# (script, arguments, what the one line must say); {name} is replaced by files[name].
 CASES = [
-    (["--batch-size", "0"], "--batch-size must be positive"),
-    (["--accum-steps", "-1"], "--accum-steps must be positive"),
-    (["--epochs", "0"], "--epochs must be positive"),
-    (["--max-steps", "-5"], "--max-steps must be >= 0"),
-    (["--lr", "0"], "--lr must be positive"),
-    (["--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist'"),
-    (["--arch", "vgg"], "argument --arch: invalid choice: 'vgg'"),
-    (["--batch-size", "ten"], "argument --batch-size: invalid int value: 'ten'"),
-    (["--dataset", "imagefolder", "--data-dir", "/nonexistent/imagenet"], "no 'train/' folder"),
-    (["--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"], "add --download"),
-    (["--resume", "/nonexistent/ckpt.pt"], "--resume /nonexistent/ckpt.pt: no such file"),
-    (["--lr-schedule", "step"], "--lr-schedule step needs --lr-milestones"),
-    (["--batch-size", "4096"], "too few for 1 rank(s) x batch 4096; lower --batch-size"),
+    ("classifier", ["--batch-size", "0"], "--batch-size must be positive, got 0"),
+    ("classifier", ["--batch-size", "-3"], "--batch-size must be positive, got -3"),
+    ("classifier", ["--accum-steps", "0"], "--accum-steps must be positive"),
+    ("classifier", ["--epochs", "0"], "--epochs must be positive"),
+    ("classifier", ["--max-steps", "-5"], "--max-steps must be >= 0"),
+    ("classifier", ["--lr", "0"], "--lr must be positive"),
+    ("classifier", ["--lr", "-0.1"], "--lr must be positive"),
+    ("classifier", ["--lr", "nan"], "argument --lr: nan is not a finite number"),
+    ("classifier", ["--lr", "inf"], "argument --lr: inf is not a finite number"),
+    ("classifier", ["--lr", "fast"], "argument --lr: invalid number 'fast'"),
+    ("classifier", ["--momentum", "1"], "--momentum must be in [0, 1)"),
+    ("classifier", ["--momentum=-inf"], "argument --momentum: -inf is not a finite number"),
+    ("classifier", ["--weight-decay", "-1"], "--weight-decay must be >= 0"),
+    ("classifier", ["--weight-decay", "nan"], "argument --weight-decay: nan is not a finite number"),
+    ("classifier", ["--clip-grad", "-1"], "--clip-grad must be >= 0"),
+    ("classifier", ["--clip-grad", "inf"], "argument --clip-grad: inf is not a finite number"),
+    ("classifier", ["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+    ("classifier", ["--log-every", "0"], "--log-every must be positive"),
+    ("classifier", ["--ckpt-every", "-1"], "--ckpt-every must be >= 0"),
+    ("classifier", ["--keep-checkpoints", "0"], "--keep-checkpoints must be positive"),
+    ("classifier", ["--skip-nonfinite", "-1"], "--skip-nonfinite must be >= 0"),
+    ("classifier", ["--dist-timeout", "0"], "--dist-timeout must be positive seconds"),
+    ("classifier", ["--dist-timeout", "nan"], "argument --dist-timeout: nan is not a finite number"),
+    ("classifier", ["--synthetic-samples", "0"], "--synthetic-samples must be positive"),
+    ("classifier", ["--workers", "-2"], "--workers must be -1 (auto) or >= 0"),
+    ("classifier", ["--image-size", "-1"], "--image-size must be >= 0"),
+    ("classifier", ["--image-size", "8", "--arch", "lenet"], "--image-size 8 is too small for --arch lenet"),
+    ("classifier", ["--image-size", "12", "--arch", "resnet18"], "give at least 16 px"),
+    ("classifier", ["--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist'"),
+    ("classifier", ["--arch", "vgg"], "argument --arch: invalid choice: 'vgg'"),
+    ("classifier", ["--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
+    ("classifier", ["--batch-size", "ten"], "argument --batch-size: invalid int value: 'ten'"),
+    ("classifier", ["--lr-schedule", "step"], "--lr-schedule step needs --lr-milestones"),
+    ("classifier", ["--lr-milestones", "a,b"], "give comma-separated epochs"),
+    ("classifier", ["--dataset", "imagefolder", "--data-dir", "{no_train}"], "no 'train/' folder"),
+    ("classifier", ["--dataset", "imagefolder", "--data-dir", "{empty_class}", "--image-size", "16"],
+     "every class folder needs at least one image"),
+    ("classifier", ["--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"], "add --download"),
+    ("classifier", ["--batch-size", "4096"], "too few for 1 rank(s) x batch 4096; lower --batch-size"),
+    ("classifier", ["--resume", "/nonexistent/ckpt.pt"], "--resume /nonexistent/ckpt.pt: no such file"),
+    ("classifier", ["--resume", "{corrupt}"], "truncated or not a PyTorch checkpoint"),
+    ("classifier", ["--resume", "{evil}"], "could run code; weights_only=True refused it"),
+    ("classifier", ["--resume", "{moco}"], "a checkpoint of train_moco.py, not of train_classifier.py"),
+    ("classifier", ["--resume", "{cls}", "--arch", "small_cnn"], "--arch: checkpoint lenet, now small_cnn"),
+    ("classifier", ["--out", "{a_file}"], "is a file, not a folder"),
+    ("classifier", ["--out", "/sys/not-writable/run"], "cannot write in /sys"),
+    ("classifier", ["--out", "{cls_dir}"], "already holds a run (checkpoint_last.pt at step 1, in epoch 1)"),
+    ("classifier", ["--overwrite", "--resume", "auto"], "--overwrite starts over and --resume continues"),
+    ("classifier", ["--device", "cuda"], "--device cuda: CUDA is not available"),
+    ("classifier", ["--device", "gpu"], "argument --device: invalid choice: 'gpu'"),
+    ("classifier", ["--linear-probe"], "--linear-probe needs --pretrained PATH"),
+    ("classifier", ["--probe-bn"], "--probe-bn only applies with --linear-probe"),
+    ("classifier", ["--pretrained", "/nonexistent/backbone.pt"], "--pretrained /nonexistent/backbone.pt: no such file"),
+    ("classifier", ["--pretrained", "{moco}", "--arch", "lenet"], "a small_cnn backbone, but this run has --arch lenet"),
+    ("classifier", ["--pretrained", "{corrupt}"], "truncated or not a PyTorch checkpoint"),
+    ("moco", ["--moco-k", "16", "--batch-size", "32"], "--moco-k 16 is smaller than the global batch"),
+    ("moco", ["--moco-k", "48", "--batch-size", "32", "--accum-steps", "2"], "accum steps 2 x batch 32 = 64"),
+    ("moco", ["--batch-size", "30"], "must be a multiple of --bn-splits 8"),
+    ("moco", ["--bn-splits", "0"], "--bn-splits must be positive"),
+    ("moco", ["--moco-m", "1.0"], "--moco-m must be in [0, 1)"),
+    ("moco", ["--moco-t", "nan"], "argument --moco-t: nan is not a finite number"),
+    ("moco", ["--moco-t", "0"], "--moco-t must be positive"),
+    ("moco", ["--moco-dim", "0"], "--moco-dim must be positive"),
+    ("moco", ["--knn-k", "0"], "--knn-k must be positive"),
+    ("moco", ["--knn-t", "-1"], "--knn-t must be positive"),
+    ("moco", ["--knn-every", "-1"], "--knn-every must be >= 0"),
+    ("moco", ["--preset", "v3"], "argument --preset: invalid choice: 'v3'"),
+    ("moco", ["--aug", "v9"], "argument --aug: invalid choice: 'v9'"),
+    ("moco", ["--resume", "{cls}"], "a checkpoint of train_classifier.py, not of train_moco.py"),
+    ("moco", ["--resume", "{moco}", "--image-size", "16", "--moco-k", "128", "--moco-dim", "64", "--no-mlp"],
+     "(--moco-dim: checkpoint 128, now 64; --moco-k: checkpoint 64, now 128; --mlp: checkpoint True, now False)"),
+    ("moco", ["--resume", "{moco}", "--image-size", "16", "--moco-k", "64", "--arch", "lenet"],
+     "--arch: checkpoint small_cnn, now lenet"),
+    ("moco", ["--resume", "{moco}", "--moco-k", "64", "--arch", "resnet18", "--batch-size", "16"],
+     "--arch: checkpoint small_cnn, now resnet18"),
 ]
+IDS = [f"{script} {' '.join(args)}" for script, args, _ in CASES]
+# One case of each mechanism (argparse, flag checks, file checks agreed by the ranks, checkpoint
+# checks, data checks) also goes through a real interpreter, as a user types it.
+THROUGH_CLI = [IDS.index(i) for i in (
+    "classifier --batch-size 0", "classifier --lr nan", "classifier --batch-size 4096",
+    "classifier --resume {evil}", "classifier --out {cls_dir}", "classifier --device cuda",
+    "classifier --dataset imagefolder --data-dir {no_train}", "moco --resume {cls}",
+)]
 
 
-@pytest.mark.parametrize("args, message", CASES, ids=[" ".join(c[0]) for c in CASES])
-def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, message):
-    """In-process for speed (main() is the CLI entry point); the subprocess cases follow."""
+def _argv(args: list[str], files: dict[str, Path], script: str, out: Path) -> list[str]:
+    argv = [a.format(**{k: str(v) for k, v in files.items()}) for a in args]
+    extra = FAST if script == "moco" else FAST[:2]
+    return extra + (["--out", str(out)] if "--out" not in argv else []) + argv
+
+
+def _folder_state(path: Path) -> list[tuple[str, int]]:
+    return sorted((str(p), p.stat().st_mtime_ns) for p in path.rglob("*")) if path.is_dir() else []
+
+
+@pytest.mark.parametrize("script, args, message", CASES, ids=IDS)
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, files, script, args, message):
+    """In-process through main(), the scripts' entry point (fast); THROUGH_CLI repeats a subset."""
+    if "--device" in args and "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
     out = tmp_path / "run"
+    argv = _argv(args, files, script, out)
+    before = _folder_state(files["cls_dir"])
     try:
-        code = train_classifier.main(args + ["--out", str(out), "--device", "cpu"])
+        code = SCRIPTS[script].main(argv)
     except SystemExit as exit_:  # argparse's own errors
         code = exit_.code
-    assert code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2, captured.out + captured.err
     assert len(lines) == 1, lines
     assert message in lines[0]
-    assert not out.exists(), "bad input must not leave a half-written run folder"
+    assert "Traceback" not in captured.err + captured.out and "weights_only=False" not in captured.err
+    assert captured.out == ""  # nothing on stdout either: the one line is all
+    assert not out.exists(), "bad input must not leave a run folder"
+    assert _folder_state(files["cls_dir"]) == before, "an existing run must be left as it was"
+    assert not files["marker"].exists(), "the hostile checkpoint's code ran"
 
 
-def test_bad_input_through_the_real_cli(tmp_path):
-    proc = run_cli("train_classifier.py", ["--accum-steps", "0", "--out", str(tmp_path / "r")])
-    assert proc.returncode == 2
-    assert proc.stderr == "train_classifier.py: error: --accum-steps must be positive, got 0\n"
-    assert proc.stdout == ""
+def test_a_subset_through_the_real_cli(tmp_path, files):
+    def run(i: int) -> tuple[int, subprocess.CompletedProcess]:
+        script, args, _ = CASES[i]
+        argv = _argv(args, files, script, tmp_path / f"run{i}")
+        cmd = [sys.executable, str(REPO / f"train_{script}.py"), *argv]
+        return i, subprocess.run(cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
+
+    with ThreadPoolExecutor(2) as pool:  # 2 cores
+        results = list(pool.map(run, THROUGH_CLI))
+    for i, proc in results:
+        script, args, message = CASES[i]
+        if "cuda" in args and torch.cuda.is_available():
+            continue
+        assert proc.returncode == 2, (IDS[i], proc.stdout, proc.stderr)
+        assert proc.stdout == "", (IDS[i], proc.stdout)
+        assert proc.stderr.count("\n") == 1 and message in proc.stderr, (IDS[i], proc.stderr)
+        assert proc.stderr.startswith(f"train_{script}.py: error: ")
+        assert not (tmp_path / f"run{i}").exists()
+    assert not files["marker"].exists()
 
 
-def test_bad_input_under_torchrun_fails_on_every_rank_without_hanging(tmp_path):
-    proc = run_cli("train_classifier.py", ["--batch-size", "0", "--out", str(tmp_path / "r")],
+@pytest.mark.parametrize("args, message", [
+    (["--batch-size", "0"], "--batch-size must be positive"),           # a flag check, before the group forms
+    (["--resume", "{corrupt}"], "truncated or not a PyTorch checkpoint"),  # a file check, agreed by the ranks
+    (["--debug"], "--debug runs one process"),
+])
+def test_bad_input_under_torchrun_is_printed_once(tmp_path, files, args, message):
+    argv = [a.format(**{k: str(v) for k, v in files.items()}) for a in args]
+    proc = run_cli("train_classifier.py", ["--device", "cpu", "--out", str(tmp_path / "r"), *argv],
                    nproc=2, timeout=120)
     assert proc.returncode != 0
-    assert proc.stderr.count("--batch-size must be positive") == 2  # both ranks said it
-    assert "exitcode  : 2" in proc.stderr  # torchrun's summary of a worker's exit code
+    assert proc.stderr.count(message) == 1, proc.stderr  # rank 0 says it; rank 1 exits 2 silently
+    assert "exitcode  : 2" in proc.stderr  # torchrun's summary of the workers' exit codes
+    # torchrun's agent prints its own traceback and summary of the failed workers; none of the
+    # workers' code appears in any traceback.
+    assert "ddp_utils" not in proc.stderr and 'train_classifier.py", line' not in proc.stderr
+    assert not (tmp_path / "r").exists()
 
 
-def test_debug_refuses_several_processes(tmp_path):
-    proc = run_cli("train_classifier.py", ["--debug", "--out", str(tmp_path / "r")], nproc=2, timeout=120)
-    assert proc.returncode != 0
-    assert proc.stderr.count("--debug runs one process") == 2
+def test_a_bad_fault_plan_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DDP_FAULT", "explode:1")
+    assert train_classifier.main(["--device", "cpu", "--out", str(tmp_path / "r")]) == 2
+    assert "DDP_FAULT='explode:1': expected KIND:RANK:STEP" in capsys.readouterr().err

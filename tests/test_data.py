@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import torch
-from helpers import assert_ok, load_ckpt, run_cli
-from PIL import Image
+from helpers import assert_ok, load_ckpt, run_cli, write_image_folder
 
 from ddp_utils.data import (
     DigitsDataset,
@@ -52,23 +51,8 @@ def test_synthetic_is_reproducible():
     assert ds[7][0].shape == (3, 24, 24)
 
 
-def _write_image_folder(root, per_class=12):
-    """A tiny ImageNet-layout tree made of digits (real images, written as PNG files)."""
-    digits = DigitsDataset(train=True)
-    for split in ("train", "val"):
-        for cls in range(3):
-            (root / split / f"class{cls}").mkdir(parents=True)
-        counts = {c: 0 for c in range(3)}
-        for i in range(len(digits)):
-            image, label = digits[i]
-            if label < 3 and counts[label] < per_class:
-                pixels = (image.permute(1, 2, 0) * 255).to(torch.uint8).numpy()
-                Image.fromarray(pixels).save(root / split / f"class{label}" / f"{i}.png")
-                counts[label] += 1
-
-
 def test_imagefolder_loads_and_trains(tmp_path):
-    _write_image_folder(tmp_path / "tree")
+    write_image_folder(tmp_path / "tree")
     raw = load_split("imagefolder", str(tmp_path / "tree"), train=True, size=48)
     train_tf, eval_tf = classification_transforms("imagefolder", 48, augment=True)
     loaders = make_loaders(raw, load_split("imagefolder", str(tmp_path / "tree"), False, 48),

@@ -1,25 +1,36 @@
-"""The README documents every flag, and each entry script opens with its copy-paste commands."""
+"""The README documents every flag and every bad input the tests try, and each entry script opens
+with its copy-paste commands."""
 from __future__ import annotations
-
-import dataclasses
-import re
 
 import pytest
 from helpers import REPO
+from test_cli_errors import CASES
 
 import train_classifier
 import train_moco
+from ddp_utils.config import markdown_flag_table
 
 SCRIPTS = {"train_classifier.py": train_classifier.ClassifierConfig, "train_moco.py": train_moco.MocoConfig}
+README = (REPO / "README.md").read_text()
+
+
+def _section(title: str) -> str:
+    return README.split(f"## {title}")[1].split("\n## ")[0]
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_readme_lists_every_flag(script):
-    readme = (REPO / "README.md").read_text()
-    section = readme.split(f"## Every flag of {script}")[1].split("\n## ")[0]
-    documented = set(re.findall(r"^\| `(--[a-z0-9-]+)", section, flags=re.M))
-    flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(SCRIPTS[script])}
-    assert documented == flags
+def test_readme_flag_table_is_the_configs(script):
+    """Generated from the config dataclass (ddp_utils.config.markdown_flag_table): every flag,
+    its default and its help, in --help's order."""
+    assert markdown_flag_table(SCRIPTS[script]) in _section(f"Every flag of {script}")
+
+
+def test_readme_bad_input_table_lists_every_tested_mistake():
+    section = _section("Bad input")
+    rows = [line for line in section.splitlines() if line.startswith(("| classifier |", "| moco |"))]
+    assert len(rows) == len(CASES) >= 30
+    for (script, _, message), row in zip(CASES, rows):
+        assert row.startswith(f"| {script} |") and row.endswith(f"| {message.replace('|', chr(92) + '|')} |"), row
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))

@@ -29,7 +29,7 @@ def test_two_torchrun_nodes_train_together(tmp_path):
     assert all("--nnodes=2" in out and "--rdzv-backend=c10d" in out for out in outputs)  # printed command
     main_log = next(out for out in outputs if "world size 2" in out)
     # init_distributed saw 2 ranks; the end-of-run check compared every weight across the nodes.
-    assert "weights identical on all 2 rank(s)" in main_log
+    assert "weights identical on all 2 ranks" in main_log
     assert load_ckpt(tmp_path / "r/checkpoint_last.pt")["step"] == 5
 
 
@@ -48,14 +48,16 @@ def sbatch_env(**extra: str) -> dict[str, str]:
     return cli_env({"PYTHON": sys.executable, **extra})
 
 
-def submit(slurm, script: str, sbatch_args: list[str], train_args: list[str], log: Path,
-           wait: bool = True, **env: str):
-    cmd = ["sbatch", "--parsable", f"--output={log}", "--gpus-per-node=0", *sbatch_args,
-           str(REPO / "launch" / script), *train_args]
+def submit(slurm, script: str | Path, sbatch_args: list[str], train_args: list[str], log: Path,
+           wait: bool = True, cwd: Path = REPO, **env: str):
+    """``sbatch --wait`` of a launch script (by its absolute path), from ``cwd``."""
+    path = script if isinstance(script, Path) else REPO / "launch" / script
+    cmd = ["sbatch", "--wait", "--parsable", f"--output={log}", "--gpus-per-node=0", *sbatch_args,
+           str(path), *train_args]
     if wait:
-        return subprocess.run(["sbatch", "--wait", *cmd[1:]], cwd=REPO, env={**sbatch_env(**env), **slurm.env},
+        return subprocess.run(cmd, cwd=cwd, env={**sbatch_env(**env), **slurm.env},
                               capture_output=True, text=True, timeout=600)
-    return subprocess.Popen(cmd[:1] + ["--wait"] + cmd[1:], cwd=REPO, env={**sbatch_env(**env), **slurm.env},
+    return subprocess.Popen(cmd, cwd=cwd, env={**sbatch_env(**env), **slurm.env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -84,7 +86,9 @@ def test_sbatch_moco(slurm, tmp_path, mode):
     assert proc.returncode == 0, proc.stderr + text
     launcher = "torchrun" if mode == "torchrun" else "slurm"  # srun mode: init_distributed's SLURM branch
     assert f"{launcher} launch: world size 2" in text
-    assert "encoders, queue and pointer identical on all 2 rank(s)" in text
+    if mode == "srun":  # the command it printed is the one it ran, --cpus-per-task included
+        assert re.search(r"\[job\] \+ MASTER_ADDR=\S+ MASTER_PORT=\d+ srun --cpus-per-task=1 \S*python \S*/train_moco.py", text)
+    assert "encoders, queue and pointer identical on all 2 ranks" in text
     assert load_ckpt(out / "checkpoint_last.pt")["step"] == 4
     assert read_scalars(out / "tb")["train/loss"]
 
@@ -119,7 +123,7 @@ def test_preempted_moco_job_checkpoints_requeues_and_resumes(slurm, tmp_path):
     assert 10 <= stopped < max_steps
     assert f"requeueing job {job_id}" in text
     assert "(restart 1)" in text
-    resumed = int(_wait_for(log, r"resumed from .*: epoch \d+, step (\d+)", 1).group(1))
+    resumed = int(_wait_for(log, r"resumed from .*: step (\d+)", 1).group(1))
     assert resumed == stopped  # from the preemption checkpoint, not from zero
     final = load_ckpt(out / "checkpoint_last.pt")
     assert final["step"] == max_steps
@@ -138,6 +142,36 @@ def test_stale_marker_does_not_requeue_a_failing_job(slurm, tmp_path):
                   DIGITS_CPU + ["--batch-size", "0", "--out", str(out)], log)
     text = log.read_text()
     assert proc.returncode != 0, text
-    assert "--batch-size must be positive" in text
+    # torchrun restarts the group (MAX_RESTARTS=3) whatever the cause; only the first attempt says it.
+    assert text.count("--batch-size must be positive") == 1, text
     assert "requeueing" not in text and "(restart 1)" not in text
     assert not (out / "PREEMPTED").exists()
+
+
+@pytest.mark.slurm
+def test_sbatch_from_another_directory(slurm, tmp_path):
+    """SLURM runs a spooled copy of the batch script; the repository is found from the job's
+    command, and relative paths are taken from where sbatch was called. Job lines carry times."""
+    log = tmp_path / "job.log"
+    proc = submit(slurm, "slurm_classifier.sbatch", ["--cpus-per-task=2", "--time=5"],
+                  DIGITS_CPU + ["--arch", "lenet", "--max-steps", "2", "--out", "run"], log, cwd=tmp_path,
+                  MAX_RESTARTS="0")
+    text = log.read_text()
+    assert proc.returncode == 0, proc.stderr + text
+    assert load_ckpt(tmp_path / "run/checkpoint_last.pt")["step"] == 2
+    assert re.search(r"^\d\d:\d\d:\d\d \[job\] job \d+ \(restart 0\) on 1 node", text, re.M), text
+    assert re.search(r"^\d\d:\d\d:\d\d \[job\] training exited with code 0$", text, re.M), text
+    assert "--max-restarts=0" in text
+
+
+@pytest.mark.slurm
+def test_sbatch_of_a_copy_outside_the_repository_says_how_to_submit(slurm, tmp_path):
+    copy = tmp_path / "my_moco.sbatch"
+    copy.write_text((REPO / "launch/slurm_moco.sbatch").read_text())
+    log = tmp_path / "job.log"
+    proc = submit(slurm, copy, ["--cpus-per-task=1", "--time=2"], ["--out", "run"], log, cwd=tmp_path)
+    text = log.read_text()
+    assert proc.returncode == 2, text
+    assert text.strip() == ("cannot find the repository: submit with its path (sbatch "
+                            "/path/to/repo/launch/slurm_moco.sbatch ...) or set REPO_DIR")
+    assert not (tmp_path / "run").exists()

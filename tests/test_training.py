@@ -60,7 +60,7 @@ def test_resume_continues_exactly(tmp_path):
     resumed_run = run_cli("train_classifier.py", common + ["--max-steps", "14", "--resume", "auto",
                                                             "--out", str(part)], nproc=2)
     assert_ok(resumed_run)
-    assert "resumed from" in resumed_run.stdout and "epoch 0, step 8, 16 batches" in resumed_run.stdout
+    assert "resumed from" in resumed_run.stdout and "step 8, in epoch 1, 16 batches" in resumed_run.stdout
     ref, resumed = load_ckpt(tmp_path / "ref/checkpoint_last.pt"), load_ckpt(part / "checkpoint_last.pt")
     assert (resumed["epoch"], resumed["step"]) == (ref["epoch"], ref["step"]) == (1, 14)
     for name, value in ref["model"].items():
