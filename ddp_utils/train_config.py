@@ -19,7 +19,7 @@ class TrainConfig:
                        "imagefolder (DIR/train, DIR/val class folders) or synthetic (random tensors)",
                        choices=DATASETS)
     data_dir: str = opt("./data", "where cifar10 is (or is downloaded to) / the ImageFolder root")
-    download: bool = opt(False, "download cifar10 into --data-dir if it is not there (rank 0 only)")
+    download: bool = opt(False, "download cifar10 into --data-dir if it is not there (once per node, by its local rank 0)")
     image_size: int = opt(0, "input side in pixels; 0 = the data set's own (32, or 224 for imagefolder)")
     synthetic_samples: int = opt(2048, "training samples of the synthetic data set (val: a quarter)")
     augment: bool = opt(True, "random crop (+ flip) on training images; off = deterministic pipeline")

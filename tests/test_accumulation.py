@@ -169,3 +169,39 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(tmp_path, accum_steps
         assert all(b == r["grad_bytes"] for _, b in r["per_step"]), r["per_step"]
     for p0, p1 in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(p0, p1), "ranks diverged"
+
+
+def _count_agreements(info, accum_steps: int, optimizer_steps: int):
+    """The per-step agreement of ddp_utils.stopping: python-level all_reduce calls per micro-step."""
+    import torch.distributed as dist
+
+    from ddp_utils import collectives
+    from ddp_utils.stopping import StepGuard
+
+    calls = {"n": 0}
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        calls["n"] += 1
+        return real_all_reduce(*args, **kwargs)
+
+    collectives.dist.all_reduce = counting_all_reduce
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(8, 4))
+    accumulator = GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accum_steps,
+                                      guard=StepGuard(None, info.device))
+    per_micro = []
+    for micro, (x, y) in accumulator.micro_batches([(torch.randn(4, 8), torch.randint(4, (4,)))] *
+                                                   (accum_steps * optimizer_steps)):
+        before = calls["n"]
+        with accumulator.sync_context(micro):
+            accumulator.backward(nn.functional.cross_entropy(model(x), y), micro)
+        per_micro.append(calls["n"] - before)
+    return per_micro
+
+
+def test_the_stop_agreement_is_one_all_reduce_per_optimizer_step(tmp_path):
+    """Signals, Ctrl-C and non-finite losses travel in one collective, on the synchronising
+    micro-step only (DDP's gradient all-reduce runs in C++ and is not counted here)."""
+    for per_micro in run_on_ranks(_count_agreements, tmp_path, 3, 2):
+        assert per_micro == [0, 0, 1, 0, 0, 1]

@@ -13,6 +13,7 @@ from helpers import REPO, cli_env, run_cli, write_image_folder
 
 import train_classifier
 import train_moco
+from ddp_utils.config import UsageError
 
 SCRIPTS = {"classifier": train_classifier, "moco": train_moco}
 FAST = ["--device", "cpu", "--knn-every", "0"]  # --knn-every is MoCo's; stripped for the classifier
@@ -41,10 +42,11 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "no_train").mkdir()
     write_image_folder(root / "empty_class", per_class=2)
     (root / "empty_class/train/class9").mkdir()
+    write_image_folder(root / "three_classes", per_class=2)
     return {"cls": root / "cls/checkpoint_last.pt", "moco": root / "moco/checkpoint_last.pt",
             "corrupt": root / "corrupt.pt", "evil": root / "evil.pt", "marker": root / "PWNED",
             "a_file": root / "a_file", "no_train": root / "no_train", "empty_class": root / "empty_class",
-            "cls_dir": root / "cls"}
+            "cls_dir": root / "cls", "three_classes": root / "three_classes"}
 
 
 # (script, arguments, what the one line must say); {name} is replaced by files[name].
@@ -93,6 +95,9 @@ CASES = [
     ("classifier", ["--resume", "{evil}"], "could run code; weights_only=True refused it"),
     ("classifier", ["--resume", "{moco}"], "a checkpoint of train_moco.py, not of train_classifier.py"),
     ("classifier", ["--resume", "{cls}", "--arch", "small_cnn"], "--arch: checkpoint lenet, now small_cnn"),
+    ("classifier", ["--resume", "{cls}", "--arch", "lenet", "--image-size", "16", "--batch-size", "2",
+                    "--dataset", "imagefolder", "--data-dir", "{three_classes}"],
+     "(number of classes: checkpoint 10, now 3)"),
     ("classifier", ["--out", "{a_file}"], "is a file, not a folder"),
     ("classifier", ["--out", "/sys/not-writable/run"], "cannot write in /sys"),
     ("classifier", ["--out", "{cls_dir}"], "already holds a run (checkpoint_last.pt at step 1, in epoch 1)"),
@@ -212,3 +217,74 @@ def test_a_bad_fault_plan_is_a_usage_error(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("DDP_FAULT", "explode:1")
     assert train_classifier.main(["--device", "cpu", "--out", str(tmp_path / "r")]) == 2
     assert "DDP_FAULT='explode:1': expected KIND:RANK:STEP" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- every numeric flag
+# Where 0 or -1 is a legal value (0 = off / auto / plain SGD; -1 workers = auto; any seed).
+ZERO_OK = {"image_size", "workers", "max_steps", "momentum", "weight_decay", "warmup_steps", "clip_grad",
+           "seed", "ckpt_every", "skip_nonfinite", "knn_every", "moco_m"}
+NEGATIVE_OK = {"seed", "workers"}
+
+
+def _numeric_cases():
+    import dataclasses
+    import typing
+
+    from ddp_utils.config import _unwrap_optional
+
+    for script, module in SCRIPTS.items():
+        cls = module.ClassifierConfig if script == "classifier" else module.MocoConfig
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = _unwrap_optional(hints[f.name])
+            if kind not in (int, float):
+                continue
+            values = ["0", "-1"] + (["nan", "inf", "-inf"] if kind is float else [])
+            for value in values:
+                yield script, f.name, value
+
+
+NUMERIC = list(_numeric_cases())
+
+
+@pytest.mark.parametrize("script, name, value", NUMERIC, ids=[f"{s} --{n}={v}" for s, n, v in NUMERIC])
+def test_every_numeric_flag_at_zero_negative_nan_and_inf(capsys, script, name, value):
+    """Each numeric flag of both scripts: 0 and -1 are refused unless they mean something (off,
+    auto), nan and +-inf always; a refusal is one line naming the flag."""
+    from ddp_utils.config import parse_config
+    from ddp_utils.dist import LaunchEnv
+
+    module = SCRIPTS[script]
+    cls = module.ClassifierConfig if script == "classifier" else module.MocoConfig
+    flag = "--" + name.replace("_", "-")
+    legal = value not in ("nan", "inf", "-inf") and (
+        (value == "0" and name in ZERO_OK) or (value == "-1" and name in NEGATIVE_OK))
+    try:
+        cfg = parse_config(cls, [f"{flag}={value}"])
+        cfg.validate(LaunchEnv("single", 0, 0, 1, 1))
+        problem = None
+    except SystemExit:
+        problem = capsys.readouterr().err
+    except UsageError as err:
+        problem = str(err)
+    if legal:
+        assert problem is None, problem
+    else:
+        assert problem is not None and problem.strip().count("\n") == 0 and flag in problem, problem
+
+
+# ----------------------------------------------------------------------------- the README's table
+SHOWN_AS = {"{no_train}": "DIR-without-train", "{empty_class}": "DIR-with-an-empty-class",
+            "{three_classes}": "DIR-with-3-classes", "{corrupt}": "truncated.pt", "{evil}": "hostile.pt",
+            "{moco}": "moco_ckpt.pt", "{cls}": "lenet_ckpt.pt", "{a_file}": "a_file", "{cls_dir}": "runs/existing"}
+
+
+def readme_rows() -> list[str]:
+    """The rows of the README's "Bad input" table, one per case (tests/test_docs.py compares)."""
+    rows = ["| script | input | the one line says |", "| --- | --- | --- |"]
+    for script, args, message in CASES:
+        shown = " ".join(args)
+        for placeholder, name in SHOWN_AS.items():
+            shown = shown.replace(placeholder, name)
+        rows.append(f"| {script} | `{shown}` | {message.replace('|', chr(92) + '|')} |")
+    return rows

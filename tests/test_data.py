@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from helpers import assert_ok, load_ckpt, run_cli, write_image_folder
+from helpers import assert_ok, load_ckpt, run_cli, run_on_ranks, write_image_folder
 
 from ddp_utils.data import (
     DigitsDataset,
@@ -69,3 +69,48 @@ def test_imagefolder_loads_and_trains(tmp_path):
     assert_ok(proc)
     assert load_ckpt(out / "checkpoint_last.pt")["step"] == 36 // 6
     assert "(36 images)" in proc.stdout
+
+
+def _download_worker(info, data_dir: str):
+    """CIFAR-10 with --download on 2 ranks, torchvision's CIFAR10 replaced by a recorder: one node
+    (both ranks local), two nodes (each rank a node's local rank 0), and a failing download."""
+    import dataclasses
+
+    from torchvision import datasets
+
+    from ddp_utils.config import UsageError
+    from ddp_utils.trainer import download_once_per_node
+    from train_classifier import ClassifierConfig
+
+    calls, fail = [], []
+
+    class RecordingCIFAR10:
+        def __init__(self, root, train, download):
+            calls.append(("download" if download else "read", train))
+            if download and fail:
+                raise OSError("Network is unreachable")
+
+    datasets.CIFAR10 = RecordingCIFAR10
+    cfg = ClassifierConfig(dataset="cifar10", download=True, data_dir=data_dir, device="cpu")
+    results = {}
+    for scenario, as_info in (("one node", info), ("two nodes", dataclasses.replace(info, local_rank=0))):
+        calls.clear()
+        download_once_per_node(cfg, as_info)
+        load_split("cifar10", data_dir, True, 32)
+        results[scenario] = list(calls)
+    fail.append(True)
+    try:
+        download_once_per_node(cfg, info)
+    except UsageError as err:
+        results["failure"] = str(err)
+    return results
+
+
+def test_cifar10_is_downloaded_once_per_node_then_only_read(tmp_path):
+    fetch = [("download", True), ("download", False)]
+    rank0, rank1 = run_on_ranks(_download_worker, tmp_path, str(tmp_path))
+    assert rank0["one node"] == fetch + [("read", True)] and rank1["one node"] == [("read", True)]
+    assert rank0["two nodes"] == rank1["two nodes"] == fetch + [("read", True)]
+    assert rank0["failure"] == rank1["failure"] == (
+        f"--download: CIFAR-10 could not be fetched into {tmp_path} (Network is unreachable); check the "
+        f"network, or copy cifar-10-batches-py/ there and drop --download")

@@ -67,14 +67,16 @@ def test_overwrite_starts_over_and_never_mixes_two_runs(classifier, tmp_path):
 
 def test_checkpoint_history_rotates_and_prunes(classifier, tmp_path):
     out = tmp_path / "run"
-    assert_ok(classifier(LENET + ["--max-steps", "4", "--ckpt-every", "1",
-                                                      "--keep-checkpoints", "3", "--out", str(out)]))
+    assert_ok(classifier(LENET + ["--max-steps", "4", "--ckpt-every", "1", "--keep-checkpoints", "3",
+                                  "--out", str(out)]))
     steps = {p.name: load_ckpt(p)["step"] for p in out.glob("checkpoint*.pt")}
     assert steps == {"checkpoint_last.pt": 4, "checkpoint_prev1.pt": 3, "checkpoint_prev2.pt": 2}
-    assert_ok(classifier(LENET + ["--max-steps", "5", "--ckpt-every", "1", "--resume", "auto",
-                                                      "--keep-checkpoints", "2", "--out", str(out)]))
+    proc = classifier(LENET + ["--max-steps", "5", "--ckpt-every", "1", "--resume", "auto",
+                               "--keep-checkpoints", "2", "--out", str(out)])
+    assert_ok(proc)
     steps = {p.name: load_ckpt(p)["step"] for p in out.glob("checkpoint*.pt")}
     assert steps == {"checkpoint_last.pt": 5, "checkpoint_prev1.pt": 4}
+    assert "resuming with changed settings: --max-steps 4 -> 5, --keep-checkpoints 3 -> 2" in proc.stdout
     assert not list(out.glob(".*.tmp"))
 
 
@@ -82,8 +84,8 @@ def test_resume_auto_passes_over_corrupt_and_hostile_files(classifier, tmp_path)
     """The newest checkpoint is truncated, the next one a pickle whose unpickling would run code:
     both are reported in one line each and the oldest readable one is used; the code never runs."""
     out = tmp_path / "run"
-    assert_ok(classifier(LENET + ["--max-steps", "3", "--ckpt-every", "1",
-                                                      "--keep-checkpoints", "3", "--out", str(out)]))
+    assert_ok(classifier(LENET + ["--max-steps", "3", "--ckpt-every", "1", "--keep-checkpoints", "3",
+                                  "--out", str(out)]))
     last = out / "checkpoint_last.pt"
     last.write_bytes(last.read_bytes()[:4096])
     marker = tmp_path / "PWNED"
