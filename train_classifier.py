@@ -52,7 +52,7 @@ from ddp_utils.monitor import StepMeter, TensorBoard
 from ddp_utils.precision import autocast
 from ddp_utils.pretrained import LinearProbe, load_pretrained_backbone, tensors_equal
 from ddp_utils.run_state import Resume, unwrap
-from ddp_utils.train_config import TrainConfig
+from ddp_utils.train_config import OUT_HELP, TrainConfig
 from ddp_utils.trainer import (
     TrainRun,
     after_optimizer_step,
@@ -75,8 +75,7 @@ class ClassifierConfig(TrainConfig):
     # What shapes the model: a checkpoint that differs in any of these cannot be resumed.
     RESUME_FIXED: ClassVar[tuple[str, ...]] = ("arch", "linear_probe", "probe_bn")
 
-    out: str = opt("runs/classifier", "run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a "
-                   "fresh run refuses a folder that already holds a checkpoint")
+    out: str = opt("runs/classifier", OUT_HELP)
     pretrained: str = opt("", "initialise the backbone from a train_moco.py checkpoint or an "
                           "exported backbone (--export-backbone); fc starts fresh")
     linear_probe: bool = opt(False, "with --pretrained: freeze the backbone (kept in eval mode) and "

@@ -48,7 +48,7 @@ from ddp_utils.precision import autocast
 from ddp_utils.pretrained import export_backbone
 from ddp_utils.run_state import Resume
 from ddp_utils.schedule import LR_SCHEDULES, cosine_to_one
-from ddp_utils.train_config import TrainConfig
+from ddp_utils.train_config import OUT_HELP, TrainConfig
 from ddp_utils.trainer import (
     TrainRun,
     after_optimizer_step,
@@ -82,8 +82,7 @@ class MocoConfig(TrainConfig):
     preset: str = opt("v2", "v1: linear head, T 0.07, step LR, weak augmentation; v2: MLP head, T 0.2, "
                       "cosine LR, strong augmentation with blur; any flag below overrides it",
                       choices=("v1", "v2"))
-    out: str = opt("runs/moco", "run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a fresh "
-                   "run refuses a folder that already holds a checkpoint")
+    out: str = opt("runs/moco", OUT_HELP)
     lr: float | None = opt(None, "peak learning rate for the global batch (preset: 0.03)")
     lr_schedule: str | None = opt(None, "cosine, step or constant after warm-up (preset: v1 step, v2 "
                                   "cosine)", choices=LR_SCHEDULES)

@@ -11,6 +11,9 @@ from .precision import AMP_MODES
 from .run_folder import check_out_dir
 from .schedule import LR_SCHEDULES, parse_milestones
 
+OUT_HELP = ("run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a fresh run refuses a folder "
+            "that already holds a checkpoint")
+
 
 @dataclass
 class TrainConfig:
@@ -47,8 +50,7 @@ class TrainConfig:
     device: str = opt("auto", "auto = cuda:LOCAL_RANK with NCCL if CUDA is available, else CPU with gloo",
                       choices=("auto", "cpu", "cuda"))
     dist_timeout: float = opt(600.0, "seconds a collective may wait for a peer before the job fails")
-    out: str = opt("runs/run", "run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a fresh "
-                   "run refuses a folder that already holds a checkpoint")
+    out: str = opt("runs/run", OUT_HELP)
     resume: str = opt("", "'auto' = continue from the newest readable checkpoint in OUT (start fresh if "
                       "there is none); or a checkpoint path; empty = start fresh")
     overwrite: bool = opt(False, "start over in an OUT that holds a run: its checkpoints, TensorBoard "

@@ -87,6 +87,7 @@ class TrainRun:
     signals: StopSignals | None = None
     faults: FaultPlan = field(default_factory=FaultPlan)
     saved_step: int | None = None                    # step of the newest checkpoint on disk
+    saved_path: Path | None = None                   # and its file
     preempted: bool = False
 
     def finished(self) -> bool:
@@ -117,9 +118,9 @@ class TrainRun:
                 or state.step >= self.total_steps or bool(cfg.max_steps and state.step >= cfg.max_steps))
 
     def last_checkpoint(self) -> str:
-        if self.saved_step is None:
+        if self.saved_path is None:
             return "no checkpoint was written yet"
-        return f"the last good checkpoint is {Path(self.cfg.out) / 'checkpoint_last.pt'} (step {self.saved_step})"
+        return f"the last good checkpoint is {self.saved_path} (step {self.saved_step})"
 
 
 # ----------------------------------------------------------------------------- building
@@ -206,7 +207,7 @@ def save_run(run: TrainRun) -> None:
                                 facts=run.facts, model=run.model, optimizer=run.optimizer,
                                 lr_scheduler=run.lr_scheduler, grad_scaler=run.scaler)
     path = save_checkpoint(checkpoint, run.cfg.out, run.cfg.keep_checkpoints)
-    run.saved_step = state.step
+    run.saved_step, run.saved_path = state.step, path
     log.info("saved checkpoint %s (%s)", path, state.describe())
 
 
@@ -277,7 +278,8 @@ def start_run(cfg: C, info: DistInfo, signals: StopSignals, setup: Setup) -> R:
     run = setup(cfg, info, resume)
     run.signals, run.faults = signals, faults
     run.accumulator.guard = StepGuard(signals, info.device)
-    run.saved_step = run.state.step if resume is not None and resume.path.parent == Path(cfg.out) else None
+    if resume is not None and resume.path.parent == Path(cfg.out):  # already on disk: not saved again
+        run.saved_step, run.saved_path = run.state.step, resume.path
     if info.is_main:
         prepare_run_folder(cfg.out, cfg.overwrite, resuming=resume is not None)
         save_config(cfg, cfg.out, {"world_size": info.world_size})
@@ -320,7 +322,8 @@ def said_in_an_earlier_attempt(message: str) -> bool:
     return False
 
 
-_COMM_FAILURE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|[Tt]imed out|timeout|NCCL|gloo")
+# What a collective raises when a peer died or stopped answering (a gloo or NCCL timeout included).
+_COMM_FAILURE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|gloo|NCCL")
 
 
 def leave_after_failure(err: BaseException, info: DistInfo, run: TrainRun | None) -> None:
