@@ -35,3 +35,13 @@ def test_entry_script_docstring_has_every_launch(script):
     doc = (REPO / script).read_text().split('"""')[1]
     for launch in ("python " + script, "torchrun --standalone", "--nnodes=2", "sbatch"):
         assert launch in doc, launch
+
+
+def test_moco_help_lists_the_preset_first_and_no_none_defaults():
+    from ddp_utils.config import build_parser
+
+    text = " ".join(build_parser(train_moco.MocoConfig).format_help().split())  # unwrapped
+    options = text.split("options:")[1]
+    assert options.index("--preset") < options.index("--dataset") < options.index("--lr LR")
+    assert "(preset: 0.03)" in options and "(default: None)" not in options
+    assert "(default: v2)" in options  # ordinary flags keep their defaults

@@ -203,7 +203,8 @@ KNN_RUN = ["--device", "cpu", "--dataset", "digits", "--arch", "small_cnn", "--i
 
 def test_moco_learns_digits_features_on_two_ranks(tmp_path):
     out = tmp_path / "run"
-    assert_ok(run_cli("train_moco.py", KNN_RUN + ["--out", str(out)], nproc=2, timeout=600))
+    proc = run_cli("train_moco.py", KNN_RUN + ["--out", str(out)], nproc=2, timeout=600)
+    assert_ok(proc)
     scalars = read_scalars(out / "tb")
     for tag in ("train/loss", "train/contrastive_acc1", "train/lr", "train/moco_m", "train/images_per_sec"):
         assert scalars.get(tag), tag
@@ -211,6 +212,7 @@ def test_moco_learns_digits_features_on_two_ranks(tmp_path):
     assert knn[0][0] == 0 and knn[-1][0] == 15 * 22
     start, end = knn[0][1], knn[-1][1]
     assert end >= start + KNN_MARGIN, knn
+    assert f"final kNN acc1 {end:.2f}% at step 330" in proc.stdout  # the run's one-line summary
 
 
 KNN_MARGIN = 12.0  # percentage points; measured: 77.16% at step 0 -> 91.92% at step 330
