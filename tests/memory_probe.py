@@ -1,11 +1,15 @@
-"""Run by test_training.py in a fresh process: peak RSS of one optimizer step with A micro-batches.
+"""The bytes autograd keeps for backward while one optimizer step runs, at their peak.
+
+Counts every tensor saved for backward by its storage (each storage once, however many views
+of it are saved), from when the graph saves it until the graph lets it go. Unlike the process's
+resident memory (which the allocator's caching makes vary by 100 MiB from run to run), this is
+exact and repeatable: it is the memory a graph that outlives its micro-step would cost.
 
 mode "ours" uses GradientAccumulator (backward per micro-batch); mode "summed_loss" is the
 classic mistake of summing the window's losses and calling backward once, which keeps every
-micro-batch's graph alive until the end of the window. Prints the peak RSS in bytes.
+micro-batch's graph alive until the end of the window.
 """
-import resource
-import sys
+from __future__ import annotations
 
 import torch
 from torch import nn
@@ -15,9 +19,46 @@ from ddp_utils.accumulation import GradientAccumulator
 MICRO_BATCH, SIZE, WIDTH = 32, 64, 32
 
 
-def main(accum_steps: int, mode: str) -> None:
+class SavedTensorMeter:
+    """A ``saved_tensors_hooks`` pair that tracks the live and peak bytes of saved storages."""
+
+    def __init__(self):
+        self.refs: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor) -> "_Held":
+        return _Held(self, tensor)
+
+    @staticmethod
+    def unpack(held: "_Held") -> torch.Tensor:
+        return held.tensor
+
+    def hold(self, key: int, nbytes: int) -> None:
+        self.refs[key] = self.refs.get(key, 0) + 1
+        if self.refs[key] == 1:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+    def release(self, key: int, nbytes: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= nbytes
+
+
+class _Held:
+    def __init__(self, meter: SavedTensorMeter, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        self.meter, self.tensor = meter, tensor
+        self.key, self.nbytes = storage.data_ptr(), storage.nbytes()
+        meter.hold(self.key, self.nbytes)
+
+    def __del__(self):  # the graph that saved the tensor is gone
+        self.meter.release(self.key, self.nbytes)
+
+
+def peak_saved_bytes(accum_steps: int, mode: str) -> int:
     torch.manual_seed(0)
-    torch.set_num_threads(1)
     model = nn.Sequential(nn.Conv2d(3, WIDTH, 3, padding=1), nn.BatchNorm2d(WIDTH), nn.ReLU(),
                           nn.Conv2d(WIDTH, WIDTH, 3, padding=1), nn.BatchNorm2d(WIDTH), nn.ReLU(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(WIDTH, 10))
@@ -25,7 +66,8 @@ def main(accum_steps: int, mode: str) -> None:
     batches = [(torch.randn(MICRO_BATCH, 3, SIZE, SIZE), torch.randint(10, (MICRO_BATCH,)))
                for _ in range(accum_steps)]
     accumulator = GradientAccumulator(model, optimizer, accum_steps)
-    for _ in range(2):  # the second step runs with optimizer state and allocator caches in place
+    meter = SavedTensorMeter()
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         if mode == "ours":
             for micro, (x, y) in accumulator.micro_batches(batches):
                 with accumulator.sync_context(micro):
@@ -35,8 +77,6 @@ def main(accum_steps: int, mode: str) -> None:
             (total / accum_steps).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
-
-
-if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
+            del total
+    assert meter.live == 0, "a saved tensor outlived the step"
+    return meter.peak

@@ -3,12 +3,11 @@ runs under anomaly detection, and counts every validation sample once."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import REPO, assert_ok, cli_env, load_ckpt, read_scalars, run_cli
+from helpers import assert_ok, load_ckpt, read_scalars, run_cli
+from memory_probe import peak_saved_bytes
 
 from ddp_utils.data import ShardedEvalSampler
 
@@ -75,22 +74,15 @@ def test_resume_continues_exactly(tmp_path):
     assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] == 14
 
 
-def _peak_rss(accum_steps: int, mode: str) -> int:
-    proc = subprocess.run([sys.executable, str(REPO / "tests/memory_probe.py"), str(accum_steps), mode],
-                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return int(proc.stdout.strip())
-
-
 def test_no_graph_survives_a_micro_step():
-    """Peak memory of one optimizer step does not grow with A; the summed-loss mistake does."""
-    activation = 32 * 32 * 64 * 64 * 4  # bytes of one conv output of one micro-batch (16 MiB)
-    ours = _peak_rss(8, "ours") - _peak_rss(1, "ours")
-    mistake = _peak_rss(8, "summed_loss") - _peak_rss(1, "summed_loss")
-    # Measured here: ours +26 MiB (the 8 x 1.5 MiB inputs, held in both modes, plus allocator
-    # noise), the mistake +713 MiB (7 more micro-batches' graphs).
-    assert ours < 4 * activation, f"peak RSS grew by {ours / 2**20:.0f} MiB from A=1 to A=8"
-    assert mistake > 16 * activation, f"negative control grew only {mistake / 2**20:.0f} MiB"
+    """What autograd keeps for backward peaks at one micro-batch's graph whatever A is; the
+    summed-loss mistake keeps all A graphs alive at once. Counted exactly (tests/memory_probe.py):
+    resident memory varied by over 100 MiB between identical runs and made this test flaky."""
+    ours = {a: peak_saved_bytes(a, "ours") for a in (1, 8)}
+    mistake = {a: peak_saved_bytes(a, "summed_loss") for a in (1, 8)}
+    assert ours[8] == ours[1] == mistake[1], (ours, mistake)
+    one_graph = ours[1]  # 65.5 MiB: input and activations of one micro-batch (+ 40 KB of weights)
+    assert mistake[8] > 7.9 * one_graph, f"the negative control held only {mistake[8] / one_graph:.2f} graphs"
 
 
 def test_debug_run_under_anomaly_detection(tmp_path):
