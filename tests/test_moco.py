@@ -4,12 +4,12 @@ train_moco.py on 2 gloo ranks."""
 from __future__ import annotations
 
 import gc
-import resource
 
 import pytest
 import torch
 import torchvision
 from helpers import assert_ok, load_ckpt, read_scalars, run_cli, run_on_ranks
+from memory_probe import SavedTensorMeter
 from torch import nn
 
 import train_moco
@@ -141,30 +141,28 @@ def test_split_batchnorm_normalises_each_group_on_its_own():
     torch.testing.assert_close(split.running_mean, expected_mean)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+def _graph_bytes_after_steps(run) -> list[int]:
+    """Bytes autograd still holds for a backward after 4, 8, ... 20 optimizer steps."""
+    meter, held = SavedTensorMeter(), []
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        for steps in (4, 8, 12, 16, 20):
+            _train(run, max_steps=steps)
+            gc.collect()
+            held.append(meter.live)
+    return held
 
 
-def _rss_growth(run) -> list[int]:
-    sizes = []
-    for steps in (4, 8, 12, 16, 20):
-        _train(run, max_steps=steps)
-        gc.collect()
-        sizes.append(_rss_bytes())
-    return sizes
-
-
-def test_memory_flat_step_over_step_and_no_autograd_errors(tmp_path, monkeypatch):
-    """20 steps under anomaly detection: no autograd error, resident memory flat after warm-up.
-    The negative control is the classic hack: keep each step's logits and back-propagate with
+def test_no_graph_outlives_its_step_and_no_autograd_errors(tmp_path, monkeypatch):
+    """20 steps under anomaly detection: no autograd error, and after every step nothing is
+    left of any graph (every tensor saved for backward counted, tests/memory_probe.py). The
+    negative control is the classic hack: keep each step's logits and back-propagate with
     retain_graph=True (what people add to silence "backward through the graph a second time"):
-    every step's graph then stays alive and memory climbs."""
+    every step's graph then stays alive and what autograd holds climbs step after step."""
     info = DistInfo(0, 0, 1, 1, torch.device("cpu"), None, "single")
     torch.autograd.set_detect_anomaly(True)
     try:
         run = _run(info, str(tmp_path / "a"), batch_size=32, bn_splits=4, moco_k=256, image_size=32)
-        ours = _rss_growth(run)
+        ours = _graph_bytes_after_steps(run)
         kept = []
         real_loss = train_moco.contrastive_loss
 
@@ -177,12 +175,12 @@ def test_memory_flat_step_over_step_and_no_autograd_errors(tmp_path, monkeypatch
         monkeypatch.setattr(torch.Tensor, "backward",
                             lambda self, *a, **kw: real_backward(self, *a, **{**kw, "retain_graph": True}))
         run_leaky = _run(info, str(tmp_path / "b"), batch_size=32, bn_splits=4, moco_k=256, image_size=32)
-        leaky = _rss_growth(run_leaky)
+        leaky = _graph_bytes_after_steps(run_leaky)
     finally:
         torch.autograd.set_detect_anomaly(False)
-    mib = 2**20
-    assert ours[-1] - ours[1] < 24 * mib, [s // mib for s in ours]
-    assert leaky[-1] - leaky[1] > 3 * (ours[-1] - ours[1]) + 40 * mib, [s // mib for s in leaky]
+    assert ours == [0] * 5
+    growth = [after - before for before, after in zip(leaky, leaky[1:])]  # per 4 steps
+    assert len(set(growth)) == 1 and growth[0] > 16 * 2**20, leaky  # 4 more graphs kept, every time
 
 
 def test_debug_cli_runs_under_anomaly_detection_with_accumulation(tmp_path):
