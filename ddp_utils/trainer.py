@@ -300,6 +300,17 @@ def download_once_per_node(cfg: TrainConfig, info: DistInfo) -> None:
                 download_cifar10(cfg.data_dir)
 
 
+def warn_if_restarts_can_hang(info: DistInfo) -> None:
+    """torchrun shares its rendezvous store with the workers unless told not to; a restarted
+    group can then read the dead group's addresses and hang at start-up (measured here: 1 of 2
+    restarts hung; pytorch/pytorch#135712)."""
+    if info.is_main and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) and \
+            os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        log.warning("torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted "
+                    "group can hang at start-up (pytorch/pytorch#135712); set it in torchrun's "
+                    "environment (launch/*.sh do)")
+
+
 def report_usage_error(prog: str, err: UsageError, reporter: bool) -> int:
     """Bad input: one line on stderr from rank 0 (the others agree silently); exit code 2."""
     if reporter and not said_in_an_earlier_attempt(str(err)):
@@ -370,11 +381,7 @@ def run_script(config_cls: type[C], argv: Sequence[str] | None, description: str
         setup_logging(info.rank, cfg.debug, hold=True)
         log.info("%s launch: world size %d, backend %s, device %s", info.launcher, info.world_size,
                  info.backend or "none", info.device)
-        if info.is_main and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) and \
-                os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
-            log.warning("torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted "
-                        "group can hang at start-up (pytorch/pytorch#135712); set it in torchrun's "
-                        "environment (launch/*.sh do)")
+        warn_if_restarts_can_hang(info)
         torch.autograd.set_detect_anomaly(cfg.debug)
         if cfg.debug:
             log.info("--debug: autograd anomaly detection on, small data subsets, extra checks after "

@@ -337,3 +337,16 @@ def test_the_first_progress_line_has_an_eta(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="train"):
         progress.update(1, 1, loss=2.3, lr=0.1, images_per_sec=64.0)
     assert "epoch 1/5 step 1/101" in caplog.text and "eta 0:05:00" in caplog.text
+
+
+def test_restarts_on_the_shared_store_are_warned_about(monkeypatch, caplog):
+    from ddp_utils.trainer import warn_if_restarts_can_hang
+
+    info = DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo", "torchrun")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    with caplog.at_level("WARNING", logger="train"):
+        warn_if_restarts_can_hang(info)
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as launch/restarts.sh sets it
+        warn_if_restarts_can_hang(info)
+    assert caplog.text.count("without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") == 1
