@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddp_utils.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
-from ddp_utils.config import UsageError, opt
+from ddp_utils.config import UsageError, flag_name, opt
 from ddp_utils.data import Loaders, classification_transforms, eval_loader, make_loaders
 from ddp_utils.dist import DistInfo, LaunchEnv, barrier
 from ddp_utils.knn import knn_accuracy
@@ -129,7 +129,7 @@ class MocoConfig(TrainConfig):
             raise UsageError(f"--moco-m must be in [0, 1), got {self.moco_m}")
         for name in ("moco_t", "knn_t", "moco_dim", "knn_k", "bn_splits"):
             if getattr(self, name) <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+                raise UsageError(f"{flag_name(name)} must be positive, got {getattr(self, name)}")
         if self.sync_bn and launch.world_size > 1 and (self.device == "cpu" or not torch.cuda.is_available()):
             raise UsageError("--sync-bn needs CUDA when running several processes (SyncBatchNorm is "
                              "GPU-only there); drop --sync-bn on CPU")

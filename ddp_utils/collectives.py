@@ -58,11 +58,6 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if ``flag`` is true on any rank (one small all_reduce)."""
-    return bool(all_reduce_sum(torch.tensor([int(flag)], device=device)).item())
-
-
 @contextlib.contextmanager
 def all_ranks_agree() -> Iterator[None]:
     """Run a block of checks on every rank; a :class:`UsageError` on *any* rank is raised on

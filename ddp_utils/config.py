@@ -73,7 +73,7 @@ def ordered_fields(cls: type) -> list[dataclasses.Field]:
     flags it sets), the rest in declaration order."""
     first = getattr(cls, "FIRST_FLAGS", ())
     fields = dataclasses.fields(cls)
-    return sorted(fields, key=lambda f: (f.name not in first, first.index(f.name) if f.name in first else 0))
+    return [f for name in first for f in fields if f.name == name] + [f for f in fields if f.name not in first]
 
 
 def build_parser(cls: type, description: str = "", quiet: bool = False) -> argparse.ArgumentParser:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import UsageError, opt
+from .config import UsageError, flag_name, opt
 from .data import DATASETS, NATIVE_SIZE, check_data_dir
 from .dist import LaunchEnv
 from .models import ARCHS, MIN_IMAGE_SIZE
@@ -71,12 +71,12 @@ class TrainConfig:
                     "keep_checkpoints")
         for name in positive:
             if getattr(self, name) <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+                raise UsageError(f"{flag_name(name)} must be positive, got {getattr(self, name)}")
         non_negative = ("max_steps", "warmup_steps", "ckpt_every", "image_size", "clip_grad", "weight_decay",
                         "skip_nonfinite")
         for name in non_negative:
             if getattr(self, name) < 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+                raise UsageError(f"{flag_name(name)} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise UsageError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.momentum < 1:

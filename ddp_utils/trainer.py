@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from .accumulation import GradientAccumulator, StepResult
 from .checkpoint import save_checkpoint
-from .collectives import all_gather_object, all_ranks_agree, any_rank
+from .collectives import all_gather_object, all_ranks_agree, all_reduce_sum
 from .config import UsageError, config_dict, parse_config, save_config
 from .data import (
     DEBUG_TRAIN_SAMPLES,
@@ -113,9 +113,9 @@ class TrainRun:
     def is_last_step(self, stepped: StepResult) -> bool:
         """Whether the step just taken ends the run (its metrics are then logged whatever
         --log-every says)."""
-        verdict, state, cfg = stepped.verdict, self.state, self.cfg
-        return (verdict.stop or (verdict.nonfinite_ranks > 0 and state.nonfinite_skipped >= cfg.skip_nonfinite)
-                or state.step >= self.total_steps or bool(cfg.max_steps and state.step >= cfg.max_steps))
+        verdict = stepped.verdict
+        stops_on_nonfinite = verdict.nonfinite_ranks > 0 and self.state.nonfinite_skipped >= self.cfg.skip_nonfinite
+        return verdict.stop or stops_on_nonfinite or self.finished()
 
     def last_checkpoint(self) -> str:
         if self.saved_path is None:
@@ -189,9 +189,11 @@ def restore_if_resuming(cfg: TrainConfig, info: DistInfo, resume: Resume | None,
 
 # ----------------------------------------------------------------------------- checkpoints
 def weights_finite(model: nn.Module, device: torch.device) -> bool:
-    """True on every rank when every floating tensor of the model is finite on every rank."""
-    local = all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
-    return not any_rank(not local, device)
+    """True on every rank when every floating tensor of the model is finite on every rank: the
+    tensors are checked on the device, the ranks' counts summed, and the answer read once."""
+    checks = [torch.isfinite(t).all() for t in model.state_dict().values() if t.is_floating_point()]
+    bad = (~torch.stack(checks)).sum().to(device=device, dtype=torch.int32).reshape(1)
+    return int(all_reduce_sum(bad).item()) == 0
 
 
 def save_run(run: TrainRun) -> None:

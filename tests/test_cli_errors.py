@@ -251,12 +251,12 @@ NUMERIC = list(_numeric_cases())
 def test_every_numeric_flag_at_zero_negative_nan_and_inf(capsys, script, name, value):
     """Each numeric flag of both scripts: 0 and -1 are refused unless they mean something (off,
     auto), nan and +-inf always; a refusal is one line naming the flag."""
-    from ddp_utils.config import parse_config
+    from ddp_utils.config import flag_name, parse_config
     from ddp_utils.dist import LaunchEnv
 
     module = SCRIPTS[script]
     cls = module.ClassifierConfig if script == "classifier" else module.MocoConfig
-    flag = "--" + name.replace("_", "-")
+    flag = flag_name(name)
     legal = value not in ("nan", "inf", "-inf") and (
         (value == "0" and name in ZERO_OK) or (value == "-1" and name in NEGATIVE_OK))
     try:
