@@ -38,22 +38,29 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ddp_utils.collectives import (
+from ddp_utils.config import UsageError, opt
+from ddp_utils.data.loading import Loaders, make_loaders
+from ddp_utils.data.transforms import (
+    augment_on_device,
+    classification_transforms,
+    classifier_device_recipe,
+    device_training_augmentation,
+)
+from ddp_utils.models.backbones import build_model
+from ddp_utils.runtime.collectives import (
     all_ranks_agree,
     all_reduce_sum,
     check_replicas_identical,
     sync_buffers_from_rank0,
 )
-from ddp_utils.config import UsageError, opt
-from ddp_utils.data import Loaders, classification_transforms, make_loaders
-from ddp_utils.dist import DistInfo
-from ddp_utils.models import build_model
-from ddp_utils.monitor import StepMeter, TensorBoard
-from ddp_utils.precision import autocast
-from ddp_utils.pretrained import LinearProbe, load_pretrained_backbone, tensors_equal
-from ddp_utils.run_state import Resume, unwrap
-from ddp_utils.train_config import OUT_HELP, TrainConfig
-from ddp_utils.trainer import (
+from ddp_utils.runtime.dist import DistInfo
+from ddp_utils.train.fast_path import place_model, to_device
+from ddp_utils.train.monitor import StepMeter, TensorBoard
+from ddp_utils.train.precision import autocast
+from ddp_utils.train.pretrained import LinearProbe, load_pretrained_backbone, tensors_equal
+from ddp_utils.train.run_state import Resume, unwrap
+from ddp_utils.train.train_config import OUT_HELP, TrainConfig
+from ddp_utils.train.trainer import (
     TrainRun,
     after_optimizer_step,
     build_optimization,
@@ -106,8 +113,14 @@ class ClassifierRun(TrainRun):
 # ----------------------------------------------------------------------------- building
 def build_loaders(cfg: ClassifierConfig, info: DistInfo) -> Loaders:
     train_raw, val_raw = load_raw_splits(cfg, info)
-    train_tf, eval_tf = classification_transforms(cfg.dataset, cfg.resolved_image_size(), cfg.augment)
-    return make_loaders(train_raw, val_raw, train_tf, eval_tf, seed=cfg.seed, **loader_options(cfg, info))
+    size = cfg.resolved_image_size()
+    train_tf, eval_tf = classification_transforms(cfg.dataset, size, cfg.augment)
+    device_augment = None
+    if augment_on_device(cfg.aug_on, cfg.dataset, info.device):
+        recipe = classifier_device_recipe(cfg.dataset, size, cfg.augment)
+        train_tf, device_augment = device_training_augmentation(recipe, cfg.dataset, size, cfg.seed, views=1)
+    return make_loaders(train_raw, val_raw, train_tf, eval_tf, seed=cfg.seed, device_augment=device_augment,
+                        device=info.device, **loader_options(cfg, info))
 
 
 def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn.Module:
@@ -119,7 +132,7 @@ def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn
             log.info("backbone initialised from %s", cfg.pretrained)
     if cfg.linear_probe:
         model = LinearProbe(model, num_classes, feature_norm=cfg.probe_bn)
-    return model.to(info.device)
+    return place_model(model, info.device)
 
 
 def setup(cfg: ClassifierConfig, info: DistInfo, resume: Resume | None = None) -> ClassifierRun:
@@ -147,8 +160,7 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
     run.network.train()
     run.start_epoch()
     for micro, (images, targets) in run.accumulator.micro_batches(run.loaders.train):
-        images = images.to(info.device, non_blocking=True)
-        targets = targets.to(info.device, non_blocking=True)
+        images, targets = to_device(images, info.device), targets.to(info.device, non_blocking=True)
         with run.accumulator.sync_context(micro):
             with autocast(cfg.amp, info.device):
                 loss = criterion(run.network(images), targets)
@@ -188,7 +200,7 @@ def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, info: DistIn
     # loss, correct, count: summed on the device, read once at the end (no host sync per batch)
     sums = torch.zeros(3, dtype=torch.float64, device=info.device)
     for images, targets in loader:
-        images, targets = images.to(info.device), targets.to(info.device)
+        images, targets = to_device(images, info.device), targets.to(info.device, non_blocking=True)
         with autocast(amp, info.device):
             logits = model(images)
         sums[0] += nn.functional.cross_entropy(logits.float(), targets, reduction="sum")

@@ -12,7 +12,7 @@ One node, every GPU (the MoCo authors' CIFAR-10 demo settings, global batch 512)
 Several nodes, ImageNet, MoCo v2 (run on every node; HOST is node 0's address):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \\
         train_moco.py --preset v2 --dataset imagefolder --data-dir /data/imagenet --arch resnet50 \\
-        --batch-size 16 --epochs 200 --amp bf16 --out runs/mocov2_in1k
+        --batch-size 16 --epochs 200 --knn-every 10 --knn-bank-samples 128000 --out runs/mocov2_in1k
 
 SLURM (see launch/): sbatch /path/to/repo/launch/slurm_moco.sbatch --preset v2 ...
 Resume: add --resume auto (same --out); the queue, its pointer and encoder_k come back exactly.
@@ -22,7 +22,8 @@ Export the query backbone for torchvision / train_classifier.py --pretrained:
     python train_moco.py ... --resume auto --export-backbone runs/moco_c10/backbone.pt
 
 --batch-size is per rank and per micro-step; the global batch is world_size x --accum-steps x
---batch-size. --lr is used as given (MoCo: 0.03 for a global batch of 256).
+--batch-size. --lr is used as given (MoCo: 0.03 for a global batch of 256). On CUDA the defaults
+take the fast path (bf16 autocast, channels_last, fused SGD, TF32); add --compile for more.
 """
 from __future__ import annotations
 
@@ -35,21 +36,28 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddp_utils.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
 from ddp_utils.config import UsageError, flag_name, opt
-from ddp_utils.data import Loaders, classification_transforms, eval_loader, make_loaders
-from ddp_utils.dist import DistInfo, LaunchEnv, barrier
-from ddp_utils.knn import knn_accuracy
-from ddp_utils.moco import Encoder, MoCo, contrastive_loss, split_batchnorm
-from ddp_utils.moco_augment import moco_train_transform
-from ddp_utils.models import build_model, feature_dim
-from ddp_utils.monitor import StepMeter, TensorBoard
-from ddp_utils.precision import autocast
-from ddp_utils.pretrained import export_backbone
-from ddp_utils.run_state import Resume
-from ddp_utils.schedule import LR_SCHEDULES, cosine_to_one
-from ddp_utils.train_config import OUT_HELP, TrainConfig
-from ddp_utils.trainer import (
+from ddp_utils.data.loading import Loaders, eval_loader, make_loaders
+from ddp_utils.data.transforms import (
+    augment_on_device,
+    classification_transforms,
+    device_training_augmentation,
+    moco_device_recipe,
+    moco_train_transform,
+)
+from ddp_utils.eval.knn import bank_subset, knn_accuracy
+from ddp_utils.models.backbones import build_model, feature_dim
+from ddp_utils.models.moco import Encoder, MoCo, contrastive_loss, split_batchnorm
+from ddp_utils.runtime.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
+from ddp_utils.runtime.dist import DistInfo, LaunchEnv, barrier
+from ddp_utils.train.fast_path import place_model, to_device
+from ddp_utils.train.monitor import StepMeter, TensorBoard
+from ddp_utils.train.precision import autocast
+from ddp_utils.train.pretrained import export_backbone
+from ddp_utils.train.run_state import Resume
+from ddp_utils.train.schedule import LR_SCHEDULES, cosine_to_one
+from ddp_utils.train.train_config import OUT_HELP, TrainConfig
+from ddp_utils.train.trainer import (
     TrainRun,
     after_optimizer_step,
     build_optimization,
@@ -104,6 +112,8 @@ class MocoConfig(TrainConfig):
     knn_k: int = opt(200, "kNN monitor: neighbours that vote")
     knn_t: float = opt(0.1, "kNN monitor: temperature of the exp(similarity / T) vote weights")
     knn_every: int = opt(1, "run the kNN monitor every this many epochs (and at step 0); 0 = never")
+    knn_bank_samples: int = opt(0, "kNN monitor: memory bank = this many train samples (a fixed, seeded "
+                                "subset); 0 = the whole train split")
     export_backbone: str = opt("", "after training, write the query backbone (no head) as a plain "
                                "state dict to this path, loadable by torchvision's model")
 
@@ -133,8 +143,9 @@ class MocoConfig(TrainConfig):
         if self.sync_bn and launch.world_size > 1 and (self.device == "cpu" or not torch.cuda.is_available()):
             raise UsageError("--sync-bn needs CUDA when running several processes (SyncBatchNorm is "
                              "GPU-only there); drop --sync-bn on CPU")
-        if self.knn_every < 0:
-            raise UsageError(f"--knn-every must be >= 0, got {self.knn_every}")
+        for name in ("knn_every", "knn_bank_samples"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{flag_name(name)} must be >= 0, got {getattr(self, name)}")
         if self.uses_split_bn(launch.world_size) and self.batch_size % self.bn_splits:
             raise UsageError(f"--batch-size {self.batch_size} must be a multiple of --bn-splits "
                              f"{self.bn_splits} (split BN on one process); or pass --bn-splits 1")
@@ -171,18 +182,24 @@ def build_moco(cfg: MocoConfig, info: DistInfo, num_classes: int) -> MoCo:
         log.warning("--no-shuffle-bn: query and key share BatchNorm statistics; expect a weaker model")
     elif shuffle and info.is_distributed:
         log.info("shuffle BN: key batches are shuffled across %d ranks", info.world_size)
-    return MoCo(encoder_q, dim=cfg.moco_dim, K=cfg.moco_k, T=cfg.moco_t, shuffle_bn=shuffle).to(info.device)
+    return place_model(MoCo(encoder_q, dim=cfg.moco_dim, K=cfg.moco_k, T=cfg.moco_t, shuffle_bn=shuffle,
+                           shuffle_seed=cfg.seed), info.device)
 
 
 def build_loaders(cfg: MocoConfig, info: DistInfo) -> tuple[Loaders, DataLoader]:
-    """Two-crop training loader, validation loader, and the un-augmented train split for kNN."""
+    """Two-view training batches, validation loader, and the un-augmented train split for kNN."""
     train_raw, val_raw = load_raw_splits(cfg, info)
     size = cfg.resolved_image_size()
     _, eval_tf = classification_transforms(cfg.dataset, size, augment=False)
     options = loader_options(cfg, info)
-    loaders = make_loaders(train_raw, val_raw, moco_train_transform(cfg.dataset, size, cfg.aug), eval_tf,
-                           seed=cfg.seed, **options)
-    return loaders, eval_loader(train_raw, eval_tf, **options)
+    train_tf, device_augment = moco_train_transform(cfg.dataset, size, cfg.aug), None
+    if augment_on_device(cfg.aug_on, cfg.dataset, info.device):
+        recipe = moco_device_recipe(cfg.dataset, size, cfg.aug)
+        train_tf, device_augment = device_training_augmentation(recipe, cfg.dataset, size, cfg.seed, views=2)
+    loaders = make_loaders(train_raw, val_raw, train_tf, eval_tf, seed=cfg.seed, device_augment=device_augment,
+                           device=info.device, **options)
+    bank = bank_subset(train_raw, cfg.knn_bank_samples, cfg.seed) if cfg.knn_bank_samples else train_raw
+    return loaders, eval_loader(bank, eval_tf, **options)
 
 
 def setup(cfg: MocoConfig, info: DistInfo, resume: Resume | None = None) -> MocoRun:
@@ -197,6 +214,8 @@ def setup(cfg: MocoConfig, info: DistInfo, resume: Resume | None = None) -> Moco
     moco.sync_state_from_rank0()
     # Only the query encoder goes into DDP: it must not broadcast the queue or encoder_k.
     query_encoder, accumulator = wrap_for_training(moco.encoder_q, cfg, info, optimizer, lr_scheduler, scaler)
+    if cfg.compile:  # the query encoder was compiled by wrap_for_training
+        moco.compile_key_encoder()
     return MocoRun(cfg, info, loaders, moco, optimizer, lr_scheduler, scaler, accumulator, state,
                    total_steps, TensorBoard(None), SCRIPT, moco=moco, query_encoder=query_encoder,
                    bank_loader=bank_loader)
@@ -215,15 +234,15 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
     run.start_epoch()
     window_keys: list[torch.Tensor] = []
     for micro, ((im_q, im_k), _) in run.accumulator.micro_batches(run.loaders.train):
-        im_q = im_q.to(info.device, non_blocking=True)
-        im_k = im_k.to(info.device, non_blocking=True)
+        im_q, im_k = to_device(im_q, info.device), to_device(im_k, info.device)
         with run.accumulator.sync_context(micro):
             with autocast(cfg.amp, info.device):
-                logits, keys = moco(im_q, im_k, run.query_encoder)  # logits: N x (1+K)
+                # logits: N x (1+K); keys: (W*N) x C, every rank's, gathered once for the queue
+                logits, keys = moco(im_q, im_k, run.query_encoder, global_keys=True)
                 loss, contrastive_acc = contrastive_loss(logits)
             loss = run.faults.poison(loss, info.rank, state.step + 1, first_micro=micro.index == 0)
             stepped = run.accumulator.backward(loss, micro)
-        window_keys.append(keys)  # N x C, no graph
+        window_keys.append(keys)  # (W*N) x C, no graph, identical on every rank
         meter.add_micro(info.world_size * len(im_q), micro.window_size, loss=loss,
                         contrastive_acc1=100.0 * contrastive_acc)
         state.batches_done += 1
@@ -235,7 +254,7 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
             moco.momentum_update(momentum)  # once per optimizer step, after the query encoder moved
             # The window's keys enter the queue together, so every micro-step of a window saw the same
             # negatives, as one big batch would.
-            moco.enqueue(torch.cat(window_keys))
+            moco.enqueue(torch.cat(window_keys), gathered=True)
         window_keys = []
         meter.end_step(state.step, state.epoch_number, force=run.is_last_step(stepped),
                        lr=run.optimizer.param_groups[0]["lr"], moco_m=momentum)

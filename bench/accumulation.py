@@ -22,11 +22,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ddp_utils.accumulation import GradientAccumulator  # noqa: E402
-from ddp_utils.collectives import all_gather_object  # noqa: E402
-from ddp_utils.dist import cleanup_distributed, init_distributed  # noqa: E402
-from ddp_utils.models import build_model  # noqa: E402
-from ddp_utils.spawn import spawn_local  # noqa: E402
+from ddp_utils.models.backbones import build_model  # noqa: E402
+from ddp_utils.runtime.collectives import all_gather_object  # noqa: E402
+from ddp_utils.runtime.dist import cleanup_distributed, init_distributed  # noqa: E402
+from ddp_utils.runtime.spawn import spawn_local  # noqa: E402
+from ddp_utils.train.accumulation import GradientAccumulator  # noqa: E402
 
 ACCUM_STEPS = (1, 2, 4, 8)
 

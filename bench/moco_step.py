@@ -22,11 +22,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ddp_utils.collectives import all_gather_object  # noqa: E402
-from ddp_utils.dist import cleanup_distributed, init_distributed  # noqa: E402
-from ddp_utils.moco import Encoder, MoCo, contrastive_loss  # noqa: E402
-from ddp_utils.models import build_model, feature_dim  # noqa: E402
-from ddp_utils.spawn import spawn_local  # noqa: E402
+from ddp_utils.models.backbones import build_model, feature_dim  # noqa: E402
+from ddp_utils.models.moco import Encoder, MoCo, contrastive_loss  # noqa: E402
+from ddp_utils.runtime.collectives import all_gather_object  # noqa: E402
+from ddp_utils.runtime.dist import cleanup_distributed, init_distributed  # noqa: E402
+from ddp_utils.runtime.spawn import spawn_local  # noqa: E402
 
 
 def timed(fn, times: dict, name: str):

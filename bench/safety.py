@@ -22,11 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train_classifier  # noqa: E402
-from ddp_utils.collectives import all_gather_object  # noqa: E402
-from ddp_utils.dist import cleanup_distributed, init_distributed  # noqa: E402
-from ddp_utils.monitor import Progress, StepMeter, TensorBoard  # noqa: E402
-from ddp_utils.spawn import spawn_local  # noqa: E402
-from ddp_utils.stopping import StepGuard  # noqa: E402
+from ddp_utils.runtime.collectives import all_gather_object  # noqa: E402
+from ddp_utils.runtime.dist import cleanup_distributed, init_distributed  # noqa: E402
+from ddp_utils.runtime.spawn import spawn_local  # noqa: E402
+from ddp_utils.runtime.stopping import StepGuard  # noqa: E402
+from ddp_utils.train.monitor import Progress, StepMeter, TensorBoard  # noqa: E402
 
 
 def modes(ckpt_every: int) -> list[tuple[str, bool, int]]:

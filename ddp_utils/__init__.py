@@ -1,5 +1,5 @@
 """Distributed plumbing shared by train_classifier.py and train_moco.py."""
-from .dist import (
+from .runtime.dist import (
                    DistInfo,
                    cleanup_distributed,
                    detect_launch,

@@ -9,7 +9,7 @@
 #   host of the allocation, at a port derived from the job id. A worker that dies makes torchrun
 #   restart the group, up to MAX_RESTARTS times (default 3), from the newest checkpoint.
 # LAUNCH_MODE=srun: srun starts one task per GPU itself (set --ntasks-per-node to the GPUs per
-#   node); each worker reads SLURM_PROCID/SLURM_NTASKS (ddp_utils.dist.init_distributed). No
+#   node); each worker reads SLURM_PROCID/SLURM_NTASKS (ddp_utils.runtime.dist.init_distributed). No
 #   restarts within the job: a failed task fails the job.
 #
 # Always adds --resume auto (unless ARGS has --resume or --overwrite) and, without --out in ARGS,

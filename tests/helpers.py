@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from ddp_utils.spawn import spawn_local
+from ddp_utils.runtime.spawn import spawn_local
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ def load_ckpt(path: Path) -> dict[str, Any]:
 
 
 def _rank_entry(rank: int, fn: Callable, out_dir: str, args: tuple) -> None:
-    from ddp_utils.dist import cleanup_distributed, init_distributed
+    from ddp_utils.runtime.dist import cleanup_distributed, init_distributed
 
     info = init_distributed("cpu", timeout_s=60)
     try:
@@ -76,7 +76,7 @@ def write_image_folder(root: Path, per_class: int = 12) -> None:
     """A tiny ImageNet-layout tree made of digits (real images, written as PNG files)."""
     from PIL import Image
 
-    from ddp_utils.data import DigitsDataset
+    from ddp_utils.data.sets import DigitsDataset
 
     digits = DigitsDataset(train=True)
     for split in ("train", "val"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddp_utils.accumulation import GradientAccumulator
+from ddp_utils.train.accumulation import GradientAccumulator
 
 MICRO_BATCH, SIZE, WIDTH = 32, 64, 32
 

@@ -10,8 +10,8 @@ from helpers import assert_ok, load_ckpt, run_cli, run_on_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_utils.accumulation import GradientAccumulator, MicroStep, plan_windows
-from ddp_utils.models import build_model
+from ddp_utils.models.backbones import build_model
+from ddp_utils.train.accumulation import GradientAccumulator, MicroStep, plan_windows
 
 DIGITS_LENET = ["--dataset", "digits", "--arch", "lenet", "--no-augment", "--device", "cpu",
                 # constant LR: a cosine schedule's length depends on how many samples drop_last
@@ -82,15 +82,12 @@ def test_short_final_window_is_scaled_by_its_real_size():
 class _CountingScaler(torch.amp.GradScaler):
     def __init__(self):
         super().__init__("cpu", init_scale=2.0**10)
-        self.calls = {"unscale_": 0, "step": 0, "update": 0}
+        self.calls = {"unscale_": 0, "update": 0}
 
     def unscale_(self, optimizer):
         self.calls["unscale_"] += 1
         return super().unscale_(optimizer)
 
-    def step(self, optimizer, *args, **kwargs):
-        self.calls["step"] += 1
-        return super().step(optimizer, *args, **kwargs)
 
     def update(self, new_scale=None):
         self.calls["update"] += 1
@@ -101,6 +98,8 @@ def test_fp16_scaler_and_clipping_run_only_on_the_synchronising_micro_step():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer_steps = []
+    optimizer.register_step_post_hook(lambda *_: optimizer_steps.append(1))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     scaler = _CountingScaler()
     accumulator = GradientAccumulator(model, optimizer, accum_steps=4, lr_scheduler=scheduler,
@@ -117,9 +116,28 @@ def test_fp16_scaler_and_clipping_run_only_on_the_synchronising_micro_step():
             assert all(p.grad is None for p in model.parameters())
     steps = [r for r in results if r is not None]
     assert len(steps) == 3
-    assert scaler.calls == {"unscale_": 3, "step": 3, "update": 3}
+    # unscaled once per window; the optimizer steps on the unscaled gradients (no GradScaler.step)
+    assert scaler.calls == {"unscale_": 3, "update": 3} and len(optimizer_steps) == 3
     assert scheduler.last_epoch == 3
-    assert all(r.grad_norm is not None for r in steps)
+    assert all(r.grad_norm is not None and not r.skipped for r in steps)
+
+
+def test_an_fp16_overflow_skips_the_step_and_lowers_the_scale():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    accumulator = GradientAccumulator(model, optimizer, accum_steps=2, grad_scaler=scaler)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(3, 4)
+    results = []
+    for micro, scale in accumulator.micro_batches([1.0, float("inf")]):  # the 2nd micro-batch overflows
+        loss = (model(x) * scale).sum() if scale != float("inf") else (model(x) * 1e38).sum() * 1e38
+        results.append(accumulator.backward(loss, micro))
+    assert results[-1].skipped and results[-1].verdict.overflow
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing moved
+    assert scaler.get_scale() == 2.0**9  # halved by update()
+    assert all(p.grad is None for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------- communication
@@ -172,11 +190,11 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(tmp_path, accum_steps
 
 
 def _count_agreements(info, accum_steps: int, optimizer_steps: int):
-    """The per-step agreement of ddp_utils.stopping: python-level all_reduce calls per micro-step."""
+    """The per-step agreement of ddp_utils.runtime.stopping: python-level all_reduce calls per micro-step."""
     import torch.distributed as dist
 
-    from ddp_utils import collectives
-    from ddp_utils.stopping import StepGuard
+    from ddp_utils.runtime import collectives
+    from ddp_utils.runtime.stopping import StepGuard
 
     calls = {"n": 0}
     real_all_reduce = dist.all_reduce

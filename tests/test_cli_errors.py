@@ -120,6 +120,8 @@ CASES = [
     ("moco", ["--knn-k", "0"], "--knn-k must be positive"),
     ("moco", ["--knn-t", "-1"], "--knn-t must be positive"),
     ("moco", ["--knn-every", "-1"], "--knn-every must be >= 0"),
+    ("moco", ["--knn-bank-samples", "-5"], "--knn-bank-samples must be >= 0"),
+    ("moco", ["--aug-on", "gpu"], "argument --aug-on: invalid choice: 'gpu'"),
     ("moco", ["--preset", "v3"], "argument --preset: invalid choice: 'v3'"),
     ("moco", ["--aug", "v9"], "argument --aug: invalid choice: 'v9'"),
     ("moco", ["--resume", "{cls}"], "a checkpoint of train_classifier.py, not of train_moco.py"),
@@ -222,7 +224,7 @@ def test_a_bad_fault_plan_is_a_usage_error(tmp_path, capsys, monkeypatch):
 # ----------------------------------------------------------------------------- every numeric flag
 # Where 0 or -1 is a legal value (0 = off / auto / plain SGD; -1 workers = auto; any seed).
 ZERO_OK = {"image_size", "workers", "max_steps", "momentum", "weight_decay", "warmup_steps", "clip_grad",
-           "seed", "ckpt_every", "skip_nonfinite", "knn_every", "moco_m"}
+           "seed", "ckpt_every", "skip_nonfinite", "knn_every", "knn_bank_samples", "moco_m"}
 NEGATIVE_OK = {"seed", "workers"}
 
 
@@ -252,7 +254,7 @@ def test_every_numeric_flag_at_zero_negative_nan_and_inf(capsys, script, name, v
     """Each numeric flag of both scripts: 0 and -1 are refused unless they mean something (off,
     auto), nan and +-inf always; a refusal is one line naming the flag."""
     from ddp_utils.config import flag_name, parse_config
-    from ddp_utils.dist import LaunchEnv
+    from ddp_utils.runtime.dist import LaunchEnv
 
     module = SCRIPTS[script]
     cls = module.ClassifierConfig if script == "classifier" else module.MocoConfig

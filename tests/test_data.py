@@ -4,14 +4,9 @@ from __future__ import annotations
 import torch
 from helpers import assert_ok, load_ckpt, run_cli, run_on_ranks, write_image_folder
 
-from ddp_utils.data import (
-    DigitsDataset,
-    SeededTransform,
-    SyntheticImages,
-    classification_transforms,
-    load_split,
-    make_loaders,
-)
+from ddp_utils.data.loading import SeededTransform, make_loaders
+from ddp_utils.data.sets import DigitsDataset, SyntheticImages, load_split
+from ddp_utils.data.transforms import classification_transforms
 
 
 def test_digits_split_is_fixed_and_disjoint():
@@ -33,10 +28,9 @@ def test_no_augment_is_deterministic_and_augment_is_seeded_per_sample():
     plain = SeededTransform(raw, plain_tf, seed=0)
     assert torch.equal(plain[3][0], eval_tf(raw[3][0]))
     aug = SeededTransform(raw, train_tf, seed=0)
-    first = [aug[i][0] for i in range(8)]
-    assert all(torch.equal(a, aug[i][0]) for i, a in enumerate(first))  # same (seed, epoch, index)
-    aug.set_epoch(1)
-    assert any(not torch.equal(a, aug[i][0]) for i, a in enumerate(first))  # a new epoch re-draws
+    first = [aug[(0, i)][0] for i in range(8)]
+    assert all(torch.equal(a, aug[(0, i)][0]) for i, a in enumerate(first))  # same (seed, epoch, index)
+    assert any(not torch.equal(a, aug[(1, i)][0]) for i, a in enumerate(first))  # a new epoch re-draws
     # The caller's RNG stream is untouched by the per-sample seeding.
     torch.manual_seed(123)
     expected = torch.rand(3)
@@ -79,7 +73,7 @@ def _download_worker(info, data_dir: str):
     from torchvision import datasets
 
     from ddp_utils.config import UsageError
-    from ddp_utils.trainer import download_once_per_node
+    from ddp_utils.train.trainer import download_once_per_node
     from train_classifier import ClassifierConfig
 
     calls, fail = [], []
@@ -114,3 +108,71 @@ def test_cifar10_is_downloaded_once_per_node_then_only_read(tmp_path):
     assert rank0["failure"] == rank1["failure"] == (
         f"--download: CIFAR-10 could not be fetched into {tmp_path} (Network is unreachable); check the "
         f"network, or copy cifar-10-batches-py/ there and drop --download")
+
+
+def _epoch_batches(loaders, epoch: int, skip: int = 0) -> list[torch.Tensor]:
+    loaders.set_epoch(epoch, skip_batches=skip)
+    return [images for images, _ in loaders.train]
+
+
+def test_persistent_workers_see_each_epoch_and_resume_exactly():
+    """Workers live across epochs (persistent_workers): the epoch reaches them with every index,
+    so augmentation changes between epochs and a loader started mid-epoch (a resume) yields the
+    very batches an uninterrupted one does."""
+    raw = DigitsDataset(train=True)
+    train_tf, eval_tf = classification_transforms("digits", 32, augment=True)
+
+    def build():
+        return make_loaders(torch.utils.data.Subset(raw, range(64)), DigitsDataset(train=False), train_tf,
+                            eval_tf, batch_size=8, workers=2, seed=0, rank=0, world_size=1, pin_memory=False)
+
+    loaders = build()
+    assert loaders.train.persistent_workers
+    epoch0, epoch1 = _epoch_batches(loaders, 0), _epoch_batches(loaders, 1)
+    assert len(epoch0) == len(epoch1) == 8
+    # Same samples in the same order per epoch is not the point: with the sampler's order fixed
+    # (seed, epoch), the same sample gets another crop in another epoch.
+    loaders.train_sampler.set_epoch(1)
+    order1 = [i for _, i in loaders.train_sampler]
+    loaders.train_sampler.set_epoch(0)
+    order0 = [i for _, i in loaders.train_sampler]
+    first = order0.index(order1[0])
+    assert not torch.equal(epoch1[0][0], epoch0[first // 8][first % 8])
+    resumed = _epoch_batches(build(), 1, skip=3)  # a fresh loader resuming after 3 batches of epoch 1
+    assert len(resumed) == 5 and all(torch.equal(a, b) for a, b in zip(resumed, epoch1[3:]))
+
+
+def test_imagefolder_on_the_device_splits_the_work_and_stays_seeded(tmp_path):
+    """ImageFolder with --aug-on device: workers decode and crop each view, the device does the
+    rest as a batch, keyed by the same (seed, epoch, index); then a MoCo run through the CLI."""
+    from ddp_utils.data.loading import DeviceFinish
+    from ddp_utils.data.transforms import device_training_augmentation, moco_device_recipe
+
+    write_image_folder(tmp_path / "tree")
+    tree = str(tmp_path / "tree")
+    _, eval_tf = classification_transforms("imagefolder", 32, augment=False)
+
+    def first_batches(epoch: int):
+        per_sample, on_device = device_training_augmentation(moco_device_recipe("imagefolder", 32, "v2"),
+                                                             "imagefolder", 32, seed=0, views=2)
+        loaders = make_loaders(load_split("imagefolder", tree, True, 32), load_split("imagefolder", tree, False, 32),
+                               per_sample, eval_tf, batch_size=4, workers=0, seed=0, rank=0, world_size=1,
+                               pin_memory=False, device_augment=on_device, device=torch.device("cpu"))
+        assert isinstance(loaders.train, DeviceFinish)
+        loaders.set_epoch(epoch)
+        return next(iter(loaders.train))
+
+    (query, key), labels = first_batches(0)
+    assert query.shape == key.shape == (4, 3, 32, 32) and query.dtype == torch.float32 and len(labels) == 4
+    assert not torch.equal(query, key)  # two views
+    (query_again, key_again), _ = first_batches(0)
+    assert torch.equal(query, query_again) and torch.equal(key, key_again)  # seeded per sample
+    (query_next, _), _ = first_batches(1)
+    assert not torch.equal(query, query_next)  # a new epoch: another order and other draws
+
+    out = tmp_path / "run"
+    proc = run_cli("train_moco.py", ["--dataset", "imagefolder", "--data-dir", tree, "--image-size", "32",
+                                     "--aug-on", "device", "--device", "cpu", "--batch-size", "8",
+                                     "--moco-k", "64", "--max-steps", "2", "--knn-every", "0", "--out", str(out)])
+    assert_ok(proc)
+    assert load_ckpt(out / "checkpoint_last.pt")["step"] == 2

@@ -9,10 +9,10 @@ import pytest
 import torch
 from helpers import REPO, cli_env
 
-from ddp_utils import dist as ddp_dist
 from ddp_utils.config import UsageError
-from ddp_utils.dist import detect_launch, first_slurm_host, init_distributed
-from ddp_utils.spawn import free_port
+from ddp_utils.runtime import dist as ddp_dist
+from ddp_utils.runtime.dist import detect_launch, first_slurm_host, init_distributed
+from ddp_utils.runtime.spawn import free_port
 
 LAUNCH_VARS = ("CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_JOB_ID",
@@ -104,7 +104,7 @@ def test_device_cuda_requested_without_cuda_fails_clearly():
 
 _WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
-    from ddp_utils.dist import init_distributed, cleanup_distributed
+    from ddp_utils.runtime.dist import init_distributed, cleanup_distributed
     info = init_distributed("cpu", timeout_s=60)
     t = torch.tensor([float(info.rank + 1)])
     dist.all_reduce(t)
@@ -136,9 +136,9 @@ def test_two_real_processes_form_a_group(launcher):
 
 _DEAD_PEER = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed as dist
-    from ddp_utils.dist import init_distributed
-    from ddp_utils.logs import setup_logging
-    from ddp_utils.trainer import leave_after_failure
+    from ddp_utils.runtime.dist import init_distributed
+    from ddp_utils.runtime.logs import setup_logging
+    from ddp_utils.train.trainer import leave_after_failure
     info = init_distributed("cpu", timeout_s=float(sys.argv[1]))
     setup_logging(info.rank)
     if info.rank == 1:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, assert_ok, cli_env, load_ckpt, read_scalars
 
-from ddp_utils.spawn import free_port
+from ddp_utils.runtime.spawn import free_port
 
 DIGITS_CPU = ["--device", "cpu", "--dataset", "digits", "--log-every", "1"]
 

@@ -14,14 +14,14 @@ from helpers import REPO, assert_ok, cli_env, load_ckpt, read_scalars, run_cli, 
 
 import train_classifier
 import train_moco
-from ddp_utils import monitor
-from ddp_utils.collectives import all_ranks_agree
 from ddp_utils.config import UsageError
-from ddp_utils.dist import DistInfo
-from ddp_utils.faults import Fault, FaultPlan
-from ddp_utils.monitor import Progress, StepMeter, TensorBoard
-from ddp_utils.stopping import EXIT_NONFINITE, RunStopped, StepGuard
-from ddp_utils.trainer import save_run
+from ddp_utils.runtime.collectives import all_ranks_agree
+from ddp_utils.runtime.dist import DistInfo
+from ddp_utils.runtime.faults import Fault, FaultPlan
+from ddp_utils.runtime.stopping import EXIT_NONFINITE, RunStopped, StepGuard
+from ddp_utils.train import monitor
+from ddp_utils.train.monitor import Progress, StepMeter, TensorBoard
+from ddp_utils.train.trainer import save_run
 
 LENET = ["--device", "cpu", "--arch", "lenet", "--batch-size", "16", "--log-every", "1"]
 
@@ -340,7 +340,7 @@ def test_the_first_progress_line_has_an_eta(monkeypatch, caplog):
 
 
 def test_restarts_on_the_shared_store_are_warned_about(monkeypatch, caplog):
-    from ddp_utils.trainer import warn_if_restarts_can_hang
+    from ddp_utils.train.trainer import warn_if_restarts_can_hang
 
     info = DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo", "torchrun")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")

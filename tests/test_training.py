@@ -9,7 +9,7 @@ import torch
 from helpers import assert_ok, load_ckpt, read_scalars, run_cli
 from memory_probe import peak_saved_bytes
 
-from ddp_utils.data import ShardedEvalSampler
+from ddp_utils.data.loading import ShardedEvalSampler
 
 CPU = ["--device", "cpu"]
 
@@ -113,8 +113,8 @@ def test_mixed_precision_runs_and_checkpoints_the_scaler(tmp_path, amp):
 
 def test_resume_follows_this_runs_schedule_not_the_checkpoints(tmp_path):
     """Resuming with more --epochs continues at the saved step on the *new* schedule."""
-    from ddp_utils.run_state import restore_schedule_position
-    from ddp_utils.schedule import build_lr_scheduler, warmup_cosine_factor
+    from ddp_utils.train.run_state import restore_schedule_position
+    from ddp_utils.train.schedule import build_lr_scheduler, warmup_cosine_factor
 
     def make(total):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)

@@ -8,11 +8,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..config import UsageError
+from ..runtime.dist import restart_count
+from ..runtime.stopping import MARKER
 from .checkpoint import LAST, UnreadableCheckpoint, checkpoint_files, read_checkpoint
-from .config import UsageError
-from .dist import restart_count
 from .run_state import Resume, describe_position
-from .stopping import MARKER
 
 log = logging.getLogger("train")
 TB_DIR = "tb"

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import UsageError, flag_name
 from .checkpoint import restore_rng_states, rng_states
-from .config import UsageError, flag_name
 
 log = logging.getLogger("train")
 # Config fields that name this run, not its training: they may differ on resume without a word.

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..config import UsageError
 from .checkpoint import UnreadableCheckpoint, load_data
-from .config import UsageError
 
 QUERY_BACKBONE = "encoder_q.backbone."
 

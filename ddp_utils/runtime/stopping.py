@@ -97,6 +97,7 @@ class StepVerdict:
     nonfinite_ranks: int = 0   # ranks whose loss was NaN or Inf in this window
     preempted: bool = False    # a rank received SIGUSR1/SIGTERM
     interrupted: bool = False  # a rank received Ctrl-C
+    overflow: bool = False     # fp16: some gradient overflowed after unscaling (the scaler skips the step)
 
     @property
     def stop(self) -> bool:
@@ -104,21 +105,22 @@ class StepVerdict:
 
 
 class StepGuard:
-    """The per-step agreement: one all_reduce of three int32 and one device-to-host read.
+    """The per-step agreement: one all_reduce of four int32 and one device-to-host read.
 
     Kept cheap on a GPU: the non-finite flag is accumulated on the device over the window's
     micro-steps (no host sync per micro-step); the signal flags are written into a preallocated
-    device tensor (a fill kernel, no copy from host memory); the three numbers travel in one
-    collective; ``tolist()`` is the step's single host synchronisation, needed anyway because
-    Python must branch on the answer before ``optimizer.step()``. With accumulation it happens
-    once per ``accum_steps`` micro-batches.
+    device tensor (a fill kernel, no copy from host memory); fp16's overflow flag comes from the
+    unscaled gradients on the device; the four numbers travel in one collective; ``tolist()`` is
+    the step's single host synchronisation, needed anyway because Python must branch on the
+    answer before ``optimizer.step()``. With accumulation it happens once per ``accum_steps``
+    micro-batches.
     """
 
     def __init__(self, signals: StopSignals | None, device: torch.device):
         self.signals = signals
-        self.flags = torch.zeros(3, dtype=torch.int32, device=device)
+        self.flags = torch.zeros(4, dtype=torch.int32, device=device)
 
-    def __call__(self, nonfinite: torch.Tensor | None) -> StepVerdict:
+    def __call__(self, nonfinite: torch.Tensor | None, overflow: torch.Tensor | None = None) -> StepVerdict:
         flags = self.flags
         flags.zero_()
         if self.signals is not None and self.signals.preempt_signal is not None:
@@ -127,5 +129,7 @@ class StepGuard:
             flags[1] = 1
         if nonfinite is not None:
             flags[2].copy_(nonfinite)
-        preempted, interrupted, nonfinite_ranks = all_reduce_sum(flags).tolist()
-        return StepVerdict(nonfinite_ranks, bool(preempted), bool(interrupted))
+        if overflow is not None:
+            flags[3].copy_(overflow)
+        preempted, interrupted, nonfinite_ranks, overflow_ranks = all_reduce_sum(flags).tolist()
+        return StepVerdict(nonfinite_ranks, bool(preempted), bool(interrupted), bool(overflow_ranks))

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .collectives import all_gather_object, broadcast_object
-from .dist import get_rank, get_world_size
-from .stopping import EXIT_FAILURE, RunStopped
+from ..runtime.collectives import all_gather_object, broadcast_object
+from ..runtime.dist import get_rank, get_world_size
+from ..runtime.stopping import EXIT_FAILURE, RunStopped
 
 log = logging.getLogger(__name__)
 LAST = "checkpoint_last.pt"

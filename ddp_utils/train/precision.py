@@ -1,4 +1,4 @@
-"""Mixed precision: ``--amp {none,bf16,fp16}``."""
+"""Mixed precision: ``--amp {auto,none,bf16,fp16}``; ``auto`` means bf16 on CUDA, fp32 elsewhere."""
 from __future__ import annotations
 
 import contextlib
@@ -6,11 +6,19 @@ from typing import ContextManager
 
 import torch
 
-AMP_MODES = ("none", "bf16", "fp16")
+AMP_MODES = ("auto", "none", "bf16", "fp16")
+
+
+def resolve_amp(amp: str, device: torch.device) -> str:
+    """``auto`` -> bf16 on CUDA (when the GPU supports it), fp32 ("none") elsewhere."""
+    if amp != "auto":
+        return amp
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "none"
 
 
 def autocast(amp: str, device: torch.device) -> ContextManager:
     """Autocast for the forward pass and loss only; backward runs outside it, as PyTorch advises."""
+    amp = resolve_amp(amp, device)
     if amp == "none":
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if amp == "bf16" else torch.float16
@@ -19,6 +27,7 @@ def autocast(amp: str, device: torch.device) -> ContextManager:
 
 def grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler | None:
     """fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none."""
+    amp = resolve_amp(amp, device)
     if amp != "fp16":
         return None
     return torch.amp.GradScaler(device.type)

@@ -6,7 +6,9 @@ import sys
 import time
 from pathlib import Path
 
-from .collectives import reduce_metrics
+import torch
+
+from ..runtime.collectives import all_reduce_sum
 
 log = logging.getLogger("train")
 
@@ -27,6 +29,11 @@ class TensorBoard:
         if self.writer is not None:
             for name, value in values.items():
                 self.writer.add_scalar(name.replace("__", "/"), value, step)
+
+    def image(self, tag: str, image, step: int) -> None:
+        """``image``: 3 x H x W in [0, 1]."""
+        if self.writer is not None:
+            self.writer.add_image(tag, image, step)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -102,8 +109,11 @@ class StepMeter:
         if not (force or step % self.log_every == 0):
             return None
         elapsed = time.perf_counter() - self.since
-        local = {name: value.item() for name, value in self.sums.items()}
-        means = {k: v / (self.world_size * self.steps) for k, v in reduce_metrics(local, self.device).items()}
+        names = list(self.sums)
+        # one all_reduce and one host read for all metrics (the only sync of a logged step besides
+        # the step agreement)
+        summed = all_reduce_sum(torch.stack([self.sums[n] for n in names]).double()).tolist() if names else []
+        means = {n: v / (self.world_size * self.steps) for n, v in zip(names, summed)}
         rate = self.images / elapsed
         self.tb.scalars(step, **{f"train__{k}": v for k, v in {**means, **values}.items()},
                         train__images_per_sec=rate)

@@ -19,7 +19,7 @@ from typing import Mapping
 
 import torch
 
-from .config import UsageError
+from ..config import UsageError
 from .dist import restart_count
 
 ENV = "DDP_FAULT"

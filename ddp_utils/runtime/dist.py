@@ -21,7 +21,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .config import UsageError
+from ..config import UsageError
 
 # Ports derived from a SLURM job id fall in [_PORT_BASE, _PORT_BASE + _PORT_SPAN): above the
 # well-known and registered ranges most services use, below Linux's default ephemeral range.

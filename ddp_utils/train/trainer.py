@@ -1,6 +1,6 @@
 """The skeleton both training scripts share: validate -> init -> check -> build -> train -> stop,
 the optimizer/schedule/scaler trio, resume, the run checkpoint, and one exit code per way a run
-can end (see ddp_utils.stopping)."""
+can end (see ddp_utils.runtime.stopping)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
@@ -20,22 +21,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
-from .accumulation import GradientAccumulator, StepResult
-from .checkpoint import save_checkpoint
-from .collectives import all_gather_object, all_ranks_agree, all_reduce_sum
-from .config import UsageError, config_dict, parse_config, save_config
-from .data import (
+from ..config import UsageError, config_dict, parse_config, save_config
+from ..data.loading import Loaders, default_workers, steps_per_epoch
+from ..data.preview import augmentation_grid
+from ..data.sets import (
     DEBUG_TRAIN_SAMPLES,
     DEBUG_VAL_SAMPLES,
-    Loaders,
     debug_subset,
-    default_workers,
     download_cifar10,
     load_split,
     num_classes_of,
-    steps_per_epoch,
 )
-from .dist import (
+from ..runtime.collectives import all_gather_object, all_ranks_agree, all_reduce_sum
+from ..runtime.dist import (
     DistInfo,
     barrier,
     cleanup_distributed,
@@ -45,14 +43,9 @@ from .dist import (
     restart_count,
     shared_gpu_problem,
 )
-from .faults import FaultPlan
-from .logs import release_held_logs, setup_logging
-from .monitor import Progress, StepMeter, TensorBoard
-from .precision import grad_scaler
-from .run_folder import TB_DIR, choose_resume, prepare_run_folder
-from .run_state import Resume, RunState, check_resume_fits, restore_training_state, training_state
-from .schedule import build_lr_scheduler
-from .stopping import (
+from ..runtime.faults import FaultPlan
+from ..runtime.logs import release_held_logs, setup_logging
+from ..runtime.stopping import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_NONFINITE,
@@ -62,6 +55,14 @@ from .stopping import (
     StepGuard,
     StopSignals,
 )
+from .accumulation import GradientAccumulator, StepResult
+from .checkpoint import save_checkpoint
+from .fast_path import configure_backends, maybe_compile, sgd
+from .monitor import Progress, StepMeter, TensorBoard
+from .precision import grad_scaler, resolve_amp
+from .run_folder import TB_DIR, choose_resume, prepare_run_folder
+from .run_state import Resume, RunState, check_resume_fits, restore_training_state, training_state
+from .schedule import build_lr_scheduler
 from .train_config import TrainConfig
 
 log = logging.getLogger("train")
@@ -89,6 +90,7 @@ class TrainRun:
     saved_step: int | None = None                    # step of the newest checkpoint on disk
     saved_path: Path | None = None                   # and its file
     preempted: bool = False
+    epoch_clock: tuple[float, int] = (0.0, 0)        # when this epoch started here, at which batch
 
     def finished(self) -> bool:
         """All epochs done, --max-steps reached, or stopped by a preemption signal."""
@@ -101,6 +103,7 @@ class TrainRun:
         if self.state.batches_done >= self.loaders.batches_per_epoch:  # resumed with a smaller world size
             self.state.epoch, self.state.batches_done = self.state.epoch + 1, 0
         self.loaders.set_epoch(self.state.epoch, skip_batches=self.state.batches_done)
+        self.epoch_clock = (time.perf_counter(), self.state.batches_done)
 
     def count_step(self) -> None:
         """After each optimizer step (applied or skipped): one more step; a new epoch once this
@@ -108,7 +111,16 @@ class TrainRun:
         which epoch it ended."""
         self.state.step += 1
         if self.state.batches_done >= self.loaders.batches_per_epoch:
+            self.log_epoch_time()
             self.state.epoch, self.state.batches_done = self.state.epoch + 1, 0
+
+    def log_epoch_time(self) -> None:
+        """Seconds the epoch's training took on this process (data and steps; no evaluation)."""
+        started, first_batch = self.epoch_clock
+        seconds = time.perf_counter() - started
+        images = (self.state.batches_done - first_batch) * self.cfg.batch_size * self.info.world_size
+        log.info("epoch %d trained in %.1f s (%s%.0f img/s)", self.state.epoch_number, seconds,
+                 "resumed part way, " if first_batch else "", images / max(seconds, 1e-9))
 
     def is_last_step(self, stepped: StepResult) -> bool:
         """Whether the step just taken ends the run (its metrics are then logged whatever
@@ -146,7 +158,7 @@ def loader_options(cfg: TrainConfig, info: DistInfo) -> dict:
 
 def build_optimization(cfg: TrainConfig, params, batches_per_epoch: int, device: torch.device):
     """SGD, the LR schedule (counted in optimizer steps over all --epochs) and the fp16 scaler."""
-    optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    optimizer = sgd(params, cfg.lr, cfg.momentum, cfg.weight_decay, device)
     epoch_steps = steps_per_epoch(batches_per_epoch, cfg.accum_steps)
     total_steps = cfg.epochs * epoch_steps
     lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, total_steps,
@@ -156,11 +168,16 @@ def build_optimization(cfg: TrainConfig, params, batches_per_epoch: int, device:
 
 def wrap_for_training(module: nn.Module, cfg: TrainConfig, info: DistInfo, optimizer, lr_scheduler,
                       scaler) -> tuple[nn.Module, GradientAccumulator]:
-    """DDP around ``module`` when distributed (the only part DDP ever sees), and its accumulator.
-    Every rank must call it (DDP broadcasts rank 0's weights)."""
+    """DDP around ``module`` when distributed (the only part DDP ever sees), compiled with
+    --compile, and its accumulator. Every rank must call it (DDP broadcasts rank 0's weights).
+
+    ``gradient_as_bucket_view``: gradients live inside DDP's all-reduce buckets instead of beside
+    them, which saves one copy of the gradients in memory and a copy per bucket per step."""
     network = module
     if info.is_distributed:
-        network = DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+        network = DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+                      gradient_as_bucket_view=True)
+    network = maybe_compile(network, cfg.compile)
     accumulator = GradientAccumulator(network, optimizer, cfg.accum_steps, lr_scheduler=lr_scheduler,
                                       grad_scaler=scaler, clip_grad=cfg.clip_grad)
     return network, accumulator
@@ -287,6 +304,9 @@ def start_run(cfg: C, info: DistInfo, signals: StopSignals, setup: Setup) -> R:
         save_config(cfg, cfg.out, {"world_size": info.world_size})
         signals.clear_marker()
         run.tb = TensorBoard(Path(cfg.out) / TB_DIR, purge_step=run.state.step + 1 if resume else None)
+        if resume is None:  # what the augmentation does, once per run
+            grid = augmentation_grid(run.loaders, cfg.dataset, cfg.resolved_image_size())
+            run.tb.image("data/augmented_views", grid, run.state.step)
     barrier()
     log_batch_geometry(run)
     return run
@@ -381,8 +401,11 @@ def run_script(config_cls: type[C], argv: Sequence[str] | None, description: str
     try:
         info = init_distributed(cfg.device, cfg.dist_timeout)
         setup_logging(info.rank, cfg.debug, hold=True)
-        log.info("%s launch: world size %d, backend %s, device %s", info.launcher, info.world_size,
-                 info.backend or "none", info.device)
+        cfg.amp = resolve_amp(cfg.amp, info.device)  # before anything is built; config.json shows the choice
+        configure_backends(info.device)
+        log.info("%s launch: world size %d, backend %s, device %s, precision %s%s", info.launcher,
+                 info.world_size, info.backend or "none", info.device, cfg.amp if cfg.amp != "none" else "fp32",
+                 ", compiled" if cfg.compile else "")
         warn_if_restarts_can_hang(info)
         torch.autograd.set_detect_anomaly(cfg.debug)
         if cfg.debug:

@@ -11,9 +11,10 @@ A window of ``A`` micro-batches makes one optimizer step. For every micro-batch:
 * micro-steps 1..n-1 of a window run inside ``model.no_sync()``; the n-th synchronises, so
   gradients cross the network once per optimizer step.
 
-Only on the synchronising micro-step: the ranks' agreement (an optional ``guard``: did any rank
-see a non-finite loss in this window, did any receive a stop signal), then unscale (fp16), clip,
-optimizer step, scaler update, LR-scheduler step and ``zero_grad(set_to_none=True)``. A window
+Only on the synchronising micro-step: unscale (fp16) and clip, the ranks' agreement (an optional
+``guard``: did any rank see a non-finite loss in this window, did any receive a stop signal, did
+fp16 gradients overflow), then optimizer step, scaler update, LR-scheduler step and
+``zero_grad(set_to_none=True)``. That agreement is the optimizer step's only host read. A window
 whose loss was NaN or Inf on any rank is not applied: its gradients are dropped on every rank.
 
 Usage::
@@ -33,7 +34,7 @@ from typing import Callable, ContextManager, Iterable, Iterator, TypeVar
 import torch
 from torch import nn
 
-from .stopping import StepVerdict
+from ..runtime.stopping import StepVerdict
 
 B = TypeVar("B")
 
@@ -51,7 +52,7 @@ class MicroStep:
 
 @dataclass(frozen=True)
 class StepResult:
-    grad_norm: float | None  # total L2 norm before clipping, when --clip-grad is on
+    grad_norm: torch.Tensor | None  # total L2 norm before clipping (fp16 or --clip-grad), on the device
     skipped: bool            # the weights did not move: a non-finite loss, or fp16 overflow
     verdict: StepVerdict = field(default_factory=StepVerdict)  # what the ranks agreed on
 
@@ -69,7 +70,7 @@ class GradientAccumulator:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, accum_steps: int, *,
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  grad_scaler: torch.amp.GradScaler | None = None, clip_grad: float = 0.0,
-                 guard: Callable[[torch.Tensor | None], StepVerdict] | None = None):
+                 guard: Callable[..., StepVerdict] | None = None):
         if accum_steps < 1:
             raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
         self.model, self.optimizer, self.accum_steps = model, optimizer, accum_steps
@@ -101,31 +102,46 @@ class GradientAccumulator:
         return self._end_window() if micro.syncs else None
 
     def _end_window(self) -> StepResult:
-        verdict = self.guard(self._nonfinite) if self.guard is not None else StepVerdict()
+        grad_norm, overflow = self._unscale_and_measure()
+        if self.guard is not None:
+            verdict = self.guard(self._nonfinite, overflow)
+        else:  # no agreement to piggyback on: the overflow flag costs its own read
+            verdict = StepVerdict(overflow=overflow is not None and bool(overflow))
         self._nonfinite = None
         if verdict.nonfinite_ranks:  # every rank agreed: drop this window, keep the weights
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()  # the schedule counts optimizer steps, applied or not
+            self._finish_step(apply=False)
             return StepResult(None, True, verdict)
-        return self._optimizer_step(verdict)
+        skipped = verdict.overflow  # fp16: an overflowing step is skipped and the loss scale lowered
+        self._finish_step(apply=not skipped)
+        return StepResult(grad_norm, skipped, verdict)
 
-    def _optimizer_step(self, verdict: StepVerdict) -> StepResult:
-        grad_norm = None
-        if self.clip_grad > 0:
-            if self.grad_scaler is not None:
-                self.grad_scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            grad_norm = float(nn.utils.clip_grad_norm_(params, self.clip_grad))
-        skipped = False
+    def _unscale_and_measure(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """fp16: unscale the gradients; with --clip-grad: clip them. Returns the pre-clip total
+        norm and fp16's overflow flag, both still on the device (no host read here)."""
+        if self.grad_scaler is None and self.clip_grad <= 0:
+            return None, None
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if self.grad_scaler is not None:
-            scale_before = self.grad_scaler.get_scale()
-            self.grad_scaler.step(self.optimizer)
-            self.grad_scaler.update()
-            skipped = self.grad_scaler.get_scale() < scale_before  # scale drops only on inf/NaN
+            self.grad_scaler.unscale_(self.optimizer)  # clip and test true gradients, not scaled ones
+        if self.clip_grad > 0:
+            grad_norm = nn.utils.clip_grad_norm_(params, self.clip_grad)
         else:
+            grad_norm = nn.utils.get_total_norm([p.grad for p in params])
+        overflow = None if self.grad_scaler is None else ~torch.isfinite(grad_norm)
+        return grad_norm.detach(), overflow
+
+    def _finish_step(self, apply: bool) -> None:
+        """Step the optimizer (when ``apply``), then the scaler, the schedule (it counts optimizer
+        steps, applied or not) and release the gradients.
+
+        The gradients are already unscaled, so the optimizer steps directly: ``GradScaler.step``
+        would only repeat the overflow test with a host read of its own. ``update()`` lowers the
+        scale after an overflow (from what ``unscale_`` recorded) and raises it after enough good steps.
+        """
+        if apply:
             self.optimizer.step()
+        if self.grad_scaler is not None:
+            self.grad_scaler.update()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(grad_norm, skipped, verdict)

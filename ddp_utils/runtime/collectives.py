@@ -7,7 +7,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from .config import UsageError
+from ..config import UsageError
 from .dist import get_world_size, is_dist
 
 

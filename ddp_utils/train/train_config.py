@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import UsageError, flag_name, opt
-from .data import DATASETS, NATIVE_SIZE, check_data_dir
-from .dist import LaunchEnv
-from .models import ARCHS, MIN_IMAGE_SIZE
+from ..config import UsageError, flag_name, opt
+from ..data.sets import DATASETS, NATIVE_SIZE, check_data_dir
+from ..data.transforms import AUG_ON
+from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
+from ..runtime.dist import LaunchEnv
 from .precision import AMP_MODES
 from .run_folder import check_out_dir
 from .schedule import LR_SCHEDULES, parse_milestones
@@ -26,6 +27,10 @@ class TrainConfig:
     image_size: int = opt(0, "input side in pixels; 0 = the data set's own (32, or 224 for imagefolder)")
     synthetic_samples: int = opt(2048, "training samples of the synthetic data set (val: a quarter)")
     augment: bool = opt(True, "random crop (+ flip) on training images; off = deterministic pipeline")
+    aug_on: str = opt("auto", "where training images are augmented: device = whole batches on the training "
+                      "device (in-memory data entirely; ImageFolder: workers decode and crop, the device does "
+                      "flip, colour, blur); loader = per sample in DataLoader workers (torchvision, the "
+                      "reference); auto = device, except ImageFolder on a CPU", choices=AUG_ON)
     workers: int = opt(-1, "data-loader worker processes per rank; -1 = auto (0 for in-memory data)")
     # model and optimisation
     arch: str = opt("small_cnn", "network", choices=ARCHS)
@@ -43,8 +48,10 @@ class TrainConfig:
     lr_milestones: str = opt("", "comma-separated epochs where the step schedule multiplies the LR by 0.1")
     warmup_steps: int = opt(0, "linear LR warm-up, in optimizer steps")
     clip_grad: float = opt(0.0, "clip the global gradient L2 norm to this value; 0 = off")
-    amp: str = opt("none", "mixed precision: bf16 (CUDA and CPU), fp16 (with a GradScaler) or none",
-                   choices=AMP_MODES)
+    amp: str = opt("auto", "mixed precision: auto = bf16 on CUDA and fp32 on CPU; bf16, fp16 (with a "
+                   "GradScaler) or none (fp32; TF32 matmuls on CUDA)", choices=AMP_MODES)
+    compile: bool = opt(False, "torch.compile the network(s) (MoCo: query and key encoder separately); "
+                        "slower start, faster steps")
     seed: int = opt(0, "seed for model init (same on every rank), data order and augmentation")
     # runtime
     device: str = opt("auto", "auto = cuda:LOCAL_RANK with NCCL if CUDA is available, else CPU with gloo",

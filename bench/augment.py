@@ -1,0 +1,122 @@
+"""Per-sample torchvision augmentation against the batched device module, on one CPU thread.
+
+    python bench/augment.py                      # MoCo v2, two views, 16 and 32 px, batch 256
+    python bench/augment.py --samples 1024 --repeats 5
+
+The per-sample side is what the DataLoader runs today: ``moco_train_transform("cifar10", size,
+"v2")`` (decode, random resized crop, jitter p 0.8, grayscale, blur p 0.5, flip, normalise)
+called image by image on 32x32 uint8 CIFAR-like tensors, two views each; the seeding that
+``SeededTransform`` adds around it is left out, which flatters the per-sample side. The batched
+side is :class:`BatchAugment` with the same recipe on the same images, in batches, two views
+(view 0 and 1). Both report samples (two views each) per second of CPU time (``process_time``,
+so that other jobs on a shared machine do not count), the best of ``--repeats`` runs.
+
+A second table times the colour jitter alone: per-sample random op order as torchvision (what
+BatchAugment runs: three blend slots before the hue shift and three after) against one fixed
+order (brightness, contrast, saturation, hue), to show what the exact semantics cost.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ddp_utils.data import batch_augment as ba  # noqa: E402
+from ddp_utils.data.batch_augment import BatchAugment, moco_recipe  # noqa: E402
+from ddp_utils.data.sets import CIFAR10_MEAN, CIFAR10_STD  # noqa: E402
+from ddp_utils.data.transforms import moco_train_transform  # noqa: E402
+
+
+def _cpu_seconds(fn) -> float:
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
+def _best_seconds(fns, repeats: int) -> list[float]:
+    """Best CPU time of each function; the functions take turns, so that a shared machine's load
+    weighs on all of them alike. The first call of each is a warm-up."""
+    for fn in fns:
+        fn()
+    times = [[_cpu_seconds(fn) for fn in fns] for _ in range(repeats)]
+    return [min(column) for column in zip(*times)]
+
+
+def per_sample_views(images: torch.Tensor, size: int):
+    """Both views of every image, image by image, as the DataLoader's per-sample transform."""
+    two_crops = moco_train_transform("cifar10", size, "v2")
+    return lambda: [two_crops(image) for image in images]
+
+
+def batched_views(images: torch.Tensor, size: int, batch: int):
+    """Both views of every image, ``batch`` images at a time, with :class:`BatchAugment`."""
+    augment = BatchAugment(moco_recipe("v2", size, mean=CIFAR10_MEAN, std=CIFAR10_STD), size)
+    index = torch.arange(len(images))
+
+    def run():
+        for start in range(0, len(images), batch):
+            chunk, ids = images[start:start + batch], index[start:start + batch]
+            for view in (0, 1):  # query and key
+                augment(chunk, seed=0, epoch=0, index=ids, view=view)
+    return run
+
+
+def jitter_order_ms(size: int, batch: int, repeats: int) -> tuple[float, float]:
+    """(random order, fixed order) milliseconds of CPU time for one batch of ColorJitter(0.4, 0.4,
+    0.4, 0.1) applied to every sample."""
+    x = torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
+    factors, order = ba._jitter_draws(ba.uniforms(0, 0, torch.arange(batch), 0, 8), (0.4, 0.4, 0.4, 0.1))
+    applied = torch.ones(batch, dtype=torch.bool)
+
+    def fixed():
+        y = x.clone()
+        for op in range(3):
+            y = ba._blend_step_(y, torch.full((batch,), op), factors[:, op])
+        return ba._select_(y, applied, ba._shift_hue(y, factors[:, 3]))
+
+    random_order, fixed_order = _best_seconds(
+        [lambda: ba._color_jitter_(x.clone(), factors, order, applied), fixed], repeats)
+    return 1e3 * random_order, 1e3 * fixed_order
+
+
+def benchmark(sizes=(16, 32), batch: int = 256, per_sample: int = 512, batched: int = 2048,
+              repeats: int = 3, threads: int = 1) -> list[tuple[int, float, float]]:
+    """(size, per-sample samples/s, batched samples/s) for each output size, and prints a table."""
+    torch.set_num_threads(threads)
+    images = torch.randint(0, 256, (max(per_sample, batched), 3, 32, 32), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(0))
+    rows = []
+    print(f"MoCo v2, two views of 32x32 uint8 images, {threads} thread(s), batch {batch}")
+    print(f"{'size':>5} {'per-sample/s':>13} {'batched/s':>10} {'ratio':>6}")
+    for size in sizes:
+        slow, fast = _best_seconds([per_sample_views(images[:per_sample], size),
+                                    batched_views(images[:batched], size, batch)], repeats)
+        slow, fast = per_sample / slow, batched / fast  # samples (two views each) per second
+        rows.append((size, slow, fast))
+        print(f"{size:>5} {slow:>13,.0f} {fast:>10,.0f} {fast / slow:>5.1f}x")
+    print(f"\ncolour jitter alone, ms per batch of {batch}")
+    print(f"{'size':>5} {'random order':>13} {'fixed order':>12}")
+    for size in sizes:
+        random_order, fixed_order = jitter_order_ms(size, batch, repeats)
+        print(f"{size:>5} {random_order:>13.2f} {fixed_order:>12.2f}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=512, help="images for the per-sample side")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    benchmark(tuple(args.sizes), args.batch_size, args.samples, batched=8 * args.batch_size,  # eight batches
+              repeats=args.repeats, threads=args.threads)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""From raw data sets to batches: per-sample seeded transforms, the resumable distributed sampler,
+the exact evaluation sampler and the DataLoaders.
+
+Randomness: data order comes from ``DistributedSampler`` (seed + epoch, identical on every rank,
+then sharded); augmentation is seeded per sample from (seed, epoch, sample index), so each rank
+draws its own stream for its own samples and a resumed or re-sharded run applies exactly the same
+crops and flips as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sized
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from ..config import UsageError
+from .batch_augment import BatchAugment
+from .sets import in_memory_tensors, num_classes_of
+
+Transform = Callable[[torch.Tensor], object]
+Key = tuple[int, int]  # (epoch, sample index): what the training sampler yields
+
+
+class SeededTransform(Dataset):
+    """Applies ``transform`` to ``base[i]`` with the RNG seeded from (seed, epoch, i).
+
+    The key is an (epoch, index) pair from :class:`ResumableDistributedSampler`, so the epoch
+    travels with the index into the workers (persistent workers never see a stale epoch); a plain
+    index (evaluation) means epoch 0. The global RNG of the calling process is saved and restored
+    around the transform, so a loader without workers does not disturb the training process's own
+    random stream. ``with_key``: also return (epoch, index), for the half of the augmentation
+    that runs on the device afterwards (:class:`DeviceFinish`).
+    """
+
+    def __init__(self, base: Dataset, transform: Transform | None, seed: int, with_key: bool = False):
+        self.base, self.transform, self.seed, self.with_key = base, transform, seed, with_key
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: Key | int):
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        image, target = self.base[index]
+        if self.transform is not None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(hash((self.seed, epoch, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+                image = self.transform(image)
+        return (image, target, epoch, index) if self.with_key else (image, target)
+
+
+class DeviceAugment:
+    """The batched augmentation of ``views`` views for (seed, epoch, indices), on the device.
+
+    ``images`` is one batch (every view is drawn from it) or, when DataLoader workers already
+    cropped each view, a tuple with one batch per view.
+    """
+
+    def __init__(self, augment: BatchAugment, seed: int, views: int = 1):
+        self.augment, self.seed, self.views = augment, seed, views
+
+    def __call__(self, images, epoch: int, index: torch.Tensor):
+        if self.views == 1:
+            return self.augment(images, self.seed, epoch, index)
+        sources = images if isinstance(images, (tuple, list)) else [images] * self.views
+        return tuple(self.augment(x, self.seed, epoch, index, view=v) for v, x in enumerate(sources))
+
+
+class DeviceBatches:
+    """Training batches of an in-memory data set held once, as one tensor, on the training device.
+
+    Each batch is gathered by index in the sampler's order (the same order, sharding and resume
+    skip as the DataLoader path) and augmented as a whole with :class:`DeviceAugment`: no worker
+    processes, no per-sample Python, no host-to-device copy of images.
+    """
+
+    def __init__(self, images: torch.Tensor, targets: torch.Tensor, sampler: ResumableDistributedSampler,
+                 batch_size: int, augment: DeviceAugment):
+        self.images, self.targets = images, targets    # N x C x H x W (uint8 or float), N
+        self.sampler, self.batch_size, self.augment = sampler, batch_size, augment
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size    # drop_last, as the DataLoader
+
+    def __iter__(self):
+        keys = list(self.sampler)
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            chunk = keys[start:start + self.batch_size]
+            index = torch.tensor([i for _, i in chunk], device=self.images.device)  # B; a copy, not a sync
+            yield self.augment(self.images[index], chunk[0][0], index), self.targets[index]
+
+
+class DeviceFinish:
+    """Finishes on the device what DataLoader workers started (ImageFolder: the workers decode
+    and crop each image; flips, colour and blur run here as a batch, keyed by the same
+    (epoch, index) the workers used)."""
+
+    def __init__(self, loader: DataLoader, augment: DeviceAugment, device: torch.device):
+        self.loader, self.augment, self.device = loader, augment, device
+        self.batch_size = loader.batch_size
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for images, targets, epochs, index in self.loader:
+            images = [x.to(self.device, non_blocking=True) for x in images] if isinstance(images, (tuple, list)) \
+                else images.to(self.device, non_blocking=True)
+            yield self.augment(images, int(epochs[0]), index.to(self.device, non_blocking=True)), targets
+
+
+# ----------------------------------------------------------------------------- samplers
+class ResumableDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` that can start an epoch part-way, after the samples a checkpoint
+    already consumed, so a resumed run sees exactly the batches it had not seen yet."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Key]:
+        """(epoch, index) pairs: the epoch travels with each index (see SeededTransform)."""
+        indices = list(super().__iter__())
+        return iter([(self.epoch, i) for i in indices[self.skip:]])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+class ShardedEvalSampler(Sampler[int]):
+    """Rank r takes samples r, r+W, r+2W, ...: every sample exactly once, no padding duplicates
+    (``DistributedSampler`` pads, which would count some validation samples twice)."""
+
+    def __init__(self, data: Sized, num_replicas: int, rank: int):
+        self.indices = range(rank, len(data), num_replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+@dataclass
+class Loaders:
+    train: DataLoader | DeviceBatches | DeviceFinish
+    val: DataLoader
+    train_sampler: ResumableDistributedSampler
+    train_set: Dataset   # the raw training split
+    num_classes: int
+    on_device: bool = False  # augmentation runs on the training device
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Training micro-batches in a whole epoch (``len(train)`` shrinks while resuming)."""
+        return self.train_sampler.num_samples // self.train.batch_size
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Reshuffle for ``epoch`` (augmentation follows: the epoch travels with each index);
+        skip the batches a checkpoint consumed."""
+        self.train_sampler.set_epoch(epoch, skip=skip_batches * self.train.batch_size)
+
+
+def default_workers(dataset: str, local_world_size: int) -> int:
+    if dataset in ("digits", "synthetic"):
+        return 0  # in-memory tensors: worker processes only add start-up time
+    return max(1, min(8, (os.cpu_count() or 2) // max(1, local_world_size) - 1))
+
+
+def make_loaders(train_raw: Dataset, val_raw: Dataset, train_tf: Transform | None,
+                 eval_tf: Transform | None, *, batch_size: int, workers: int, seed: int,
+                 rank: int, world_size: int, pin_memory: bool, device_augment: DeviceAugment | None = None,
+                 device: torch.device | None = None) -> Loaders:
+    """Training batches (sharded, shuffled, drop_last) and the evaluation loader (sharded, exact).
+
+    With ``device_augment``: an in-memory split is moved to ``device`` once and batched there
+    (``train_tf`` unused); any other split goes through workers running ``train_tf`` (the
+    per-sample half, e.g. decode and crop), finished on the device.
+    """
+    sampler = ResumableDistributedSampler(train_raw, world_size, rank, seed)
+    tensors = in_memory_tensors(train_raw) if device_augment is not None else None
+    if tensors is not None:
+        images, targets = (t.to(device) for t in tensors)
+        train = DeviceBatches(fit_for_pad_crop(images, device_augment.augment), targets, sampler, batch_size,
+                              device_augment)
+    else:
+        train_set = SeededTransform(train_raw, train_tf, seed, with_key=device_augment is not None)
+        # drop_last: every micro-batch has batch_size samples, so the 1/window loss scale is exact.
+        train = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,
+                           num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
+                           generator=_private_generator())
+        if device_augment is not None:
+            train = DeviceFinish(train, device_augment, device)
+    val = eval_loader(val_raw, eval_tf, batch_size=batch_size, workers=workers, rank=rank,
+                      world_size=world_size, pin_memory=pin_memory)
+    if len(train) == 0:
+        raise UsageError(f"the training split has {len(train_raw)} samples: too few for "  # type: ignore[arg-type]
+                         f"{world_size} rank(s) x batch {batch_size}; lower --batch-size")
+    return Loaders(train, val, sampler, train_raw, num_classes_of(train_raw), device_augment is not None)
+
+
+def fit_for_pad_crop(images: torch.Tensor, augment: BatchAugment) -> torch.Tensor:
+    """A pad-and-crop view keeps the input's size: resize the stored images once to the output
+    size (as the per-sample pipeline's Resize does before its RandomCrop)."""
+    size = augment.out_size
+    if not augment.recipe.pad_crop or images.shape[-1] == size:
+        return images
+    resized = F.interpolate(images.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return resized.round().clamp(0, 255).to(torch.uint8) if images.dtype == torch.uint8 else resized
+
+
+def _private_generator() -> torch.Generator:
+    """Each new DataLoader iterator draws a worker base seed from its generator. Without one of
+    its own it would draw from the global RNG, and a resumed run (which starts an iterator at a
+    different point of that stream) would draw different shuffle-BN permutations afterwards.
+    Augmentation does not depend on it: SeededTransform seeds every sample itself."""
+    return torch.Generator().manual_seed(0)
+
+
+def eval_loader(raw: Dataset, transform: Transform | None, *, batch_size: int, workers: int,
+                rank: int, world_size: int, pin_memory: bool) -> DataLoader:
+    """Sharded, in order, every sample exactly once over all ranks."""
+    data = SeededTransform(raw, transform, seed=0)
+    return DataLoader(data, batch_size=batch_size, sampler=ShardedEvalSampler(data, world_size, rank),
+                      num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
+                      generator=_private_generator())
+
+
+def steps_per_epoch(batches_per_epoch: int, accum_steps: int) -> int:
+    """Optimizer steps in one epoch, counting a shorter final window as a step."""
+    return math.ceil(batches_per_epoch / accum_steps)

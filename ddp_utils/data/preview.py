@@ -1,0 +1,59 @@
+"""A picture of what the training augmentation does: a few training images, each followed by its
+augmented view(s) (MoCo: query and key), as they enter the network but un-normalised. Rank 0
+writes it to TensorBoard's images tab at the start of a run."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import default_collate
+from torchvision.transforms import v2 as T
+from torchvision.utils import make_grid
+
+from .loading import DeviceBatches, DeviceFinish, Loaders
+from .sets import NORMALIZATION, in_memory_tensors
+
+
+@torch.no_grad()
+def augmentation_grid(loaders: Loaders, dataset: str, size: int, count: int = 8) -> torch.Tensor:
+    """3 x H x W in [0, 1]: one row per sample (indices 0..count-1, epoch 0): original, views."""
+    index = list(range(min(count, len(loaders.train_set))))  # type: ignore[arg-type]
+    views = _views(loaders, index)
+    originals = _originals(loaders.train_set, index, size)
+    rows = [torch.stack([originals[i], *(_unnormalize(v[i].float().cpu(), dataset) for v in views)])
+            for i in range(len(index))]
+    return make_grid(torch.cat(rows), nrow=1 + len(views), padding=2, pad_value=1.0)
+
+
+def _views(loaders: Loaders, index: list[int]) -> list[torch.Tensor]:
+    train = loaders.train
+    if isinstance(train, DeviceBatches):
+        at = torch.tensor(index, device=train.images.device)
+        out = train.augment(train.images[at], 0, at)
+    else:
+        loader = train.loader if isinstance(train, DeviceFinish) else train
+        batch = default_collate([loader.dataset[(0, i)] for i in index])
+        out = batch[0]
+        if isinstance(train, DeviceFinish):
+            images = [x.to(train.device) for x in out] if isinstance(out, (list, tuple)) else out.to(train.device)
+            out = train.augment(images, 0, torch.tensor(index, device=train.device))
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _originals(raw, index: list[int], size: int) -> list[torch.Tensor]:
+    """The un-augmented images at the network's input size, 3 channels in [0, 1]."""
+    tensors = in_memory_tensors(torch.utils.data.Subset(raw, index))
+    if tensors is not None:
+        images = tensors[0].float() / (255.0 if tensors[0].dtype == torch.uint8 else 1.0)
+    else:  # decoded from files
+        to_tensor = T.Compose([T.ToImage(), T.Resize(size, antialias=True), T.CenterCrop(size),
+                               T.ToDtype(torch.float32, scale=True)])
+        images = torch.stack([to_tensor(raw[i][0]) for i in index])
+    images = torch.nn.functional.interpolate(images, size=(size, size), mode="bilinear", antialias=True)
+    return list(images.expand(-1, 3, -1, -1).clamp(0, 1))
+
+
+def _unnormalize(view: torch.Tensor, dataset: str) -> torch.Tensor:
+    stats = NORMALIZATION.get(dataset)
+    if stats is None:  # synthetic noise: stretch to [0, 1]
+        return (view - view.min()) / (view.max() - view.min()).clamp_min(1e-6)
+    mean, std = (torch.tensor(s).view(-1, 1, 1) for s in stats)
+    return (view * std + mean).clamp(0, 1)

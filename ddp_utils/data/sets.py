@@ -1,0 +1,149 @@
+"""The data sets: scikit-learn's digits (no download), CIFAR-10, ImageFolder and synthetic noise,
+loaded raw (no transform), and the checks that name what is wrong with a data location."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, Subset
+from torchvision import datasets
+
+from ..config import UsageError
+
+DATASETS = ("digits", "cifar10", "imagefolder", "synthetic")
+NATIVE_SIZE = {"digits": 32, "cifar10": 32, "imagefolder": 224, "synthetic": 32}
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# load_digits pixels are 0..16 on a black background; measured on the 32 px train split.
+DIGITS_MEAN, DIGITS_STD = (0.2093,) * 3, (0.3542,) * 3
+# mean, std per data set (synthetic noise is already zero-mean, unit-variance: none)
+NORMALIZATION = {"digits": (DIGITS_MEAN, DIGITS_STD), "cifar10": (CIFAR10_MEAN, CIFAR10_STD),
+                 "imagefolder": (IMAGENET_MEAN, IMAGENET_STD)}
+DIGITS_SPLIT_SEED = 20240  # the train/val split never moves with --seed
+DIGITS_VAL_FRACTION = 0.2
+DEBUG_TRAIN_SAMPLES, DEBUG_VAL_SAMPLES = 256, 128
+
+
+# ----------------------------------------------------------------------------- data sets
+class DigitsDataset(Dataset):
+    """scikit-learn's 1,797 handwritten 8x8 digits, upsampled to ``size`` px RGB in [0, 1].
+
+    Real images that ship inside scikit-learn, so tests and the quick start need no network.
+    """
+
+    def __init__(self, train: bool, size: int = 32):
+        from sklearn.datasets import load_digits  # imported here: only this data set needs it
+
+        bunch = load_digits()
+        images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0  # N x 1 x 8 x 8
+        labels = torch.tensor(bunch.target, dtype=torch.long)
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(DIGITS_SPLIT_SEED))
+        n_val = round(len(labels) * DIGITS_VAL_FRACTION)
+        keep = order[n_val:] if train else order[:n_val]
+        self.images = F.interpolate(images[keep], size=(size, size), mode="bilinear",
+                                    align_corners=False).clamp_(0, 1)  # N x 1 x S x S
+        self.targets = labels[keep]
+        self.classes = [str(d) for d in range(10)]
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index].expand(3, -1, -1), int(self.targets[index])
+
+
+class SyntheticImages(Dataset):
+    """Gaussian-noise images with random labels, generated per index (no memory, no files)."""
+
+    def __init__(self, num_samples: int, size: int, num_classes: int = 10, seed: int = 0):
+        self.num_samples, self.size, self.num_classes, self.seed = num_samples, size, num_classes, seed
+        self.classes = [str(c) for c in range(num_classes)]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        image = torch.randn(3, self.size, self.size, generator=g)
+        return image, int(torch.randint(self.num_classes, (), generator=g))
+
+
+# ----------------------------------------------------------------------------- loading
+def check_data_dir(dataset: str, data_dir: str, download: bool) -> str | None:
+    """A one-line description of what is wrong with the data location, or None if it is usable."""
+    root = Path(data_dir)
+    if dataset == "imagefolder":
+        for split in ("train", "val"):
+            if not (root / split).is_dir():
+                return (f"--data-dir {data_dir}: no '{split}/' folder; ImageFolder expects "
+                        f"DIR/train/CLASS/*.jpg and DIR/val/CLASS/*.jpg")
+    if dataset == "cifar10" and not download and not (root / "cifar-10-batches-py").is_dir():
+        return (f"--data-dir {data_dir}: CIFAR-10 not found (no cifar-10-batches-py/); "
+                f"add --download or point --data-dir at an existing copy")
+    return None
+
+
+def download_cifar10(data_dir: str) -> None:
+    """Fetch and verify both CIFAR-10 splits into ``data_dir`` (done by one process per node)."""
+    try:
+        for train in (True, False):
+            datasets.CIFAR10(data_dir, train=train, download=True)
+    except (OSError, RuntimeError) as err:  # URLError is an OSError; a bad checksum a RuntimeError
+        raise UsageError(f"--download: CIFAR-10 could not be fetched into {data_dir} ({err}); check the "
+                         f"network, or copy cifar-10-batches-py/ there and drop --download") from None
+
+
+def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_samples: int = 2048) -> Dataset:
+    """The raw split (no transform): tensors for digits/synthetic, PIL images otherwise.
+    CIFAR-10 must already be on disk (see :func:`download_cifar10`)."""
+    if dataset == "digits":
+        return DigitsDataset(train, size)
+    if dataset == "synthetic":
+        n = synthetic_samples if train else max(1, synthetic_samples // 4)
+        return SyntheticImages(n, size, seed=0 if train else 1)
+    if dataset == "cifar10":
+        try:
+            return datasets.CIFAR10(data_dir, train=train, download=False)
+        except RuntimeError as err:  # torchvision's md5 check: a missing, truncated or foreign file
+            raise UsageError(f"--data-dir {data_dir}: cifar-10-batches-py/ is incomplete or damaged ({err}); "
+                             f"delete it and run once with --download") from None
+    if dataset == "imagefolder":
+        split = "train" if train else "val"
+        try:
+            return datasets.ImageFolder(os.path.join(data_dir, split))
+        except FileNotFoundError as err:  # a class folder without images, or no class folder at all
+            raise UsageError(f"--data-dir {data_dir}: {split}/: {str(err).split('. ')[0]}; every class "
+                             f"folder needs at least one image") from None
+    raise ValueError(f"unknown dataset {dataset!r}")
+
+
+def num_classes_of(ds: Dataset) -> int:
+    while isinstance(ds, Subset) or hasattr(ds, "base"):  # a Subset, or a wrapper such as SeededTransform
+        ds = ds.dataset if isinstance(ds, Subset) else ds.base
+    return len(ds.classes)  # type: ignore[attr-defined]
+
+
+def in_memory_tensors(ds: Dataset) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(images N x C x H x W, targets N) of a data set that fits in memory as tensors: digits
+    (float, 1 channel), CIFAR-10 (uint8), synthetic (float, generated once), or a Subset of one;
+    None for data read from files (ImageFolder)."""
+    if isinstance(ds, Subset):
+        whole = in_memory_tensors(ds.dataset)
+        if whole is None:
+            return None
+        index = torch.as_tensor(list(ds.indices), dtype=torch.long)
+        return whole[0][index], whole[1][index]
+    if isinstance(ds, DigitsDataset):
+        return ds.images, ds.targets
+    if isinstance(ds, datasets.CIFAR10):
+        return torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets)  # uint8
+    if isinstance(ds, SyntheticImages):
+        samples = [ds[i] for i in range(len(ds))]
+        return torch.stack([x for x, _ in samples]), torch.tensor([y for _, y in samples])
+    return None
+
+
+def debug_subset(ds: Dataset, n: int) -> Dataset:
+    return Subset(ds, range(min(n, len(ds))))  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""Evaluation that needs its own machinery: the kNN monitor of frozen features."""

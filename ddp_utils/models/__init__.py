@@ -1,0 +1,1 @@
+"""Networks: the backbones (``backbones``) and MoCo's encoders, queue and shuffle BN (``moco``)."""

@@ -1,0 +1,406 @@
+"""Batched device augmentation (ddp_utils/data/batch_augment.py) against torchvision, per sample.
+
+Every test is deterministic (fixed seeds). Statistical tolerances are sized so that a correct
+implementation would fail with probability below about 1e-4 on a fresh seed (each comment gives
+the arithmetic), while the mistakes they guard against (a wrong range, a missing or reordered
+step, a biased choice) move the statistic many times further.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torchvision import transforms as T1
+from torchvision.transforms import v2 as T
+from torchvision.transforms.v2 import functional as TF
+
+from ddp_utils.data import batch_augment as ba
+from ddp_utils.data.batch_augment import (
+    AugmentRecipe,
+    BatchAugment,
+    classifier_recipe,
+    moco_recipe,
+    photometric_only,
+    sample_crop_boxes,
+    uniforms,
+)
+
+# Two-sample Kolmogorov-Smirnov: P(D > c sqrt((n + m) / (n m))) <= 2 exp(-2 c^2), which is 1e-4
+# at c = sqrt(ln(2e4) / 2) = 2.23 (conservative for the discrete distributions compared here).
+KS_C = math.sqrt(math.log(2e4) / 2)
+BINOMIAL_SDS = 5  # |count - n p| <= 5 sd: a correct rate fails with probability 6e-7
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The per-sample torchvision references run thousands of tiny ops, for which a thread pool
+    only adds overhead (8x here on a busy 2-core machine); the batched side does not need it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def ks_statistic(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().sort().values, b.double().sort().values
+    grid = torch.cat([a, b])
+    cdf_a = torch.searchsorted(a, grid, right=True) / len(a)
+    cdf_b = torch.searchsorted(b, grid, right=True) / len(b)
+    return float((cdf_a - cdf_b).abs().max())
+
+
+def ks_limit(n: int, m: int) -> float:
+    return KS_C * math.sqrt((n + m) / (n * m))
+
+
+def assert_binomial(count: int, n: int, p: float) -> None:
+    sd = math.sqrt(n * p * (1 - p))
+    assert abs(count - n * p) <= BINOMIAL_SDS * sd, f"{count} of {n}, expected {n * p:.0f} +- {sd:.1f}"
+
+
+def colour_images(n: int, size: int, seed: int = 0) -> torch.Tensor:
+    """n x 3 x size x size uint8 images with smooth colour gradients (saturated, no flat channel)."""
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(n, 3, 4, 4, generator=g)
+    return (torch.nn.functional.interpolate(coarse, size=(size, size), mode="bilinear") * 255).to(torch.uint8)
+
+
+def as_float(images: torch.Tensor) -> torch.Tensor:
+    return TF.to_dtype(images, torch.float32, scale=True)
+
+
+def all_equal_channels(x: torch.Tensor) -> torch.Tensor:
+    return (x[:, 0] == x[:, 1]).flatten(1).all(1) & (x[:, 1] == x[:, 2]).flatten(1).all(1)  # B
+
+
+# ----------------------------------------------------------------------------- counter-based uniforms
+def test_uniforms_are_a_pure_function_of_their_counters():
+    index = torch.tensor([0, 5, 2**33 + 7, 123456789, 5])
+    u = uniforms(7, 3, index, stream=2, count=6)
+    assert u.shape == (5, 6) and u.dtype == torch.float32
+    assert (u >= 0).all() and (u < 1).all()
+    assert torch.equal(u[1], u[4])  # same sample, same numbers
+    assert torch.equal(uniforms(7, 3, index[[3, 1]], 2, 6), u[[3, 1]])  # whatever the batch
+    assert torch.equal(uniforms(7, 3, index, 2, 3), u[:, :3])  # columns do not depend on count
+    for other in (uniforms(8, 3, index, 2, 6), uniforms(7, 4, index, 2, 6), uniforms(7, 3, index, 3, 6),
+                  uniforms(-7, 3, index, 2, 6), uniforms(7 + 2**32, 3, index, 2, 6)):
+        assert not torch.isclose(other, u).any()
+    assert not torch.isclose(uniforms(7, 3, index + 2**32, 2, 6), u).any()  # the high index word counts
+
+
+def test_uniforms_look_uniform_and_independent():
+    n, count = 4096, 64
+    u = uniforms(0, 0, torch.arange(n), stream=0, count=count).double()  # n x count
+    values = u.flatten()
+    # Mean of N uniforms: sd 1/sqrt(12 N), 6e-4 here; 5 sd.
+    assert abs(values.mean() - 0.5) < 5 / math.sqrt(12 * len(values))
+    # 16 equal bins: chi-square with 15 degrees of freedom exceeds 60 with probability 2e-7.
+    counts = torch.bincount((values * 16).long(), minlength=16).double()
+    expected = len(values) / 16
+    assert ((counts - expected) ** 2 / expected).sum() < 60
+
+    def corr(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.flatten() - a.mean(), b.flatten() - b.mean()
+        return float((a * b).sum() / (a.norm() * b.norm()))
+
+    # A correlation of m independent pairs has sd 1/sqrt(m); 5 sd for each comparison.
+    other_stream = uniforms(0, 0, torch.arange(n), stream=1, count=count).double()
+    other_epoch = uniforms(0, 1, torch.arange(n), stream=0, count=count).double()
+    for a, b in [(u[:, :-1], u[:, 1:]),  # neighbouring columns
+                 (u[:-1], u[1:]),  # neighbouring indices
+                 (u, other_stream), (u, other_epoch)]:
+        assert abs(corr(a, b)) < 5 / math.sqrt(a.numel()), (a.shape, corr(a, b))
+
+
+def test_runs_without_reading_values_on_the_host():
+    """On meta tensors any .item(), .tolist(), nonzero or boolean-mask index raises, so a pass
+    here means the pipeline never synchronises a CUDA stream to read a value back."""
+    images = torch.empty(4, 3, 32, 32, dtype=torch.uint8, device="meta")
+    index = torch.empty(4, dtype=torch.int64, device="meta")
+    for recipe, size in [(moco_recipe("v2", 16, mean=(0.5,) * 3, std=(0.2,) * 3), 16),
+                         (moco_recipe("v1", 32), 32), (classifier_recipe(32), 32)]:
+        out = BatchAugment(recipe, size)(images, seed=0, epoch=0, index=index)
+        assert out.device.type == "meta" and out.shape == (4, 3, size, size)
+
+
+# ----------------------------------------------------------------------------- the pipeline
+def test_shapes_dtype_range_and_input_types():
+    images = colour_images(8, 32)
+    augment = BatchAugment(moco_recipe("v2", 16), 16)  # no normalisation: values stay in [0, 1]
+    index = torch.arange(100, 108)
+    out = augment(images, seed=1, epoch=2, index=index)
+    assert out.shape == (8, 3, 16, 16) and out.dtype == torch.float32
+    assert out.min() >= 0 and out.max() <= 1
+    floats = as_float(images)
+    kept = floats.clone()
+    assert torch.equal(augment(floats, seed=1, epoch=2, index=index), out)  # uint8 == scaled float
+    assert torch.equal(floats, kept)  # the input is left alone
+    gray = images[:, :1]
+    assert torch.equal(augment(gray, 1, 2, index), augment(gray.expand(-1, 3, -1, -1), 1, 2, index))
+    normalised = BatchAugment(moco_recipe("v2", 16, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3)), 16)
+    mean = torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)
+    std = torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1)
+    torch.testing.assert_close(normalised(images, 1, 2, index), (out - mean) / std)
+    identity = BatchAugment(AugmentRecipe(), 32)(floats, 1, 2, index)
+    assert torch.equal(identity, floats) and identity is not floats
+    with pytest.raises(ValueError):
+        augment(images[:, :2], 1, 2, index)
+
+
+@pytest.mark.parametrize("fields", [dict(crop_scale=(0.2, 1.0), pad_crop=4), dict(blur_kernel=4),
+                                    dict(mean=(0.5,) * 3), dict(jitter=(0.4, 0.4, 0.4, 0.6)),
+                                    dict(gray_p=1.5), dict(pad_crop=-1)])
+def test_recipe_rejects_contradictions(fields):
+    with pytest.raises(ValueError):
+        AugmentRecipe(**fields)
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # thread count changes how ops split the work
+@pytest.mark.parametrize("recipe, out", [(moco_recipe("v2", 16, mean=(0.5,) * 3, std=(0.2,) * 3), 16),
+                                         (moco_recipe("v1", 32), 32), (classifier_recipe(32), 32)])
+def test_a_sample_gets_the_same_pixels_whatever_its_batch(recipe, out, threads):
+    torch.set_num_threads(threads)  # the autouse fixture restores the count afterwards
+    images, index = colour_images(12, 32), torch.arange(40, 52)
+    augment = BatchAugment(recipe, out)
+    full = augment(images, seed=3, epoch=5, index=index)
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(augment(images[order], 3, 5, index[order]), full[order])  # shuffled
+    assert torch.equal(augment(images[7:10], 3, 5, index[7:10]), full[7:10])  # another batch size
+    assert torch.equal(augment(images[4:5], 3, 5, index[4:5]), full[4:5])  # alone
+    for other in (augment(images, 3, 6, index), augment(images, 3, 5, index, view=1),
+                  augment(images, 4, 5, index), augment(images, 3, 5, index + 1000)):
+        assert all(not torch.equal(a, b) for a, b in zip(other, full))
+
+
+# ----------------------------------------------------------------------------- geometry
+@pytest.mark.parametrize("height, width", [(24, 40), (10, 100)])  # the second mostly falls back
+def test_crop_boxes_follow_torchvision_distribution(height, width):
+    n, scale, ratio = 4000, (0.08, 1.0), (3 / 4, 4 / 3)
+    ours = sample_crop_boxes(0, 0, torch.arange(n), height, width, scale, ratio).double()  # n x 4
+    image = torch.empty(3, height, width)
+    with torch.random.fork_rng():  # torchvision draws from the global generator
+        torch.manual_seed(0)
+        theirs = [T1.RandomResizedCrop.get_params(image, scale, ratio) for _ in range(n)]
+    theirs = torch.tensor(theirs).double()
+    assert (ours[:, :2] >= 0).all() and (ours[:, 2:] >= 1).all()
+    assert (ours[:, 0] + ours[:, 2] <= height).all() and (ours[:, 1] + ours[:, 3] <= width).all()
+    limit = ks_limit(n, n)  # 0.050 for 4000 against 4000
+    for name, stat in [("area", lambda b: b[:, 2] * b[:, 3]), ("aspect", lambda b: b[:, 3] / b[:, 2]),
+                       ("top", lambda b: b[:, 0] / (height - b[:, 2] + 1)),
+                       ("left", lambda b: b[:, 1] / (width - b[:, 3] + 1))]:
+        assert ks_statistic(stat(ours), stat(theirs)) < limit, name
+
+
+def test_crop_boxes_take_the_first_attempt_that_fits_else_the_centre():
+    """On a 24 x 40 image: attempt 0 (the whole area, ratio 3/4) is 36 px tall and does not fit,
+    attempt 1 (the smallest area, ratio 1) gives 9 x 9, later ones 23 x 23; with no attempt that
+    fits, torchvision's fallback is the centre 24 x 32 (the ratio clamped to 4/3)."""
+    u = torch.full((2, 22), 0.5)
+    u[:, [0, 10]] = torch.tensor([0.999, 0.0])  # attempt 0: area fraction ~1, log ratio at its minimum
+    u[0, [1, 11]] = torch.tensor([0.0, 0.5])  # attempt 1: area fraction 0.08, ratio 1
+    u[1, 1:10], u[1, 11:20] = 0.999, 0.0  # sample 1: every attempt is too tall
+    boxes = ba._resized_crop_boxes(u, 24, 40, (0.08, 1.0), (3 / 4, 4 / 3))
+    assert boxes.tolist() == [[8, 16, 9, 9], [0, 4, 24, 32]]  # offsets: floor(0.5 * (24 - 9 + 1)), ...
+
+
+def test_resized_crops_are_torchvision_bilinear_inside_the_box():
+    """roi_align with aligned boxes is torchvision's bilinear resize wherever the sample point lies
+    inside the box; at the box edge it reads the pixels just outside (torchvision clamps)."""
+    images = as_float(colour_images(64, 32))
+    index = torch.arange(64)
+    augment = BatchAugment(AugmentRecipe(crop_scale=(0.2, 1.0)), 32)
+    out = augment(images, seed=0, epoch=0, index=index)
+    boxes = augment.crop_boxes(32, 32, seed=0, epoch=0, index=index)
+    assert torch.equal(boxes, sample_crop_boxes(0, 0, index, 32, 32, (0.2, 1.0)))
+    steps = torch.arange(32) + 0.5
+    for image, result, (top, left, h, w) in zip(images, out, boxes.tolist()):
+        expected = TF.resized_crop(image, top, left, h, w, [32, 32], antialias=True)
+        rows = ((steps * h / 32 - 0.5) >= 0) & ((steps * h / 32 - 0.5) <= h - 1)  # sample inside the box
+        cols = ((steps * w / 32 - 0.5) >= 0) & ((steps * w / 32 - 0.5) <= w - 1)
+        inside = result[:, rows][:, :, cols], expected[:, rows][:, :, cols]
+        torch.testing.assert_close(*inside, atol=1e-5, rtol=0)
+    whole = BatchAugment(AugmentRecipe(), 48)(images[:4], 0, 0, index[:4])  # no crop: a plain resize
+    torch.testing.assert_close(whole, TF.resize(images[:4], [48, 48], antialias=True), atol=1e-5, rtol=0)
+    smaller = BatchAugment(AugmentRecipe(), 16)(images[:4], 0, 0, index[:4])  # 2x2 box average
+    torch.testing.assert_close(smaller, torch.nn.functional.avg_pool2d(images[:4], 2), atol=1e-6, rtol=0)
+
+
+def test_pad_crop_offsets_are_uniform_and_windows_exact():
+    n, pad = 4000, 4
+    augment = BatchAugment(classifier_recipe(32, flip=False), 32)
+    assert augment.recipe.pad_crop == pad
+    boxes = augment.crop_boxes(32, 32, seed=0, epoch=0, index=torch.arange(n))
+    assert (boxes[:, 2:] == 32).all()
+    for offsets in (boxes[:, 0] + pad, boxes[:, 1] + pad):
+        counts = torch.bincount(offsets, minlength=2 * pad + 1)
+        assert len(counts) == 2 * pad + 1  # nothing beyond 0..2p
+        for count in counts.tolist():
+            assert_binomial(count, n, 1 / (2 * pad + 1))
+    images = as_float(colour_images(16, 32))
+    out = augment(images, 0, 0, torch.arange(16))
+    for image, result, (top, left, _, _) in zip(images, out, boxes[:16].tolist()):
+        expected = TF.crop(TF.pad(image, [pad]), top + pad, left + pad, 32, 32)  # zero fill
+        assert torch.equal(result, expected)
+
+
+# ----------------------------------------------------------------------------- colour
+def test_colour_ops_match_torchvision_per_sample():
+    x = as_float(colour_images(16, 12))
+    g = torch.Generator().manual_seed(1)
+    factors = 1.5 * torch.rand(16, generator=g)
+    shifts = torch.rand(16, generator=g) - 0.5
+    sigmas = 0.1 + 1.9 * torch.rand(16, generator=g)
+    for op, fn in enumerate([TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation]):
+        ours = ba._blend_step_(x.clone(), torch.full((16,), op), factors)
+        theirs = torch.stack([fn(image, float(f)) for image, f in zip(x, factors)])
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+    theirs = torch.stack([TF.adjust_hue(image, float(s)) for image, s in zip(x, shifts)])
+    torch.testing.assert_close(ba._shift_hue(x, shifts), theirs, atol=1e-5, rtol=0)
+    theirs = torch.stack([TF.gaussian_blur(image, [5, 5], [float(s)] * 2) for image, s in zip(x, sigmas)])
+    torch.testing.assert_close(ba._gaussian_blur(x, sigmas, 5), theirs, atol=1e-6, rtol=0)
+    assert torch.equal(ba._gray(x), TF.rgb_to_grayscale(x))
+
+
+def test_colour_jitter_applies_each_samples_ops_in_its_own_order():
+    x = as_float(colour_images(48, 8))
+    u = uniforms(0, 0, torch.arange(48), 0, 8)
+    factors, order = ba._jitter_draws(u, (0.4, 0.4, 0.4, 0.1))
+    assert len(set(map(tuple, order.tolist()))) > 12  # many of the 24 orders occur
+    applied = torch.arange(48) % 4 != 0
+    ours = ba._color_jitter_(x.clone(), factors, order, applied)
+    ops = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue]
+    for image, result, f, sequence, on in zip(x, ours, factors, order.tolist(), applied.tolist()):
+        expected = image
+        for op in sequence if on else []:
+            expected = ops[op](expected, float(f[op]))
+        if on:
+            torch.testing.assert_close(result, expected, atol=1e-5, rtol=0)
+        else:
+            assert torch.equal(result, image)  # not applied: bit for bit unchanged
+
+
+def test_selection_by_lerp_is_exact():
+    g = torch.Generator().manual_seed(0)
+    old, new = torch.randn(64, 3, 5, 5, generator=g) * 100, torch.randn(64, 3, 5, 5, generator=g)
+    chosen = torch.rand(64, generator=g) < 0.5
+    expected = torch.where(chosen[:, None, None, None], new, old)
+    assert torch.equal(ba._select_(old.clone(), chosen, new), expected)
+
+
+def test_colour_jitter_matches_torchvision_distribution():
+    """Per-sample change of mean brightness and of mean HSV saturation, ours against ColorJitter
+    run image by image on the same images; both the means (5 standard errors) and the whole
+    distributions (KS) must agree."""
+    n, strengths = 2000, (0.4, 0.4, 0.4, 0.1)
+    images = as_float(colour_images(n, 8, seed=3))
+    ours = BatchAugment(AugmentRecipe(jitter=strengths), 8)(images, 0, 0, torch.arange(n))
+    jitter = T.ColorJitter(*strengths)
+    with torch.random.fork_rng():  # torchvision draws from the global generator
+        torch.manual_seed(0)
+        theirs = torch.stack([jitter(image) for image in images])
+
+    def saturation(x):
+        top, bottom = x.amax(1), x.amin(1)
+        return torch.where(top > 0, (top - bottom) / top.clamp(min=1e-12), 0).mean((1, 2))
+
+    for name, stat in [("brightness", lambda x: x.mean((1, 2, 3))), ("saturation", saturation)]:
+        a, b = stat(ours) - stat(images), stat(theirs) - stat(images)
+        standard_error = math.sqrt(a.var() / n + b.var() / n)
+        assert abs(a.mean() - b.mean()) < 5 * standard_error, name
+        assert ks_statistic(a, b) < ks_limit(n, n), name  # 0.070 for 2000 against 2000
+
+
+def test_probabilities_of_jitter_grayscale_blur_and_flip():
+    # 20,000 samples: 5 sd of a rate near 0.2 is 1.4 percentage points, so a rate off by 2 fails.
+    n = 20_000
+    images = as_float(colour_images(n, 8, seed=5))
+    index = torch.arange(n)
+
+    def changed(recipe):
+        return ~(BatchAugment(recipe, 8)(images, 0, 0, index) == images).flatten(1).all(1)
+
+    assert_binomial(int(changed(AugmentRecipe(jitter=(0.4, 0.4, 0.4, 0.1), jitter_p=0.8)).sum()), n, 0.8)
+    # sigma >= 1 so every blur shows (below ~0.2 the neighbours' weights vanish in float32)
+    blur = AugmentRecipe(blur_p=0.5, blur_sigma=(1.0, 2.0), blur_kernel=3)
+    assert_binomial(int(changed(blur).sum()), n, 0.5)
+    flipped = BatchAugment(AugmentRecipe(flip=True), 8)(images, 0, 0, index)
+    mirrored = (flipped == images.flip(3)).flatten(1).all(1)
+    assert torch.equal(mirrored, ~(flipped == images).flatten(1).all(1))  # flipped xor unchanged
+    assert_binomial(int(mirrored.sum()), n, 0.5)
+    for aug in ("v1", "v2"):  # in the full pipelines: no later step mixes the channels again
+        out = BatchAugment(moco_recipe(aug, 8), 8)(images, 0, 0, index)
+        assert_binomial(int(all_equal_channels(out).sum()), n, 0.2)
+
+
+def test_blur_sigma_is_drawn_uniformly_from_its_range():
+    """The pipeline blurs with sigma = lo + (hi - lo) u, u the blur stream's second column."""
+    images, index = as_float(colour_images(32, 8)), torch.arange(32)
+    recipe = AugmentRecipe(blur_p=1.0, blur_sigma=(0.3, 1.7), blur_kernel=5)
+    u = uniforms(2, 1, index, ba._stream(1, ba._BLUR), 2)
+    expected = ba._gaussian_blur(images, 0.3 + 1.4 * u[:, 1], 5)
+    assert torch.equal(BatchAugment(recipe, 8)(images, seed=2, epoch=1, index=index, view=1), expected)
+
+
+def test_grayscale_runs_before_or_after_the_jitter_as_the_recipe_says():
+    images, index = as_float(colour_images(16, 8)), torch.arange(16)
+    jitter = AugmentRecipe(jitter=(0.4, 0.4, 0.4, 0.4))
+    jittered = BatchAugment(jitter, 8)(images, 0, 0, index)
+    after = BatchAugment(AugmentRecipe(jitter=jitter.jitter, gray_p=1.0), 8)(images, 0, 0, index)
+    assert torch.equal(after, ba._gray(jittered).expand_as(jittered))  # v2: grayscale of the jittered
+    before = BatchAugment(AugmentRecipe(jitter=jitter.jitter, gray_p=1.0, gray_before_jitter=True), 8)
+    gray = ba._gray(images).expand_as(images).contiguous()
+    assert torch.equal(before(images, 0, 0, index), BatchAugment(jitter, 8)(gray, 0, 0, index))  # v1
+
+
+def test_photometric_only_keeps_the_rest_of_the_pipeline():
+    images, index = colour_images(16, 32), torch.arange(16)
+    recipe = moco_recipe("v2", 16, mean=(0.5,) * 3, std=(0.2,) * 3)
+    rest = photometric_only(recipe)
+    assert rest.crop_scale is None and rest.pad_crop == 0 and rest.flip and rest.mean == recipe.mean
+    crops = BatchAugment(AugmentRecipe(crop_scale=recipe.crop_scale), 16)(images, 0, 0, index, view=1)
+    assert torch.equal(BatchAugment(rest, 16)(crops, 0, 0, index, view=1),
+                       BatchAugment(recipe, 16)(images, 0, 0, index, view=1))
+
+
+# ----------------------------------------------------------------------------- recipes
+def _recipe_of(compose: T.Compose) -> AugmentRecipe:
+    """The AugmentRecipe that a per-sample torchvision pipeline describes (for the drift check)."""
+    fields: dict = {}
+
+    def strength(pair, centre):
+        return 0.0 if pair is None else round(pair[1] - centre, 6)
+
+    for step in compose.transforms:
+        p, inner = (step.p, step.transforms[0]) if isinstance(step, T.RandomApply) else (1.0, step)
+        if isinstance(inner, T.RandomResizedCrop):
+            fields.update(crop_scale=inner.scale, crop_ratio=inner.ratio)
+        elif isinstance(inner, T.RandomCrop):
+            fields.update(pad_crop=inner.padding[0])
+        elif isinstance(inner, T.ColorJitter):
+            fields.update(jitter_p=p, jitter=(strength(inner.brightness, 1), strength(inner.contrast, 1),
+                                              strength(inner.saturation, 1), strength(inner.hue, 0)))
+        elif isinstance(inner, T.RandomGrayscale):
+            fields.update(gray_p=inner.p, gray_before_jitter="jitter" not in fields)
+        elif isinstance(inner, T.GaussianBlur):
+            fields.update(blur_p=p, blur_sigma=inner.sigma, blur_kernel=inner.kernel_size[0])
+        elif isinstance(inner, T.RandomHorizontalFlip):
+            fields.update(flip=True)
+        elif isinstance(inner, T.Normalize):
+            fields.update(mean=inner.mean, std=inner.std)
+    return AugmentRecipe(**fields)
+
+
+def test_recipes_mirror_the_per_sample_pipelines():
+    from ddp_utils.data.sets import NORMALIZATION
+    from ddp_utils.data.transforms import classification_transforms, moco_view_transform
+
+    for dataset, size in [("cifar10", 32), ("cifar10", 16), ("imagefolder", 224)]:
+        mean, std = NORMALIZATION[dataset]
+        for aug in ("v1", "v2", "v2-noblur"):
+            expected = _recipe_of(moco_view_transform(dataset, size, aug))
+            assert moco_recipe(aug, size, mean=mean, std=std) == expected, (dataset, size, aug)
+    for dataset, flip in [("cifar10", True), ("digits", False)]:
+        mean, std = NORMALIZATION[dataset]
+        expected = _recipe_of(classification_transforms(dataset, 32, augment=True)[0])
+        assert classifier_recipe(32, flip=flip, mean=mean, std=std) == expected, dataset
