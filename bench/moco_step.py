@@ -4,7 +4,7 @@
     python bench/moco_step.py --arch small_cnn --batch-size 64 --steps 10
 
 Prints the share of each part of one step (query forward+backward, key forward with shuffle BN,
-gather+enqueue, optimizer step, momentum update), the ratio of the full step to the compute
+enqueue, optimizer step, momentum update), the ratio of the full step to the compute
 floor (query forward+backward plus a bare key-encoder forward), and the fused momentum update
 (one torch._foreach_lerp_) against a Python loop over the parameters.
 """
@@ -61,23 +61,24 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         times: dict[str, list[float]] = {}
         # The parts, one by one (the same work as MoCo.forward + backward + enqueue + update).
         q = timed(lambda: F.normalize(query(im_q), dim=1), times, "query forward+backward")
-        k = timed(lambda: moco.keys(im_k), times, "key forward (shuffle BN)")
+        keys = timed(lambda: moco.keys_and_global(im_k), times, "key forward (shuffle BN)")
+        k = keys.local
 
         def loss_and_backward():
             logits = torch.cat([(q * k).sum(1, keepdim=True), q @ moco.queue.clone()], dim=1) / moco.T
             contrastive_loss(logits)[0].backward()
 
         timed(loss_and_backward, times, "query forward+backward")
-        timed(lambda: moco.enqueue(k), times, "gather+enqueue")
+        timed(lambda: moco.enqueue(keys.all_ranks, gathered=True), times, "enqueue")
         timed(lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)), times, "optimizer step")
         timed(lambda: moco.momentum_update(0.999), times, "momentum update")
         with torch.no_grad():
             timed(lambda: moco.encoder_k(im_k), times, "bare key forward")
         # The real step, whole.
         start = time.perf_counter()
-        logits, keys = moco(im_q, im_k, query)
+        logits, all_keys = moco(im_q, im_k, query, global_keys=True)
         contrastive_loss(logits)[0].backward()
-        moco.enqueue(keys)
+        moco.enqueue(all_keys, gathered=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         moco.momentum_update(0.999)
@@ -113,7 +114,7 @@ def report(args, parts: dict[str, float], total: float, fused: float, loop: floa
     print(f"  {'sum of parts':<26} {parts_sum * 1e3:9.1f} ms")
     print(f"  full step, timed whole      {total * 1e3:8.1f} ms")
     shuffle = parts["key forward (shuffle BN)"] - parts["bare key forward"]
-    print(f"  shuffle BN's share of the key forward (gathers + broadcast) {shuffle * 1e3:.1f} ms")
+    print(f"  shuffle BN's share of the key forward (all_to_all + key all_gather) {shuffle * 1e3:.1f} ms")
     print(f"  compute floor (query fwd+bwd + bare key fwd) {floor * 1e3:.1f} ms; "
           f"full step / floor = {total / floor:.2f}")
     print(f"momentum update over {n_params} tensors: fused {fused * 1e3:.2f} ms, Python loop "
