@@ -176,3 +176,11 @@ def test_imagefolder_on_the_device_splits_the_work_and_stays_seeded(tmp_path):
                                      "--moco-k", "64", "--max-steps", "2", "--knn-every", "0", "--out", str(out)])
     assert_ok(proc)
     assert load_ckpt(out / "checkpoint_last.pt")["step"] == 2
+    # TensorBoard's images tab: 8 training images, each beside its query and key view (32 px,
+    # make_grid's 2 px padding): 3 columns x 8 rows, written once, at step 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb"), size_guidance={"images": 0})
+    events.Reload()
+    (grid,) = events.Images("data/augmented_views")
+    assert (grid.step, grid.width, grid.height) == (0, 3 * 34 + 2, 8 * 34 + 2)

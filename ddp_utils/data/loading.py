@@ -89,7 +89,10 @@ class DeviceBatches:
         keys = list(self.sampler)
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             chunk = keys[start:start + self.batch_size]
-            index = torch.tensor([i for _, i in chunk], device=self.images.device)  # B; a copy, not a sync
+            index = torch.tensor([i for _, i in chunk])  # B, on the host
+            if self.images.is_cuda:  # pinned: the copy below then runs without stalling the host
+                index = index.pin_memory()
+            index = index.to(self.images.device, non_blocking=True)
             yield self.augment(self.images[index], chunk[0][0], index), self.targets[index]
 
 
