@@ -114,10 +114,10 @@ class ClassifierRun(TrainRun):
 def build_loaders(cfg: ClassifierConfig, info: DistInfo) -> Loaders:
     train_raw, val_raw = load_raw_splits(cfg, info)
     size = cfg.resolved_image_size()
-    train_tf, eval_tf = classification_transforms(cfg.dataset, size, cfg.augment)
+    train_tf, eval_tf = classification_transforms(cfg.dataset, size, cfg.augment, cfg.normalization)
     device_augment = None
     if augment_on_device(cfg.aug_on, cfg.dataset, info.device):
-        recipe = classifier_device_recipe(cfg.dataset, size, cfg.augment)
+        recipe = classifier_device_recipe(cfg.dataset, size, cfg.augment, cfg.normalization)
         train_tf, device_augment = device_training_augmentation(recipe, cfg.dataset, size, cfg.seed, views=1)
     return make_loaders(train_raw, val_raw, train_tf, eval_tf, seed=cfg.seed, device_augment=device_augment,
                         device=info.device, **loader_options(cfg, info))
@@ -188,7 +188,9 @@ def check_gradients_released(model: nn.Module) -> None:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, info: DistInfo, amp: str) -> dict[str, float]:
-    """Top-1 accuracy and mean loss over the whole validation split, each sample counted once.
+    """Top-1 and top-5 accuracy and mean loss over the whole validation split, each sample
+    counted once (top-5: the label among the 5 highest logits, or among all of them when there are
+    fewer than 5 classes).
 
     Runs the bare module: a DDP forward may broadcast buffers, a collective that would hang when
     ranks hold different numbers of validation batches.
@@ -197,19 +199,22 @@ def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, info: DistIn
     sync_buffers_from_rank0(model)
     was_training = model.training
     model.eval()
-    # loss, correct, count: summed on the device, read once at the end (no host sync per batch)
-    sums = torch.zeros(3, dtype=torch.float64, device=info.device)
+    # loss, top-1 and top-5 correct, count: summed on the device, read once at the end (no host
+    # sync per batch)
+    sums = torch.zeros(4, dtype=torch.float64, device=info.device)
     for images, targets in loader:
         images, targets = to_device(images, info.device), targets.to(info.device, non_blocking=True)
         with autocast(amp, info.device):
             logits = model(images)
         sums[0] += nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
-        sums[1] += (logits.argmax(dim=1) == targets).sum()
-        sums[2] += len(targets)
+        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices == targets[:, None]  # B x 5
+        sums[1] += top5[:, 0].sum()
+        sums[2] += top5.any(dim=1).sum()
+        sums[3] += len(targets)
     model.train(was_training)
-    total = dict(zip(("loss", "correct", "count"), all_reduce_sum(sums).tolist()))
-    return {"loss": total["loss"] / total["count"], "acc1": 100.0 * total["correct"] / total["count"],
-            "count": total["count"]}
+    total = dict(zip(("loss", "correct1", "correct5", "count"), all_reduce_sum(sums).tolist()))
+    return {"loss": total["loss"] / total["count"], "acc1": 100.0 * total["correct1"] / total["count"],
+            "acc5": 100.0 * total["correct5"] / total["count"], "count": total["count"]}
 
 
 def fit(run: ClassifierRun) -> dict[str, float]:
@@ -223,9 +228,9 @@ def fit(run: ClassifierRun) -> dict[str, float]:
             return metrics
         save_run(run)  # before evaluating: a preemption during evaluation loses nothing
         metrics = evaluate(run.model, run.loaders.val, run.info, cfg.amp)
-        run.tb.scalars(state.step, val__loss=metrics["loss"], val__acc1=metrics["acc1"])
-        log.info("epoch %d step %d: val loss %.4f, val acc1 %.2f%% (%d images)",
-                 state.epoch_number, state.step, metrics["loss"], metrics["acc1"], metrics["count"])
+        run.tb.scalars(state.step, val__loss=metrics["loss"], val__acc1=metrics["acc1"], val__acc5=metrics["acc5"])
+        log.info("epoch %d step %d: val loss %.4f, val acc1 %.2f%%, acc5 %.2f%% (%d images)", state.epoch_number,
+                 state.step, metrics["loss"], metrics["acc1"], metrics["acc5"], metrics["count"])
     if run.frozen_backbone is not None:
         if not tensors_equal(run.frozen_backbone, run.model.backbone_snapshot()):
             raise RuntimeError("the frozen backbone changed during the linear probe")
@@ -235,7 +240,7 @@ def fit(run: ClassifierRun) -> dict[str, float]:
         digest = check_replicas_identical(dict(unwrap(run.model).named_parameters()))
         log.info("weights identical on all %d ranks (sha256 %s)", run.info.world_size, digest[:16])
     if metrics:
-        log.info("final val acc1 %.2f%% at step %d", metrics["acc1"], state.step)
+        log.info("final val acc1 %.2f%%, acc5 %.2f%% at step %d", metrics["acc1"], metrics["acc5"], state.step)
     return metrics
 
 

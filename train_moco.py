@@ -4,10 +4,12 @@ One process (CPU or one GPU; BatchNorm is split into --bn-splits groups to emula
     python train_moco.py --dataset digits --arch small_cnn --moco-k 1024 --batch-size 64 \\
         --epochs 20 --out runs/moco_digits
 
-One node, every GPU (the MoCo authors' CIFAR-10 demo settings, global batch 512):
-    torchrun --standalone --nproc_per_node=4 train_moco.py --dataset cifar10 --download \\
-        --arch resnet18 --batch-size 128 --lr 0.06 --weight-decay 5e-4 --lr-schedule cosine \\
-        --no-mlp --aug v2-noblur --moco-k 4096 --moco-m 0.99 --moco-t 0.1 --epochs 200 --out runs/moco_c10
+The MoCo authors' CIFAR-10 demo, exactly (recipes/: one GPU, batch 512, split BN groups of 64):
+    python train_moco.py --config recipes/moco_cifar10_demo.json --data-dir ./data --download
+
+One node, every GPU (the same recipe on 8 GPUs x 64: BatchNorm groups of 64 again):
+    torchrun --standalone --nproc_per_node=8 train_moco.py --config recipes/moco_cifar10_demo.json \\
+        --batch-size 64 --bn-splits 1 --data-dir ./data --download
 
 Several nodes, ImageNet, MoCo v2 (run on every node; HOST is node 0's address):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \\
@@ -16,10 +18,11 @@ Several nodes, ImageNet, MoCo v2 (run on every node; HOST is node 0's address):
 
 SLURM (see launch/): sbatch /path/to/repo/launch/slurm_moco.sbatch --preset v2 ...
 Resume: add --resume auto (same --out); the queue, its pointer and encoder_k come back exactly.
+Repeat any run: --config RUN/config.json --out NEW (recipes/*.json are such files too).
 A fresh run refuses an --out that holds a checkpoint; --overwrite starts over there.
 Exit codes: 0 done or preempted, 1 crash, 2 bad input, 3 NaN/Inf loss, 130 Ctrl-C.
 Export the query backbone for torchvision / train_classifier.py --pretrained:
-    python train_moco.py ... --resume auto --export-backbone runs/moco_c10/backbone.pt
+    python train_moco.py ... --resume auto --export-backbone runs/moco_cifar10_demo/backbone.pt
 
 --batch-size is per rank and per micro-step; the global batch is world_size x --accum-steps x
 --batch-size. --lr is used as given (MoCo: 0.03 for a global batch of 256). On CUDA the defaults
@@ -47,7 +50,7 @@ from ddp_utils.data.transforms import (
 )
 from ddp_utils.eval.knn import bank_subset, knn_accuracy
 from ddp_utils.models.backbones import build_model, feature_dim
-from ddp_utils.models.moco import Encoder, MoCo, contrastive_loss, split_batchnorm
+from ddp_utils.models.moco import Encoder, MoCo, contrastive_loss, split_batchnorm, symmetric_contrastive_loss
 from ddp_utils.runtime.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
 from ddp_utils.runtime.dist import DistInfo, LaunchEnv, barrier
 from ddp_utils.train.fast_path import place_model, to_device
@@ -73,70 +76,75 @@ from ddp_utils.train.trainer import (
 log = logging.getLogger("train")
 SCRIPT = "train_moco.py"
 
-# What --preset sets for every flag left unset. Milestones are fractions of --epochs
-# (MoCo v1: epochs 120 and 160 of 200).
+# What differs between the papers. --preset picks one as the defaults of these flags; a
+# --config file and the command line override them (ddp_utils.config.parse_config).
 PRESETS = {
-    "v1": dict(lr=0.03, lr_schedule="step", lr_milestones=(0.6, 0.8), moco_t=0.07, mlp=False, aug="v1"),
-    "v2": dict(lr=0.03, lr_schedule="cosine", lr_milestones=(), moco_t=0.2, mlp=True, aug="v2"),
+    "v1": dict(lr_schedule="step", lr_milestones="60%,80%", moco_t=0.07, mlp=False, aug="v1"),
+    "v2": dict(lr_schedule="cosine", lr_milestones="", moco_t=0.2, mlp=True, aug="v2"),
 }
 
 
 @dataclass
 class MocoConfig(TrainConfig):
     FIRST_FLAGS: ClassVar[tuple[str, ...]] = ("preset",)  # --help lists it before the flags it sets
+    PRESETS: ClassVar[dict[str, dict]] = PRESETS
     # What shapes the model and the queue: a checkpoint that differs in any of these cannot be resumed.
     RESUME_FIXED: ClassVar[tuple[str, ...]] = ("arch", "moco_dim", "moco_k", "mlp")
 
-    preset: str = opt("v2", "v1: linear head, T 0.07, step LR, weak augmentation; v2: MLP head, T 0.2, "
-                      "cosine LR, strong augmentation with blur; any flag below overrides it",
+    preset: str = opt("v2", "the defaults of the flags marked (v1: ...): v1 = linear head, T 0.07, step "
+                      "LR at 60%% and 80%% of --epochs, weak augmentation; v2 = MLP head, T 0.2, cosine LR, "
+                      "strong augmentation with blur; a --config file and flags override it",
                       choices=("v1", "v2"))
     out: str = opt("runs/moco", OUT_HELP)
-    lr: float | None = opt(None, "peak learning rate for the global batch (preset: 0.03)")
-    lr_schedule: str | None = opt(None, "cosine, step or constant after warm-up (preset: v1 step, v2 "
-                                  "cosine)", choices=LR_SCHEDULES)
-    lr_milestones: str | None = opt(None, "epochs where the step schedule multiplies the LR by 0.1 "
-                                    "(preset v1: 60%% and 80%% of --epochs)")
+    lr: float = opt(0.03, "peak learning rate for the global batch (MoCo: 0.03 for 256)")
+    lr_schedule: str = opt("cosine", "the LR schedule after warm-up (v1: step)", choices=LR_SCHEDULES)
+    lr_milestones: str = opt("", "epochs where the step schedule multiplies the LR by 0.1; N%% = N percent "
+                             "of --epochs (v1: 60%%,80%%)")
     weight_decay: float = opt(1e-4, "SGD weight decay (L2)")
     moco_dim: int = opt(128, "output size of the projection head (key/query feature dimension)")
     moco_k: int = opt(65536, "queue length: negatives per query; must be >= the global batch")
     moco_m: float = opt(0.999, "momentum of the key encoder update k = m*k + (1-m)*q")
     moco_m_cos: bool = opt(False, "raise the momentum from --moco-m to 1 on a half cosine over training")
-    moco_t: float | None = opt(None, "softmax temperature (preset: v1 0.07, v2 0.2)")
-    mlp: bool | None = opt(None, "2-layer MLP projection head instead of one linear layer (preset: v2 on)")
-    aug: str | None = opt(None, "augmentation: v1 weak, v2 strong with blur, v2-noblur (preset: v1 / v2)",
-                          choices=("v1", "v2", "v2-noblur"))
+    moco_t: float = opt(0.2, "softmax temperature (v1: 0.07)")
+    symmetric: bool = opt(False, "symmetric loss: the SUM loss(q1,k2) + loss(q2,k1), as the MoCo authors' "
+                          "CIFAR-10 demo does; both crops go through both encoders and both key sets are "
+                          "enqueued (2 x the global batch per step: --moco-k must hold them)")
+    mlp: bool = opt(True, "2-layer MLP projection head instead of one linear layer (v1: off)")
+    aug: str = opt("v2", "augmentation: v1 weak, v2 strong with blur, v2-noblur (v1: v1)",
+                   choices=("v1", "v2", "v2-noblur"))
+    crop_min: float = opt(0.2, "smallest crop of the random resized crop, as a fraction of the image area "
+                          "(MoCo on ImageNet 0.2; the authors' CIFAR-10 demo 0.08, torchvision's default)")
     shuffle_bn: bool = opt(True, "shuffle BN: key batch shuffled across ranks (one process: split BN)")
     bn_splits: int = opt(8, "one process with --shuffle-bn: BatchNorm groups emulating that many GPUs")
     sync_bn: bool = opt(False, "SyncBatchNorm in both encoders instead of shuffle BN (it defeats "
                         "shuffle BN's purpose; for comparison only)")
     knn_k: int = opt(200, "kNN monitor: neighbours that vote")
     knn_t: float = opt(0.1, "kNN monitor: temperature of the exp(similarity / T) vote weights")
+    knn_features: str = opt("backbone", "kNN monitor features: backbone (what a linear probe sees) or head "
+                            "(the projection head's output, as the MoCo authors' CIFAR-10 demo monitors)",
+                            choices=("backbone", "head"))
     knn_every: int = opt(1, "run the kNN monitor every this many epochs (and at step 0); 0 = never")
     knn_bank_samples: int = opt(0, "kNN monitor: memory bank = this many train samples (a fixed, seeded "
                                 "subset); 0 = the whole train split")
     export_backbone: str = opt("", "after training, write the query backbone (no head) as a plain "
                                "state dict to this path, loadable by torchvision's model")
 
-    def apply_preset(self) -> "MocoConfig":
-        """Fill every preset-dependent flag the user left unset (config.json shows the result)."""
-        preset = PRESETS[self.preset]
-        for name in ("lr", "lr_schedule", "moco_t", "mlp", "aug"):
-            if getattr(self, name) is None:
-                setattr(self, name, preset[name])
-        if self.lr_milestones is None:
-            self.lr_milestones = ",".join(str(round(f * self.epochs)) for f in preset["lr_milestones"])
-        return self
-
     def validate(self, launch: LaunchEnv) -> None:
-        self.apply_preset()
         super().validate(launch)
         global_batch = launch.world_size * self.accum_steps * self.batch_size
+        if self.symmetric and self.moco_k < 2 * global_batch:  # both crops' keys enter the queue
+            raise UsageError(f"--moco-k {self.moco_k} is smaller than the keys one optimizer step enqueues "
+                             f"with --symmetric (2 crops x world size {launch.world_size} x accum steps "
+                             f"{self.accum_steps} x batch {self.batch_size} = {2 * global_batch}); raise "
+                             f"--moco-k, lower the batch or drop --symmetric")
         if self.moco_k < global_batch:  # else one optimizer step would overwrite its own keys
             raise UsageError(f"--moco-k {self.moco_k} is smaller than the global batch (world size "
                              f"{launch.world_size} x accum steps {self.accum_steps} x batch "
                              f"{self.batch_size} = {global_batch}); raise --moco-k or lower the batch")
         if not 0 <= self.moco_m < 1:
             raise UsageError(f"--moco-m must be in [0, 1), got {self.moco_m}")
+        if not 0 < self.crop_min <= 1:
+            raise UsageError(f"--crop-min must be in (0, 1], got {self.crop_min}")
         for name in ("moco_t", "knn_t", "moco_dim", "knn_k", "bn_splits"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"{flag_name(name)} must be positive, got {getattr(self, name)}")
@@ -190,11 +198,12 @@ def build_loaders(cfg: MocoConfig, info: DistInfo) -> tuple[Loaders, DataLoader]
     """Two-view training batches, validation loader, and the un-augmented train split for kNN."""
     train_raw, val_raw = load_raw_splits(cfg, info)
     size = cfg.resolved_image_size()
-    _, eval_tf = classification_transforms(cfg.dataset, size, augment=False)
+    _, eval_tf = classification_transforms(cfg.dataset, size, augment=False, normalization=cfg.normalization)
     options = loader_options(cfg, info)
-    train_tf, device_augment = moco_train_transform(cfg.dataset, size, cfg.aug), None
+    train_tf = moco_train_transform(cfg.dataset, size, cfg.aug, cfg.crop_min, cfg.normalization)
+    device_augment = None
     if augment_on_device(cfg.aug_on, cfg.dataset, info.device):
-        recipe = moco_device_recipe(cfg.dataset, size, cfg.aug)
+        recipe = moco_device_recipe(cfg.dataset, size, cfg.aug, cfg.crop_min, cfg.normalization)
         train_tf, device_augment = device_training_augmentation(recipe, cfg.dataset, size, cfg.seed, views=2)
     loaders = make_loaders(train_raw, val_raw, train_tf, eval_tf, seed=cfg.seed, device_augment=device_augment,
                            device=info.device, **options)
@@ -237,12 +246,15 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
         im_q, im_k = to_device(im_q, info.device), to_device(im_k, info.device)
         with run.accumulator.sync_context(micro):
             with autocast(cfg.amp, info.device):
-                # logits: N x (1+K); keys: (W*N) x C, every rank's, gathered once for the queue
-                logits, keys = moco(im_q, im_k, run.query_encoder, global_keys=True)
-                loss, contrastive_acc = contrastive_loss(logits)
+                if cfg.symmetric:  # loss(q1, k2) + loss(q2, k1); keys: (2*W*N) x C, crop 1's first
+                    *logits, keys = moco.symmetric_forward(im_q, im_k, run.query_encoder, global_keys=True)
+                    loss, contrastive_acc = symmetric_contrastive_loss(*logits)
+                else:  # logits: N x (1+K); keys: (W*N) x C, every rank's, gathered once for the queue
+                    logits, keys = moco(im_q, im_k, run.query_encoder, global_keys=True)
+                    loss, contrastive_acc = contrastive_loss(logits)
             loss = run.faults.poison(loss, info.rank, state.step + 1, first_micro=micro.index == 0)
             stepped = run.accumulator.backward(loss, micro)
-        window_keys.append(keys)  # (W*N) x C, no graph, identical on every rank
+        window_keys.append(keys)  # (W*N) x C (--symmetric: 2*W*N), no graph, identical on every rank
         meter.add_micro(info.world_size * len(im_q), micro.window_size, loss=loss,
                         contrastive_acc1=100.0 * contrastive_acc)
         state.batches_done += 1
@@ -264,7 +276,9 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
 
 def knn_monitor(run: MocoRun) -> float:
     sync_buffers_from_rank0(run.moco.encoder_q)  # score rank 0's model (what checkpoints hold)
-    acc = knn_accuracy(run.moco.encoder_q.backbone, run.bank_loader, run.loaders.val,
+    # backbone: the features a linear probe sees; head: the whole query encoder's output (the demo's)
+    features = run.moco.encoder_q if run.cfg.knn_features == "head" else run.moco.encoder_q.backbone
+    acc = knn_accuracy(features, run.bank_loader, run.loaders.val,
                        run.loaders.num_classes, run.info.device, k=run.cfg.knn_k, T=run.cfg.knn_t)
     run.tb.scalars(run.state.step, knn__acc1=acc)
     log.info("epoch %d step %d: kNN acc1 %.2f%% (k=%d, T=%g)", run.state.epoch_number, run.state.step, acc,

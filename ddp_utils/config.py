@@ -3,11 +3,16 @@
 Every field carries its help text (unit and meaning) in ``metadata``; :func:`parse_config` turns
 the fields into ``--kebab-case`` flags, so the dataclass is the single source of truth for
 defaults, the ``--help`` table, ``config.json`` and the config stored in checkpoints.
+
+Where a value comes from, lowest first: the field's default; the class's preset (``PRESETS``,
+chosen by a ``preset`` field); ``--config FILE`` (JSON: a recipe, or a run's own
+``config.json``); the command line. ``--help`` shows the defaults that result.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -54,13 +59,20 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)", except for preset-controlled flags (default None), whose help says
-    "(preset: ...)" instead."""
+    """Shows "(default: X)", except where there is no default to show."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default is None:
             return action.help or ""
         return super()._get_help_string(action)
+
+
+CONFIG_HELP = ("read flags from this JSON file first: a recipe (recipes/*.json) or a run's own config.json, "
+               "which repeats that run; flags on the command line override it; --resume and --overwrite "
+               "are never taken from a file; keys starting with _ are notes")
+# Decisions about this invocation, not about what to train: a file never makes a run resume or
+# delete another one.
+NOT_FROM_FILE = ("resume", "overwrite")
 
 
 def _unwrap_optional(kind: Any) -> Any:
@@ -77,7 +89,10 @@ def ordered_fields(cls: type) -> list[dataclasses.Field]:
 
 
 def build_parser(cls: type, description: str = "", quiet: bool = False) -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(description=description, formatter_class=_HelpFormatter, quiet=quiet)
+    # No abbreviated flags: "--lr-s" silently meaning --lr-schedule hides typos in recipes and scripts.
+    parser = _OneLineErrorParser(description=description, formatter_class=_HelpFormatter, quiet=quiet,
+                                 allow_abbrev=False)
+    parser.add_argument("--config", metavar="FILE", default=None, help=CONFIG_HELP)
     hints = typing.get_type_hints(cls)
     for f in ordered_fields(cls):
         flag = flag_name(f.name)
@@ -97,9 +112,77 @@ def build_parser(cls: type, description: str = "", quiet: bool = False) -> argpa
 
 def parse_config(cls: type[T], argv: Sequence[str] | None = None, description: str = "",
                  quiet: bool = False) -> T:
-    """Parse the command line into ``cls``; argparse errors exit 2 with one line (none if quiet)."""
-    args = build_parser(cls, description, quiet).parse_args(argv)
-    return cls(**vars(args))
+    """Parse the command line into ``cls`` over the preset and ``--config FILE``; argparse errors
+    exit 2 with one line (none if quiet), a bad file raises :class:`UsageError`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(cls, description, quiet)
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    first.add_argument("--config", default=None)
+    first.add_argument("--preset", default=None)
+    given, _ = first.parse_known_args(argv)
+    from_file = read_config_file(cls, given.config) if given.config else {}
+    presets = getattr(cls, "PRESETS", None) or {}
+    chosen = given.preset if given.preset in presets else None  # an unknown name: argparse says so below
+    parser.set_defaults(**{**preset_values(cls, chosen or from_file.get("preset")), **from_file})
+    args = vars(parser.parse_args(argv))
+    args.pop("config")
+    return cls(**args)
+
+
+def preset_values(cls: type, name: str | None) -> dict[str, Any]:
+    """The values ``cls.PRESETS[name]`` sets (the ``preset`` field's default when ``name`` is
+    None), the preset's own name included; empty for a class without presets."""
+    presets = getattr(cls, "PRESETS", None)
+    if not presets:
+        return {}
+    name = name or next(f.default for f in dataclasses.fields(cls) if f.name == "preset")
+    if name not in presets:  # from a file: the command line's choices check never saw it
+        raise UsageError(f"preset {name!r}: choose one of {', '.join(presets)}")
+    return {"preset": name, **presets[name]}
+
+
+def read_config_file(cls: type, path: str) -> dict[str, Any]:
+    """The flags of a JSON config file, checked like the command line's: every key a flag of
+    ``cls`` (a run's ``config.json`` holds them under "config"), every value of the flag's type
+    and among its choices."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise UsageError(f"--config {path}: cannot read it ({err.strerror or err})") from None
+    except json.JSONDecodeError as err:
+        raise UsageError(f"--config {path}: not valid JSON (line {err.lineno}: {err.msg})") from None
+    if isinstance(data, dict) and isinstance(data.get("config"), dict):
+        data = data["config"]  # a run's config.json: the flags, beside facts such as the world size
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: expected a JSON object of flag names and values")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in data.items():
+        if key.startswith("_"):  # a note for the reader ("_source": ...), not a flag
+            continue
+        name = key.lstrip("-").replace("-", "_")
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hint = f"; did you mean {flag_name(close[0])}?" if close else ""
+            raise UsageError(f"--config {path}: unknown key {key!r}: not a flag of this script{hint}")
+        if name in NOT_FROM_FILE:
+            continue
+        values[name] = _checked_value(path, key, value, _unwrap_optional(hints[name]), fields[name])
+    return values
+
+
+def _checked_value(path: str, key: str, value: Any, kind: type, field: dataclasses.Field) -> Any:
+    ok = (isinstance(value, bool) if kind is bool else
+          isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          if kind is float else
+          isinstance(value, int) and not isinstance(value, bool) if kind is int else isinstance(value, str))
+    if not ok:
+        raise UsageError(f"--config {path}: {key!r} must be {kind.__name__}, got {value!r}")
+    choices = field.metadata.get("choices")
+    if choices and value not in choices:
+        raise UsageError(f"--config {path}: {key!r} is {value!r}; choose one of {', '.join(map(str, choices))}")
+    return float(value) if kind is float else value
 
 
 def git_revision() -> str | None:
@@ -129,7 +212,7 @@ def save_config(cfg: Any, out_dir: str | os.PathLike, extra: dict[str, Any] | No
 
 def markdown_flag_table(cls: type) -> str:
     """The README's flag table for ``cls`` (tests/test_docs.py keeps the README equal to it)."""
-    rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    rows = ["| flag | default | meaning |", "| --- | --- | --- |", f"| `--config FILE` | none | {CONFIG_HELP} |"]
     hints = typing.get_type_hints(cls)
     for f in ordered_fields(cls):
         flag, meta = flag_name(f.name), f.metadata

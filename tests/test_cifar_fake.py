@@ -125,9 +125,14 @@ def test_classifier_learns_fake_cifar_on_two_ranks(tmp_path, cifar):
     assert [step for step, _ in val] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
     for _, acc in val:
         assert_fraction_of(acc, N_TEST)
-    final = val[-1][1]
+    top5 = scalars["val/acc5"]  # ImageNet's second number, counted the same way
+    assert [step for step, _ in top5] == [step for step, _ in val]
+    for (_, acc1), (_, acc5) in zip(val, top5):
+        assert_fraction_of(acc5, N_TEST)
+        assert acc1 <= acc5 <= 100.0
+    final, final5 = val[-1][1], top5[-1][1]
     assert final >= MIN_VAL_ACC, val
-    assert f"final val acc1 {final:.2f}% at step {2 * STEPS_PER_EPOCH}" in proc.stdout
+    assert f"final val acc1 {final:.2f}%, acc5 {final5:.2f}% at step {2 * STEPS_PER_EPOCH}" in proc.stdout
     speed = scalars["train/images_per_sec"]
     assert speed and all(v > 0 for _, v in speed), speed
     total = 2 * STEPS_PER_EPOCH

@@ -111,6 +111,8 @@ CASES = [
     ("classifier", ["--pretrained", "{corrupt}"], "truncated or not a PyTorch checkpoint"),
     ("moco", ["--moco-k", "16", "--batch-size", "32"], "--moco-k 16 is smaller than the global batch"),
     ("moco", ["--moco-k", "48", "--batch-size", "32", "--accum-steps", "2"], "accum steps 2 x batch 32 = 64"),
+    ("moco", ["--symmetric", "--moco-k", "48", "--batch-size", "32"],
+     "with --symmetric (2 crops x world size 1 x accum steps 1 x batch 32 = 64)"),
     ("moco", ["--batch-size", "30"], "must be a multiple of --bn-splits 8"),
     ("moco", ["--bn-splits", "0"], "--bn-splits must be positive"),
     ("moco", ["--moco-m", "1.0"], "--moco-m must be in [0, 1)"),

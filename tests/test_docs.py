@@ -42,6 +42,7 @@ def test_moco_help_lists_the_preset_first_and_no_none_defaults():
 
     text = " ".join(build_parser(train_moco.MocoConfig).format_help().split())  # unwrapped
     options = text.split("options:")[1]
-    assert options.index("--preset") < options.index("--dataset") < options.index("--lr LR")
-    assert "(preset: 0.03)" in options and "(default: None)" not in options
-    assert "(default: v2)" in options  # ordinary flags keep their defaults
+    assert options.index("--config") < options.index("--preset") < options.index("--dataset") < options.index("--lr LR")
+    # a preset is a set of ordinary defaults: the help shows the default preset's, and v1's beside them
+    assert "softmax temperature (v1: 0.07) (default: 0.2)" in options and "(default: None)" not in options
+    assert "(default: v2)" in options

@@ -24,7 +24,6 @@ TINY = dict(dataset="digits", arch="small_cnn", image_size=16, batch_size=8, moc
 
 def _run(info: DistInfo, tmp_dir: str, **overrides) -> train_moco.MocoRun:
     cfg = train_moco.MocoConfig(**{**TINY, "out": tmp_dir, **overrides})
-    cfg.apply_preset()
     return train_moco.setup(cfg, info)
 
 
@@ -314,11 +313,14 @@ def test_moco_bad_input(tmp_path, capsys, args, message):
     assert not (tmp_path / "r").exists()
 
 
-def test_presets_fill_only_unset_flags():
-    v1 = train_moco.MocoConfig(preset="v1", epochs=200).apply_preset()
-    assert (v1.moco_t, v1.mlp, v1.lr_schedule, v1.lr_milestones, v1.aug) == (0.07, False, "step", "120,160", "v1")
-    v2 = train_moco.MocoConfig(preset="v2", moco_t=0.5).apply_preset()
-    assert (v2.moco_t, v2.mlp, v2.lr_schedule, v2.aug) == (0.5, True, "cosine", "v2")
+def test_presets_are_defaults_that_flags_override():
+    from ddp_utils.config import parse_config
+
+    v1 = parse_config(train_moco.MocoConfig, ["--preset", "v1", "--epochs", "200"])
+    assert (v1.moco_t, v1.mlp, v1.lr_schedule, v1.lr_milestones, v1.aug) == (0.07, False, "step", "60%,80%", "v1")
+    assert v1.milestone_steps(10) == [1200, 1600]  # epochs 120 and 160 of 200
+    v2 = parse_config(train_moco.MocoConfig, ["--moco-t", "0.5"])
+    assert (v2.preset, v2.moco_t, v2.mlp, v2.lr_schedule, v2.aug) == ("v2", 0.5, True, "cosine", "v2")
 
 
 def test_sync_bn_on_cpu_with_two_processes_is_refused_on_every_rank(tmp_path):

@@ -226,7 +226,7 @@ def test_a_nan_loss_on_one_rank_stops_or_is_skipped_on_every_rank(tmp_path):
 
 def _moco_skip_worker(info: DistInfo, tmp_dir: str):
     cfg = train_moco.MocoConfig(dataset="digits", arch="small_cnn", image_size=16, batch_size=8, moco_k=64,
-                                device="cpu", knn_every=0, epochs=1, skip_nonfinite=1, out=tmp_dir).apply_preset()
+                                device="cpu", knn_every=0, epochs=1, skip_nonfinite=1, out=tmp_dir)
     run = train_moco.setup(cfg, info)
     run.faults = FaultPlan((Fault("nan", 1, 2),))  # rank 1's loss of step 2 is NaN
     run.accumulator.guard = StepGuard(None, info.device)

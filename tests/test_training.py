@@ -10,6 +10,7 @@ from helpers import assert_ok, load_ckpt, read_scalars, run_cli
 from memory_probe import peak_saved_bytes
 
 from ddp_utils.data.loading import ShardedEvalSampler
+from ddp_utils.train.schedule import LRSchedule
 
 CPU = ["--device", "cpu"]
 
@@ -68,7 +69,9 @@ def test_resume_continues_exactly(tmp_path):
     assert ref_opt["param_groups"][0]["lr"] == res_opt["param_groups"][0]["lr"]
     for key, state in ref_opt["state"].items():
         assert torch.equal(state["momentum_buffer"], res_opt["state"][key]["momentum_buffer"])
-    assert ref["lr_scheduler"]["last_epoch"] == resumed["lr_scheduler"]["last_epoch"] == 14
+    # The LR is a function of the step (nothing of it is saved): step 14 ran at schedule(13), 11 steps/epoch.
+    assert "lr_scheduler" not in ref and "lr_scheduler" not in resumed
+    assert ref_opt["param_groups"][0]["lr"] == LRSchedule(0.05, "cosine", 3 * 11, 3)(13)
     # TensorBoard of the resumed run continues the step axis instead of restarting at 0.
     steps = [s for s, _ in read_scalars(part / "tb")["train/loss"]]
     assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] == 14
@@ -112,24 +115,42 @@ def test_mixed_precision_runs_and_checkpoints_the_scaler(tmp_path, amp):
 
 
 def test_resume_follows_this_runs_schedule_not_the_checkpoints(tmp_path):
-    """Resuming with more --epochs continues at the saved step on the *new* schedule."""
-    from ddp_utils.train.run_state import restore_schedule_position
-    from ddp_utils.train.schedule import build_lr_scheduler, warmup_cosine_factor
+    """Resuming with more --epochs continues at the saved step on the *new* schedule: the LR is a
+    function of the step and of this run's flags; nothing of the schedule comes from a checkpoint."""
+    from ddp_utils.train.accumulation import GradientAccumulator
+    from ddp_utils.train.schedule import warmup_cosine_factor
 
-    def make(total):
-        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
-        return opt, build_lr_scheduler(opt, "cosine", 2, total)
+    def lr_of_step(total, step):  # the accumulator of a run resumed at `step` (TrainRun sets it so)
+        model = torch.nn.Linear(1, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        acc = GradientAccumulator(model, opt, 1, lr_at=LRSchedule(0.5, "cosine", total, 2), step=step)
+        (micro, x), = acc.micro_batches([torch.ones(1, 1)])
+        acc.backward(model(x).sum(), micro)
+        return opt.param_groups[0]["lr"]
 
-    opt, sched = make(100)
-    for _ in range(30):
-        opt.step()
-        sched.step()
-    saved = sched.state_dict()
-    opt2, sched2 = make(200)
-    restore_schedule_position(sched2, opt2, saved)
-    assert sched2.last_epoch == 30
-    assert opt2.param_groups[0]["lr"] == 0.5 * warmup_cosine_factor(30, 2, 200)
-    assert sched2.lr_lambdas[0].total_steps == 200
-    opt3, sched3 = make(100)  # unchanged schedule: the very same LR as the uninterrupted one
-    restore_schedule_position(sched3, opt3, saved)
-    assert opt3.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert lr_of_step(200, 30) == 0.5 * warmup_cosine_factor(30, 2, 200)
+    assert lr_of_step(100, 30) == 0.5 * warmup_cosine_factor(30, 2, 100) != lr_of_step(200, 30)
+
+
+
+def test_top5_counts_each_validation_sample_once():
+    """Top-1 and top-5 against logits known in advance: sample r (r = 0..9) puts its label's
+    logit at rank r of 12, so exactly 1 of 10 samples is top-1 correct and 5 are top-5 correct."""
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddp_utils.runtime.dist import init_distributed
+    from train_classifier import evaluate
+
+    class RankedLogits(nn.Module):
+        def forward(self, x):  # x: B x 1, the rank of class 0 among 12
+            logits = torch.zeros(len(x), 12)
+            for row, rank in enumerate(x.long().squeeze(1).tolist()):
+                ranking = list(range(1, 12))
+                ranking.insert(rank, 0)  # classes from the highest logit down; class 0 at position rank
+                logits[row, ranking] = torch.arange(12.0, 0.0, -1.0)
+            return logits
+
+    data = TensorDataset(torch.arange(10.0).unsqueeze(1), torch.zeros(10, dtype=torch.long))
+    metrics = evaluate(RankedLogits(), DataLoader(data, batch_size=4), init_distributed("cpu"), "none")
+    assert metrics["count"] == 10 and metrics["acc1"] == 10.0 and metrics["acc5"] == 50.0

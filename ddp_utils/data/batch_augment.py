@@ -169,10 +169,11 @@ def photometric_only(recipe: AugmentRecipe) -> AugmentRecipe:
     return replace(recipe, crop_scale=None, pad_crop=0)
 
 
-def moco_recipe(aug: str, size: int, *, flip: bool = True, mean: tuple[float, ...] | None = None,
-                std: tuple[float, ...] | None = None) -> AugmentRecipe:
-    """The view of ``transforms.moco_view_transform`` (``aug`` "v1", "v2" or "v2-noblur") at ``size``."""
-    crop = dict(crop_scale=(0.2, 1.0), flip=flip, mean=mean, std=std)
+def moco_recipe(aug: str, size: int, *, crop_min: float = 0.2, flip: bool = True,
+                mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None) -> AugmentRecipe:
+    """The view of ``transforms.moco_view_transform`` (``aug`` "v1", "v2" or "v2-noblur") at ``size``,
+    crops from ``crop_min`` of the image area."""
+    crop = dict(crop_scale=(crop_min, 1.0), flip=flip, mean=mean, std=std)
     if aug == "v1":
         return AugmentRecipe(**crop, gray_p=0.2, gray_before_jitter=True, jitter=(0.4, 0.4, 0.4, 0.4))
     if aug not in ("v2", "v2-noblur"):

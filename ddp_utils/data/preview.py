@@ -9,16 +9,17 @@ from torchvision.transforms import v2 as T
 from torchvision.utils import make_grid
 
 from .loading import DeviceBatches, DeviceFinish, Loaders
-from .sets import NORMALIZATION, in_memory_tensors
+from .sets import in_memory_tensors, normalization_stats
 
 
 @torch.no_grad()
-def augmentation_grid(loaders: Loaders, dataset: str, size: int, count: int = 8) -> torch.Tensor:
+def augmentation_grid(loaders: Loaders, dataset: str, size: int, count: int = 8,
+                      normalization: str = "auto") -> torch.Tensor:
     """3 x H x W in [0, 1]: one row per sample (indices 0..count-1, epoch 0): original, views."""
     index = list(range(min(count, len(loaders.train_set))))  # type: ignore[arg-type]
     views = _views(loaders, index)
     originals = _originals(loaders.train_set, index, size)
-    rows = [torch.stack([originals[i], *(_unnormalize(v[i].float().cpu(), dataset) for v in views)])
+    rows = [torch.stack([originals[i], *(_unnormalize(v[i].float().cpu(), dataset, normalization) for v in views)])
             for i in range(len(index))]
     return make_grid(torch.cat(rows), nrow=1 + len(views), padding=2, pad_value=1.0)
 
@@ -51,8 +52,8 @@ def _originals(raw, index: list[int], size: int) -> list[torch.Tensor]:
     return list(images.expand(-1, 3, -1, -1).clamp(0, 1))
 
 
-def _unnormalize(view: torch.Tensor, dataset: str) -> torch.Tensor:
-    stats = NORMALIZATION.get(dataset)
+def _unnormalize(view: torch.Tensor, dataset: str, normalization: str) -> torch.Tensor:
+    stats = normalization_stats(dataset, normalization)
     if stats is None:  # synthetic noise: stretch to [0, 1]
         return (view - view.min()) / (view.max() - view.min()).clamp_min(1e-6)
     mean, std = (torch.tensor(s).view(-1, 1, 1) for s in stats)

@@ -21,6 +21,16 @@ DIGITS_MEAN, DIGITS_STD = (0.2093,) * 3, (0.3542,) * 3
 # mean, std per data set (synthetic noise is already zero-mean, unit-variance: none)
 NORMALIZATION = {"digits": (DIGITS_MEAN, DIGITS_STD), "cifar10": (CIFAR10_MEAN, CIFAR10_STD),
                  "imagefolder": (IMAGENET_MEAN, IMAGENET_STD)}
+# The MoCo authors' CIFAR-10 demo normalises with another std (from a widely copied snippet).
+CIFAR10_DEMO_STD = (0.2023, 0.1994, 0.2010)
+NORMALIZATIONS = ("auto", "cifar10-demo")
+
+
+def normalization_stats(dataset: str, normalization: str = "auto") -> tuple[tuple, tuple] | None:
+    """(mean, std) for ``--normalization`` on ``dataset``; None: the data needs none (synthetic)."""
+    if normalization == "cifar10-demo":
+        return CIFAR10_MEAN, CIFAR10_DEMO_STD
+    return NORMALIZATION.get(dataset)
 DIGITS_SPLIT_SEED = 20240  # the train/val split never moves with --seed
 DIGITS_VAL_FRACTION = 0.2
 DEBUG_TRAIN_SAMPLES, DEBUG_VAL_SAMPLES = 256, 128

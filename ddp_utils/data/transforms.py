@@ -18,15 +18,16 @@ from torchvision.transforms import v2 as T
 
 from .batch_augment import AugmentRecipe, BatchAugment, classifier_recipe, moco_recipe, photometric_only
 from .loading import DeviceAugment, Transform
-from .sets import NORMALIZATION
+from .sets import normalization_stats
 
 
-def _normalize(dataset: str) -> list:
-    stats = NORMALIZATION.get(dataset)
+def _normalize(dataset: str, normalization: str = "auto") -> list:
+    stats = normalization_stats(dataset, normalization)
     return [] if stats is None else [T.Normalize(*stats)]
 
 
-def classification_transforms(dataset: str, size: int, augment: bool) -> tuple[Transform, Transform]:
+def classification_transforms(dataset: str, size: int, augment: bool,
+                              normalization: str = "auto") -> tuple[Transform, Transform]:
     """(train, eval) transforms; with ``augment=False`` the train pipeline is deterministic."""
     if dataset == "imagefolder":
         eval_geometry = [T.Resize(round(size * 256 / 224), antialias=True), T.CenterCrop(size)]
@@ -37,7 +38,7 @@ def classification_transforms(dataset: str, size: int, augment: bool) -> tuple[T
         flip = [] if dataset == "digits" else [T.RandomHorizontalFlip()]
         train_geometry = eval_geometry + [T.RandomCrop(size, padding=max(1, size // 8))] + flip
     decode = [T.ToImage()] if dataset in ("cifar10", "imagefolder") else []  # PIL -> uint8 tensor
-    finish = ([T.ToDtype(torch.float32, scale=True)] if decode else []) + _normalize(dataset)
+    finish = ([T.ToDtype(torch.float32, scale=True)] if decode else []) + _normalize(dataset, normalization)
     finish.append(T.ToPureTensor())
     train_tf = T.Compose(decode + (train_geometry if augment else eval_geometry) + finish)
     eval_tf = T.Compose(decode + eval_geometry + finish)
@@ -55,10 +56,11 @@ class TwoCrops:
         return self.transform(image), self.transform(image)
 
 
-def moco_view_transform(dataset: str, size: int, aug: str) -> T.Compose:
+def moco_view_transform(dataset: str, size: int, aug: str, crop_min: float = 0.2,
+                        normalization: str = "auto") -> T.Compose:
     """One augmented view; ``aug`` is "v1" (weak), "v2" (strong, with blur) or "v2-noblur"."""
     decode = [T.ToImage(), T.ToDtype(torch.float32, scale=True)] if dataset in ("cifar10", "imagefolder") else []
-    steps = decode + [T.RandomResizedCrop(size, scale=(0.2, 1.0), antialias=True)]
+    steps = decode + [T.RandomResizedCrop(size, scale=(crop_min, 1.0), antialias=True)]
     if dataset != "synthetic":
         if aug == "v1":
             steps += [T.RandomGrayscale(p=0.2), T.ColorJitter(0.4, 0.4, 0.4, 0.4)]
@@ -69,13 +71,14 @@ def moco_view_transform(dataset: str, size: int, aug: str) -> T.Compose:
                 steps.append(T.RandomApply([T.GaussianBlur(blur_kernel, sigma=(0.1, 2.0))], p=0.5))
     if dataset != "digits":
         steps.append(T.RandomHorizontalFlip())
-    steps += _normalize(dataset)
+    steps += _normalize(dataset, normalization)
     steps.append(T.ToPureTensor())
     return T.Compose(steps)
 
 
-def moco_train_transform(dataset: str, size: int, aug: str) -> TwoCrops:
-    return TwoCrops(moco_view_transform(dataset, size, aug))
+def moco_train_transform(dataset: str, size: int, aug: str, crop_min: float = 0.2,
+                         normalization: str = "auto") -> TwoCrops:
+    return TwoCrops(moco_view_transform(dataset, size, aug, crop_min, normalization))
 
 
 # ----------------------------------------------------------------------------- device augmentation
@@ -90,25 +93,26 @@ def augment_on_device(aug_on: str, dataset: str, device: torch.device) -> bool:
     return aug_on == "device"
 
 
-def _stats(dataset: str) -> dict:
-    mean, std = NORMALIZATION.get(dataset, (None, None))
+def _stats(dataset: str, normalization: str) -> dict:
+    mean, std = normalization_stats(dataset, normalization) or (None, None)
     return dict(mean=mean, std=std)
 
 
-def classifier_device_recipe(dataset: str, size: int, augment: bool) -> AugmentRecipe:
+def classifier_device_recipe(dataset: str, size: int, augment: bool, normalization: str = "auto") -> AugmentRecipe:
     """What :func:`classification_transforms` does to a training image, as a batched recipe."""
     if not augment:
-        return AugmentRecipe(**_stats(dataset))  # resize to ``size`` (if needed) and normalise
+        return AugmentRecipe(**_stats(dataset, normalization))  # resize to ``size`` (if needed) and normalise
     if dataset == "imagefolder":
-        return AugmentRecipe(crop_scale=(0.08, 1.0), flip=True, **_stats(dataset))
-    return classifier_recipe(size, flip=dataset != "digits", **_stats(dataset))
+        return AugmentRecipe(crop_scale=(0.08, 1.0), flip=True, **_stats(dataset, normalization))
+    return classifier_recipe(size, flip=dataset != "digits", **_stats(dataset, normalization))
 
 
-def moco_device_recipe(dataset: str, size: int, aug: str) -> AugmentRecipe:
+def moco_device_recipe(dataset: str, size: int, aug: str, crop_min: float = 0.2,
+                       normalization: str = "auto") -> AugmentRecipe:
     """What :func:`moco_view_transform` does to one view, as a batched recipe."""
     if dataset == "synthetic":  # Gaussian noise: crops and flips only
-        return AugmentRecipe(crop_scale=(0.2, 1.0), flip=True)
-    return moco_recipe(aug, size, flip=dataset != "digits", **_stats(dataset))
+        return AugmentRecipe(crop_scale=(crop_min, 1.0), flip=True)
+    return moco_recipe(aug, size, crop_min=crop_min, flip=dataset != "digits", **_stats(dataset, normalization))
 
 
 def device_training_augmentation(recipe: AugmentRecipe, dataset: str, size: int, seed: int,

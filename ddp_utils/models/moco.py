@@ -11,6 +11,13 @@ One module holds everything MoCo keeps between steps:
   Both are registered buffers: they live in checkpoints. They only ever hold detached tensors,
   and every rank writes the same all_gathered keys, so the queue is identical on every rank.
 
+The module holds state and computes features; the losses are plain functions of them.
+:meth:`MoCo.queries` (query features, with a graph), :meth:`MoCo.keys_and_global` (key features,
+none) and :meth:`MoCo.negatives` (the queue, detached) feed :func:`info_nce` (logits) and
+:func:`contrastive_loss` (cross-entropy, accuracy). :meth:`MoCo.forward` is the asymmetric loss's
+input (q1 against k2); :meth:`MoCo.symmetric_forward` builds both directions from the same parts
+for ``--symmetric`` (:func:`symmetric_contrastive_loss`, as the MoCo authors' CIFAR-10 demo).
+
 BatchNorm: a key encoder that normalises over the same samples as the query encoder lets the
 model "cheat" (the positive pair shares batch statistics). Shuffle BN blocks that: across ranks,
 key images are shuffled between ranks before the key encoder and un-shuffled after; on one
@@ -362,26 +369,64 @@ class MoCo(nn.Module):
         self._ptr = (ptr + n) % self.K
         self.queue_ptr.fill_(self._ptr)  # a device-side write, for checkpoints
 
-    # ------------------------------------------------------------------ loss
+    # ------------------------------------------------------------------ queries and negatives
+    def queries(self, im: torch.Tensor, query_encoder: nn.Module | None = None) -> torch.Tensor:
+        """Unit-length queries (N x C), with a graph: ``query_encoder`` is the DDP wrapper of
+        ``encoder_q`` when distributed (so that the backward all-reduces its gradients), else
+        ``encoder_q``. Each call is one forward: BatchNorm normalises over ``im`` alone."""
+        encode = self.encoder_q if query_encoder is None else query_encoder
+        return F.normalize(encode(im), dim=1)
+
+    @torch.no_grad()
+    def negatives(self) -> torch.Tensor:
+        """The queue (C x K) as a detached copy: :meth:`enqueue` later writes the buffer in place,
+        which must never touch a tensor that a graph saved for its backward."""
+        return self.queue.clone().detach()
+
+    # ------------------------------------------------------------------ the two losses' inputs
     def forward(self, im_q: torch.Tensor, im_k: torch.Tensor, query_encoder: nn.Module | None = None,
                 global_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Contrastive logits (N x (1+K), positive first) and keys to enqueue, without a graph:
         this rank's (N x C), or with ``global_keys=True`` every rank's ((W*N) x C, rank order,
         identical on every rank) for ``enqueue(..., gathered=True)``, which then gathers nothing.
 
-        ``query_encoder`` is the DDP wrapper of ``encoder_q`` when distributed, so that the
-        backward all-reduces its gradients. The caller enqueues the keys once the optimizer step is applied.
+        ``query_encoder``: see :meth:`queries`. The caller enqueues the keys once the optimizer
+        step is applied.
         """
-        encode = self.encoder_q if query_encoder is None else query_encoder
-        keys = self.keys_and_global(im_k)                                # no grad
-        k = keys.local                                                   # N x C
-        q = F.normalize(encode(im_q), dim=1)                              # N x C
-        l_pos = torch.einsum("nc,nc->n", q, k).unsqueeze(-1)            # N x 1
-        # The queue is read through a detached copy: enqueue() later writes the buffer in place,
-        # which must never touch a tensor this graph saved for its backward.
-        l_neg = torch.einsum("nc,ck->nk", q, self.queue.clone().detach())  # N x K
-        logits = torch.cat([l_pos, l_neg], dim=1) / self.T              # N x (1+K)
-        return logits, keys.all_ranks if global_keys else k
+        keys = self.keys_and_global(im_k)  # no grad
+        logits = info_nce(self.queries(im_q, query_encoder), keys.local, self.negatives(), self.T)
+        return logits, keys.all_ranks if global_keys else keys.local
+
+    def symmetric_forward(self, im_1: torch.Tensor, im_2: torch.Tensor, query_encoder: nn.Module | None = None,
+                          global_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Both directions, as the MoCo authors' CIFAR-10 demo (``--symmetric``): logits of
+        (q1, k2) and of (q2, k1) against the same negatives (the queue before this step's
+        keys), for :func:`symmetric_contrastive_loss`, and the keys of both crops to enqueue,
+        crop 1's first (the demo's ``torch.cat([k1, k2])``): with ``global_keys=True`` every
+        rank's crop-1 keys in rank order, then every rank's crop-2 keys ((2*W*N) x C, identical on
+        every rank); else this rank's [k1; k2] (2N x C).
+
+        Each crop is one forward of the query encoder (BatchNorm statistics per crop, as in the
+        demo) and one key pass with its own shuffle, crop 2's first (the demo computes loss_12,
+        whose key pass encodes crop 2, before loss_21).
+        """
+        k2 = self.keys_and_global(im_2)
+        k1 = self.keys_and_global(im_1)
+        negatives = self.negatives()
+        logits_12 = info_nce(self.queries(im_1, query_encoder), k2.local, negatives, self.T)
+        logits_21 = info_nce(self.queries(im_2, query_encoder), k1.local, negatives, self.T)
+        keys = (k1.all_ranks, k2.all_ranks) if global_keys else (k1.local, k2.local)
+        return logits_12, logits_21, torch.cat(keys)
+
+
+# ----------------------------------------------------------------------------- losses
+def info_nce(q: torch.Tensor, k: torch.Tensor, negatives: torch.Tensor, T: float) -> torch.Tensor:
+    """InfoNCE logits (N x (1+K)) / T: column 0 is each query's positive q_i . k_i, the others
+    its similarities to the negatives (C x K). ``q`` (N x C) carries the graph; ``k`` and
+    ``negatives`` carry none."""
+    l_pos = torch.einsum("nc,nc->n", q, k).unsqueeze(-1)   # N x 1
+    l_neg = torch.einsum("nc,ck->nk", q, negatives)       # N x K
+    return torch.cat([l_pos, l_neg], dim=1) / T
 
 
 def contrastive_loss(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,3 +435,12 @@ def contrastive_loss(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     loss = F.cross_entropy(logits.float(), labels)
     accuracy = (logits.argmax(dim=1) == 0).float().mean()
     return loss, accuracy.detach()
+
+
+def symmetric_contrastive_loss(logits_12: torch.Tensor,
+                               logits_21: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """loss(q1, k2) + loss(q2, k1), a sum as in the MoCo authors' CIFAR-10 demo (not a mean), and
+    the positive's win rate averaged over both directions."""
+    loss_12, acc_12 = contrastive_loss(logits_12)
+    loss_21, acc_21 = contrastive_loss(logits_21)
+    return loss_12 + loss_21, (acc_12 + acc_21) / 2

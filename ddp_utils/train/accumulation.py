@@ -13,9 +13,17 @@ A window of ``A`` micro-batches makes one optimizer step. For every micro-batch:
 
 Only on the synchronising micro-step: unscale (fp16) and clip, the ranks' agreement (an optional
 ``guard``: did any rank see a non-finite loss in this window, did any receive a stop signal, did
-fp16 gradients overflow), then optimizer step, scaler update, LR-scheduler step and
+fp16 gradients overflow), then the LR, optimizer step, scaler update and
 ``zero_grad(set_to_none=True)``. That agreement is the optimizer step's only host read. A window
 whose loss was NaN or Inf on any rank is not applied: its gradients are dropped on every rank.
+
+The learning rate: with ``lr_at`` (a function of the optimizer step, e.g.
+``schedule.LRSchedule``), every param group's ``lr`` is set to ``lr_at(step)`` just before each
+optimizer step, where ``step`` counts the optimizer steps this accumulator ended before it,
+applied or skipped (a resumed run passes its saved step as ``step=``; the attribute ``step``
+holds the count). After a window ``param_groups[i]["lr"]`` is the LR that window used, whether or
+not it was applied. A torch ``lr_scheduler=`` is still accepted: it is stepped after every
+optimizer step, applied or skipped.
 
 Usage::
 
@@ -68,12 +76,14 @@ def plan_windows(num_micro_batches: int, accum_steps: int) -> list[MicroStep]:
 
 class GradientAccumulator:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, accum_steps: int, *,
+                 lr_at: Callable[[int], float] | None = None, step: int = 0,
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  grad_scaler: torch.amp.GradScaler | None = None, clip_grad: float = 0.0,
                  guard: Callable[..., StepVerdict] | None = None):
         if accum_steps < 1:
             raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
         self.model, self.optimizer, self.accum_steps = model, optimizer, accum_steps
+        self.lr_at, self.step = lr_at, step  # step: optimizer steps ended so far, applied or skipped
         self.lr_scheduler, self.grad_scaler, self.clip_grad = lr_scheduler, grad_scaler, clip_grad
         self.guard = guard  # e.g. stopping.StepGuard: one all_reduce per optimizer step
         self._nonfinite: torch.Tensor | None = None  # on the device: any NaN/Inf loss in this window
@@ -131,17 +141,22 @@ class GradientAccumulator:
         return grad_norm.detach(), overflow
 
     def _finish_step(self, apply: bool) -> None:
-        """Step the optimizer (when ``apply``), then the scaler, the schedule (it counts optimizer
-        steps, applied or not) and release the gradients.
+        """Set this step's LR, step the optimizer (when ``apply``), then the scaler, count the step
+        (the schedule counts optimizer steps, applied or not) and release the gradients.
 
         The gradients are already unscaled, so the optimizer steps directly: ``GradScaler.step``
         would only repeat the overflow test with a host read of its own. ``update()`` lowers the
         scale after an overflow (from what ``unscale_`` recorded) and raises it after enough good steps.
         """
+        if self.lr_at is not None:
+            lr = self.lr_at(self.step)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         if apply:
             self.optimizer.step()
         if self.grad_scaler is not None:
             self.grad_scaler.update()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        self.step += 1
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,5 +1,8 @@
 """Where a run stands (epoch, optimizer step, batches of the epoch already consumed), and the
-checkpoint round trip of everything that has to continue exactly after a resume."""
+checkpoint round trip of everything that has to continue exactly after a resume.
+
+The LR schedule is not part of it: the LR is a function of the optimizer step
+(``schedule.LRSchedule``), so the saved ``step`` and this run's flags determine it."""
 from __future__ import annotations
 
 import logging
@@ -55,7 +58,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def training_state(state: RunState, config: dict[str, Any], world_size: int, *, script: str,
                    facts: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
-                   lr_scheduler: Any, grad_scaler: Any) -> dict[str, Any]:
+                   grad_scaler: Any) -> dict[str, Any]:
     """Everything a resume needs, as plain data (every rank must call: RNG states are gathered).
     ``script`` and ``facts`` (e.g. the class count) let a resume refuse a checkpoint that cannot fit."""
     return {
@@ -66,7 +69,6 @@ def training_state(state: RunState, config: dict[str, Any], world_size: int, *, 
         "config": config,
         "model": unwrap(model).state_dict(),
         "optimizer": optimizer.state_dict(),
-        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
         "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
         "rng": rng_states(),
     }
@@ -105,31 +107,16 @@ def _label(name: str) -> str:
     return "number of classes" if name == "num_classes" else flag_name(name)
 
 
-def restore_schedule_position(lr_scheduler: Any, optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """Continue the schedule *of this run's config* at the saved step.
-
-    ``LambdaLR.load_state_dict`` would also bring back the saved schedule's definition (its
-    length, warm-up, milestones, peak LR), so resuming with more --epochs would keep decaying
-    towards the old end while MoCo's momentum schedule followed the new one. Only the position is
-    taken; the LR is then recomputed from the current definition (the same value, bit for bit,
-    when nothing changed).
-    """
-    definitions = [dict(vars(fn)) for fn in lr_scheduler.lr_lambdas]
-    base_lrs = list(lr_scheduler.base_lrs)  # --lr of this run
-    lr_scheduler.load_state_dict(saved)
-    lr_scheduler.base_lrs = base_lrs
-    for fn, definition in zip(lr_scheduler.lr_lambdas, definitions):
-        vars(fn).update(definition)
-    for group, base_lr, fn in zip(optimizer.param_groups, lr_scheduler.base_lrs, lr_scheduler.lr_lambdas):
-        group["lr"] = base_lr * fn(lr_scheduler.last_epoch)
-    lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-
-
 def restore_training_state(resume: Resume, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                           lr_scheduler: Any, grad_scaler: Any, world_size: int, batch_size: int,
-                           announce: bool) -> RunState:
+                           grad_scaler: Any, world_size: int, batch_size: int, announce: bool) -> RunState:
     """Load the checkpoint into the objects given; returns where the run stands. A model that
-    does not fit (another --image-size, say) is a UsageError with the first mismatch."""
+    does not fit (another --image-size, say) is a UsageError with the first mismatch.
+
+    The LR needs nothing from the checkpoint but its ``step``: this run's schedule gives the LR
+    of every step from there on (more --epochs extends it). The optimizer's saved ``lr`` is
+    replaced before the next step. A checkpoint of an earlier version also holds an
+    ``"lr_scheduler"`` entry (a LambdaLR's state, and ``initial_lr`` in the optimizer's param
+    groups): both are ignored."""
     ckpt, path = resume.checkpoint, resume.path
     try:
         unwrap(model).load_state_dict(ckpt["model"])
@@ -138,8 +125,10 @@ def restore_training_state(resume: Resume, *, model: nn.Module, optimizer: torch
         detail = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err))
         raise UsageError(f"--resume {path}: its model does not fit this one ({detail[:160]}); was it "
                          f"written with another --arch or --image-size?") from None
-    if lr_scheduler is not None and ckpt["lr_scheduler"] is not None:
-        restore_schedule_position(lr_scheduler, optimizer, ckpt["lr_scheduler"])
+    # Checkpoints of the LambdaLR version: their "lr_scheduler" entry is ignored (the LR follows
+    # from the step) and LambdaLR's "initial_lr" is dropped from the param groups.
+    for group in optimizer.param_groups:
+        group.pop("initial_lr", None)
     if grad_scaler is not None and ckpt["grad_scaler"] is not None:
         grad_scaler.load_state_dict(ckpt["grad_scaler"])
     restore_rng_states(ckpt["rng"])

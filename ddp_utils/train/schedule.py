@@ -1,11 +1,18 @@
-"""Learning-rate schedules, counted in optimizer steps (not micro-steps, not epochs)."""
+"""Learning-rate schedules as pure functions of the optimizer step (not micro-steps, not epochs).
+
+``LRSchedule(...)(step)`` is the LR of the optimizer step about to be taken when ``step`` steps
+(applied or skipped) have been taken before it: the first step trains at ``schedule(0)``, as a
+``LambdaLR`` built with the same factor gives it. Nothing about the schedule lives in a
+checkpoint: a resumed run's LR follows from its step counter and *this* run's flags, so resuming
+with more --epochs stretches the schedule instead of keeping the old end.
+"""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
-import torch
-from torch.optim.lr_scheduler import LambdaLR
+LR_SCHEDULES = ("cosine", "step", "constant", "cosine-epoch")
 
 
 def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -23,33 +30,81 @@ def warmup_step_factor(step: int, warmup_steps: int, milestones: Sequence[int], 
     return gamma ** sum(step >= m for m in milestones)
 
 
-LR_SCHEDULES = ("cosine", "step", "constant")
+def epoch_cosine_factor(epoch: int, epochs: int) -> float:
+    """LR multiplier of the MoCo authors' CIFAR-10 demo: ``0.5 * (1 + cos(pi * epoch / epochs))``
+    for the whole of epoch ``epoch``, counted from 1 (the demo's loop runs epochs 1..epochs), so
+    the first epoch already trains below the peak and the last one at exactly 0."""
+    return 0.5 * (1.0 + math.cos(math.pi * epoch / epochs))
 
 
-class _Factor:
-    # A small class instead of a lambda: its attributes land in LambdaLR's state_dict as plain data.
-    def __init__(self, kind: str, warmup_steps: int, total_steps: int, milestones: Sequence[int] = ()):
-        self.kind, self.warmup_steps, self.total_steps = kind, warmup_steps, total_steps
-        self.milestones = list(milestones)
+@dataclass(frozen=True)
+class LRSchedule:
+    """The LR of every optimizer step, from the flags alone.
 
-    def __call__(self, step: int) -> float:
+    ``kind`` (one of LR_SCHEDULES), after a linear warm-up of ``warmup_steps`` from
+    ``peak / warmup_steps`` to ``peak``:
+
+    * ``cosine``: cosine from ``peak`` to 0 over the steps after the warm-up, ending at ``total_steps``;
+    * ``step``: ``peak``, x0.1 at each of ``milestones`` (optimizer steps);
+    * ``constant``: ``peak``;
+    * ``cosine-epoch``: one value per epoch of ``steps_per_epoch`` steps,
+      ``peak * epoch_cosine_factor(e, epochs)`` with ``e`` counted from 1. Its warm-up multiplies
+      that value (``(step + 1) / warmup_steps`` during the warm-up), so the LR rises to the
+      epoch's value instead of jumping from ``peak`` down to it; without a warm-up it is exactly
+      the demo's schedule.
+    """
+
+    peak: float
+    kind: str = "cosine"
+    total_steps: int = 0
+    warmup_steps: int = 0
+    milestones: tuple[int, ...] = ()
+    steps_per_epoch: int = 0  # cosine-epoch only
+
+    def __post_init__(self):
+        if self.kind not in LR_SCHEDULES:
+            raise ValueError(f"unknown LR schedule {self.kind!r}; one of {', '.join(LR_SCHEDULES)}")
+        if self.kind == "cosine-epoch" and self.steps_per_epoch < 1:
+            raise ValueError("the cosine-epoch schedule needs steps_per_epoch >= 1")
+        object.__setattr__(self, "milestones", tuple(self.milestones))  # a list is fine too
+
+    @property
+    def epochs(self) -> int:
+        """Epochs the schedule spans (cosine-epoch)."""
+        return max(1, -(-self.total_steps // max(1, self.steps_per_epoch)))
+
+    def factor(self, step: int) -> float:
+        """The multiplier of ``peak`` at optimizer step ``step`` (0-based)."""
         if self.kind == "cosine":
             return warmup_cosine_factor(step, self.warmup_steps, self.total_steps)
+        if self.kind == "cosine-epoch":
+            epoch = min(step // self.steps_per_epoch + 1, self.epochs)
+            value = epoch_cosine_factor(epoch, self.epochs)
+            return value * (step + 1) / self.warmup_steps if step < self.warmup_steps else value
         # "constant" is a step schedule without milestones: warm-up, then flat.
         return warmup_step_factor(step, self.warmup_steps, self.milestones if self.kind == "step" else ())
 
-
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup_steps: int,
-                       total_steps: int, milestones: Sequence[int] = ()) -> LambdaLR:
-    """``kind`` in LR_SCHEDULES; ``milestones`` (optimizer steps) only matter for "step"."""
-    if kind not in LR_SCHEDULES:
-        raise ValueError(f"unknown LR schedule {kind!r}")
-    return LambdaLR(optimizer, _Factor(kind, warmup_steps, total_steps, milestones))
+    def __call__(self, step: int) -> float:
+        # peak * factor, the very product LambdaLR forms (base_lr * lambda(step)): the same bits.
+        return self.peak * self.factor(step)
 
 
-def parse_milestones(text: str) -> list[int]:
-    """``"120,160"`` -> ``[120, 160]`` (epochs); raises ValueError on anything else."""
-    return sorted(int(part) for part in text.split(",") if part.strip())
+def parse_milestones(text: str, epochs: int | None = None) -> list[int]:
+    """``"120,160"`` -> ``[120, 160]`` (epochs); ``"60%,80%"`` with ``epochs=200`` -> ``[120, 160]``
+    (``round(N / 100 * epochs)``). Raises ValueError on anything else, and on a percentage
+    without ``epochs``."""
+    result = []
+    for part in (p.strip() for p in text.split(",")):
+        if part.endswith("%"):
+            if epochs is None:
+                raise ValueError(f"{part}: a percentage needs the number of epochs")
+            percent = float(part[:-1])
+            if not math.isfinite(percent):
+                raise ValueError(f"{part}: not a number")
+            result.append(round(percent / 100 * epochs))
+        elif part:
+            result.append(int(part))
+    return sorted(result)
 
 
 def cosine_to_one(base: float, step: int, total_steps: int) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import UsageError, flag_name, opt
-from ..data.sets import DATASETS, NATIVE_SIZE, check_data_dir
+from ..data.sets import DATASETS, NATIVE_SIZE, NORMALIZATIONS, check_data_dir
 from ..data.transforms import AUG_ON
 from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
 from ..runtime.dist import LaunchEnv
@@ -27,6 +27,9 @@ class TrainConfig:
     image_size: int = opt(0, "input side in pixels; 0 = the data set's own (32, or 224 for imagefolder)")
     synthetic_samples: int = opt(2048, "training samples of the synthetic data set (val: a quarter)")
     augment: bool = opt(True, "random crop (+ flip) on training images; off = deterministic pipeline")
+    normalization: str = opt("auto", "input mean/std: auto = the data set's own; cifar10-demo = the MoCo "
+                             "authors' CIFAR-10 demo's (std 0.2023, 0.1994, 0.2010 instead of 0.2470, 0.2435, "
+                             "0.2616)", choices=NORMALIZATIONS)
     aug_on: str = opt("auto", "where training images are augmented: device = whole batches on the training "
                       "device (in-memory data entirely; ImageFolder: workers decode and crop, the device does "
                       "flip, colour, blur); loader = per sample in DataLoader workers (torchvision, the "
@@ -44,8 +47,11 @@ class TrainConfig:
     momentum: float = opt(0.9, "SGD momentum")
     weight_decay: float = opt(5e-4, "SGD weight decay (L2), applied to every parameter")
     lr_schedule: str = opt("cosine", "after warm-up: cosine decay to 0 over --epochs, step (x0.1 at each "
-                           "--lr-milestones epoch) or constant", choices=LR_SCHEDULES)
-    lr_milestones: str = opt("", "comma-separated epochs where the step schedule multiplies the LR by 0.1")
+                           "--lr-milestones epoch), constant, or cosine-epoch (the MoCo CIFAR-10 demo's: "
+                           "lr x 0.5(1 + cos(pi e / epochs)) through epoch e = 1..epochs; a warm-up scales "
+                           "it)", choices=LR_SCHEDULES)
+    lr_milestones: str = opt("", "comma-separated epochs where the step schedule multiplies the LR by 0.1; "
+                             "N%% = N percent of --epochs")
     warmup_steps: int = opt(0, "linear LR warm-up, in optimizer steps")
     clip_grad: float = opt(0.0, "clip the global gradient L2 norm to this value; 0 = off")
     amp: str = opt("auto", "mixed precision: auto = bf16 on CUDA and fp32 on CPU; bf16, fp16 (with a "
@@ -97,14 +103,17 @@ class TrainConfig:
             raise UsageError(f"--image-size {size} is too small for --arch {self.arch}: give at least "
                              f"{smallest} px")
         try:
-            milestones = parse_milestones(self.lr_milestones)
+            milestones = parse_milestones(self.lr_milestones, self.epochs)
         except ValueError:
-            raise UsageError(f"--lr-milestones {self.lr_milestones!r}: give comma-separated epochs, "
-                             f"e.g. 120,160") from None
+            raise UsageError(f"--lr-milestones {self.lr_milestones!r}: give comma-separated epochs or "
+                             f"percentages of --epochs, e.g. 120,160 or 60%,80%") from None
         if self.lr_schedule == "step" and not milestones:
             raise UsageError("--lr-schedule step needs --lr-milestones, e.g. --lr-milestones 120,160")
         if self.workers < -1:
             raise UsageError(f"--workers must be -1 (auto) or >= 0, got {self.workers}")
+        if self.normalization == "cifar10-demo" and self.dataset != "cifar10":
+            raise UsageError(f"--normalization cifar10-demo is CIFAR-10's; --dataset {self.dataset} takes "
+                             f"--normalization auto")
         if self.debug and launch.world_size > 1:
             raise UsageError("--debug runs one process; start it with plain `python`, not torchrun/srun")
 
@@ -116,7 +125,7 @@ class TrainConfig:
             raise UsageError(problem)
 
     def milestone_steps(self, steps_per_epoch: int) -> list[int]:
-        return [epoch * steps_per_epoch for epoch in parse_milestones(self.lr_milestones)]
+        return [epoch * steps_per_epoch for epoch in parse_milestones(self.lr_milestones, self.epochs)]
 
     def resolved_image_size(self) -> int:
         return self.image_size or NATIVE_SIZE[self.dataset]

@@ -62,7 +62,7 @@ from .monitor import Progress, StepMeter, TensorBoard
 from .precision import grad_scaler, resolve_amp
 from .run_folder import TB_DIR, choose_resume, prepare_run_folder
 from .run_state import Resume, RunState, check_resume_fits, restore_training_state, training_state
-from .schedule import build_lr_scheduler
+from .schedule import LRSchedule
 from .train_config import TrainConfig
 
 log = logging.getLogger("train")
@@ -77,7 +77,7 @@ class TrainRun:
     loaders: Loaders
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    lr_schedule: LRSchedule                          # the LR of each optimizer step, from state.step
     scaler: torch.amp.GradScaler | None
     accumulator: GradientAccumulator
     state: RunState
@@ -91,6 +91,11 @@ class TrainRun:
     saved_path: Path | None = None                   # and its file
     preempted: bool = False
     epoch_clock: tuple[float, int] = (0.0, 0)        # when this epoch started here, at which batch
+
+    def __post_init__(self):
+        # RunState.step is the counter the LR follows: the accumulator, which sets the LR before
+        # each optimizer step, starts from it (a resumed run: the saved step) and follows it.
+        self.accumulator.step = self.state.step
 
     def finished(self) -> bool:
         """All epochs done, --max-steps reached, or stopped by a preemption signal."""
@@ -110,6 +115,7 @@ class TrainRun:
         one's batches are all consumed, so every message and checkpoint of the step agrees on
         which epoch it ended."""
         self.state.step += 1
+        self.accumulator.step = self.state.step
         if self.state.batches_done >= self.loaders.batches_per_epoch:
             self.log_epoch_time()
             self.state.epoch, self.state.batches_done = self.state.epoch + 1, 0
@@ -157,19 +163,20 @@ def loader_options(cfg: TrainConfig, info: DistInfo) -> dict:
 
 
 def build_optimization(cfg: TrainConfig, params, batches_per_epoch: int, device: torch.device):
-    """SGD, the LR schedule (counted in optimizer steps over all --epochs) and the fp16 scaler."""
+    """SGD, the LR schedule (a function of the optimizer step, over all --epochs) and the fp16 scaler."""
     optimizer = sgd(params, cfg.lr, cfg.momentum, cfg.weight_decay, device)
     epoch_steps = steps_per_epoch(batches_per_epoch, cfg.accum_steps)
     total_steps = cfg.epochs * epoch_steps
-    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, total_steps,
-                                      cfg.milestone_steps(epoch_steps))
-    return optimizer, lr_scheduler, grad_scaler(cfg.amp, device), total_steps
+    lr_schedule = LRSchedule(cfg.lr, cfg.lr_schedule, total_steps, cfg.warmup_steps,
+                             tuple(cfg.milestone_steps(epoch_steps)), epoch_steps)
+    return optimizer, lr_schedule, grad_scaler(cfg.amp, device), total_steps
 
 
-def wrap_for_training(module: nn.Module, cfg: TrainConfig, info: DistInfo, optimizer, lr_scheduler,
-                      scaler) -> tuple[nn.Module, GradientAccumulator]:
+def wrap_for_training(module: nn.Module, cfg: TrainConfig, info: DistInfo, optimizer,
+                      lr_schedule: LRSchedule, scaler) -> tuple[nn.Module, GradientAccumulator]:
     """DDP around ``module`` when distributed (the only part DDP ever sees), compiled with
-    --compile, and its accumulator. Every rank must call it (DDP broadcasts rank 0's weights).
+    --compile, and its accumulator, which sets ``lr_schedule(step)`` before each optimizer step
+    (TrainRun sets its step count). Every rank must call it (DDP broadcasts rank 0's weights).
 
     ``gradient_as_bucket_view``: gradients live inside DDP's all-reduce buckets instead of beside
     them, which saves one copy of the gradients in memory and a copy per bucket per step."""
@@ -178,7 +185,7 @@ def wrap_for_training(module: nn.Module, cfg: TrainConfig, info: DistInfo, optim
         network = DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None,
                       gradient_as_bucket_view=True)
     network = maybe_compile(network, cfg.compile)
-    accumulator = GradientAccumulator(network, optimizer, cfg.accum_steps, lr_scheduler=lr_scheduler,
+    accumulator = GradientAccumulator(network, optimizer, cfg.accum_steps, lr_at=lr_schedule,
                                       grad_scaler=scaler, clip_grad=cfg.clip_grad)
     return network, accumulator
 
@@ -192,15 +199,17 @@ def training_meter(run: TrainRun) -> tuple[Progress, StepMeter]:
 
 
 def restore_if_resuming(cfg: TrainConfig, info: DistInfo, resume: Resume | None, *, script: str,
-                        fixed: Sequence[str], facts: dict, model: nn.Module, optimizer, lr_scheduler,
-                        scaler) -> RunState:
+                        fixed: Sequence[str], facts: dict, model: nn.Module, optimizer, scaler,
+                        lr_scheduler: object = None) -> RunState:
     """Where the run starts: from scratch, or from ``resume`` once it is known to fit (``fixed``:
-    the config fields that shape the model; ``facts``: derived ones such as the class count)."""
+    the config fields that shape the model; ``facts``: derived ones such as the class count).
+    ``lr_scheduler`` is not used (the LR follows from the restored step); callers may still pass
+    the schedule under that name."""
     if resume is None:
         return RunState()
     check_resume_fits(resume, script, config_dict(cfg), tuple(fixed), facts, info.world_size, info.is_main)
-    return restore_training_state(resume, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                  grad_scaler=scaler, world_size=info.world_size, batch_size=cfg.batch_size,
+    return restore_training_state(resume, model=model, optimizer=optimizer, grad_scaler=scaler,
+                                  world_size=info.world_size, batch_size=cfg.batch_size,
                                   announce=info.is_main)
 
 
@@ -224,7 +233,7 @@ def save_run(run: TrainRun) -> None:
                          f"{run.last_checkpoint()}. Lower --lr or add --clip-grad", EXIT_NONFINITE)
     checkpoint = training_state(state, config_dict(run.cfg), run.info.world_size, script=run.script,
                                 facts=run.facts, model=run.model, optimizer=run.optimizer,
-                                lr_scheduler=run.lr_scheduler, grad_scaler=run.scaler)
+                                grad_scaler=run.scaler)
     path = save_checkpoint(checkpoint, run.cfg.out, run.cfg.keep_checkpoints)
     run.saved_step, run.saved_path = state.step, path
     log.info("saved checkpoint %s (%s)", path, state.describe())
@@ -305,7 +314,8 @@ def start_run(cfg: C, info: DistInfo, signals: StopSignals, setup: Setup) -> R:
         signals.clear_marker()
         run.tb = TensorBoard(Path(cfg.out) / TB_DIR, purge_step=run.state.step + 1 if resume else None)
         if resume is None:  # what the augmentation does, once per run
-            grid = augmentation_grid(run.loaders, cfg.dataset, cfg.resolved_image_size())
+            grid = augmentation_grid(run.loaders, cfg.dataset, cfg.resolved_image_size(),
+                                     normalization=cfg.normalization)
             run.tb.image("data/augmented_views", grid, run.state.step)
     barrier()
     log_batch_geometry(run)

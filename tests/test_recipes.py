@@ -1,0 +1,123 @@
+"""recipes/*.json: each is a valid --config of its script, the README lists exactly what each one
+sets, and a run's own config.json repeats that run bit for bit."""
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+import torch
+from helpers import REPO, load_ckpt
+
+import train_classifier
+import train_moco
+from ddp_utils.config import UsageError, flag_name, parse_config
+from ddp_utils.runtime.dist import LaunchEnv
+
+# recipe -> (script, world size it is meant for, extra flags a user must add)
+RECIPES = {
+    "classifier_digits_quickstart": ("train_classifier.py", 2, []),
+    "moco_digits_quickstart": ("train_moco.py", 2, []),
+    "moco_cifar10_demo": ("train_moco.py", 1, []),
+    "moco_cifar10_demo_symmetric": ("train_moco.py", 1, []),
+    "moco_v1_imagenet": ("train_moco.py", 8, []),
+    "moco_v2_imagenet": ("train_moco.py", 8, []),
+    "linear_probe_imagenet": ("train_classifier.py", 8, ["--pretrained", "runs/mocov2_in1k/checkpoint_last.pt"]),
+}
+CONFIGS = {"train_classifier.py": train_classifier.ClassifierConfig, "train_moco.py": train_moco.MocoConfig}
+
+
+def recipe_flags(name: str) -> str:
+    """What a recipe sets, as command-line flags (notes left out)."""
+    parts = []
+    for key, value in json.loads((REPO / "recipes" / f"{name}.json").read_text()).items():
+        if key.startswith("_"):
+            continue
+        if isinstance(value, bool):
+            parts.append(flag_name(key) if value else "--no-" + flag_name(key)[2:])
+        else:
+            parts += [flag_name(key), shlex.quote(str(value))]
+    return " ".join(parts)
+
+
+def recipe_table() -> str:
+    """The README's table of recipes (tests below keep the two equal)."""
+    rows = ["| recipe | script | sets |", "| --- | --- | --- |"]
+    for name, (script, _, extra) in RECIPES.items():
+        needs = f" (add `{' '.join(extra)}`)" if extra else ""
+        rows.append(f"| `recipes/{name}.json` | `{script}`{needs} | `{recipe_flags(name)}` |")
+    return "\n".join(rows)
+
+
+def test_every_recipe_file_is_listed():
+    assert sorted(p.stem for p in (REPO / "recipes").glob("*.json")) == sorted(RECIPES)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_is_a_valid_config_of_its_script(name):
+    script, world, extra = RECIPES[name]
+    cls = CONFIGS[script]
+    cfg = parse_config(cls, ["--config", str(REPO / "recipes" / f"{name}.json"), *extra])
+    cfg.validate(LaunchEnv("torchrun" if world > 1 else "single", 0, 0, world, min(world, 8)))
+    values = {k: v for k, v in json.loads((REPO / "recipes" / f"{name}.json").read_text()).items()
+              if not k.startswith("_")}
+    assert {k: getattr(cfg, k) for k in values} == values  # every value arrived as written
+
+
+def test_readme_lists_what_each_recipe_sets():
+    assert recipe_table() in (REPO / "README.md").read_text()
+
+
+def test_the_demo_recipes_are_the_demos_code():
+    """The values read in the MoCo authors' CIFAR-10 demo (facebookresearch/moco, branch
+    colab-notebook, colab/moco_cifar10_demo.ipynb): its argparse defaults, the cell that sets
+    epochs/cos/symmetric, train_transform, test(): kNN on the encoder's output."""
+    demo = dict(arch="resnet18", lr=0.06, epochs=200, batch_size=512, weight_decay=5e-4, moco_dim=128,
+                moco_k=4096, moco_m=0.99, moco_t=0.1, bn_splits=8, knn_k=200, knn_t=0.1, momentum=0.9,
+                crop_min=0.08, lr_schedule="cosine-epoch", mlp=False, aug="v2-noblur", knn_features="head",
+                normalization="cifar10-demo", warmup_steps=0)
+    for name, symmetric in (("moco_cifar10_demo", False), ("moco_cifar10_demo_symmetric", True)):
+        cfg = parse_config(train_moco.MocoConfig, ["--config", str(REPO / "recipes" / f"{name}.json")])
+        assert {k: getattr(cfg, k) for k in demo} == demo and cfg.symmetric is symmetric
+
+
+def test_command_line_overrides_the_file_and_the_file_overrides_the_preset(tmp_path):
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"preset": "v1", "moco_t": 0.5, "resume": "auto", "_note": "ignored"}))
+    cfg = parse_config(train_moco.MocoConfig, ["--config", str(recipe), "--batch-size", "48"])
+    assert (cfg.preset, cfg.lr_schedule, cfg.mlp) == ("v1", "step", False)  # the file's preset
+    assert cfg.moco_t == 0.5 and cfg.batch_size == 48 and cfg.resume == ""  # never resumes from a file
+    cfg = parse_config(train_moco.MocoConfig, ["--config", str(recipe), "--moco-t", "0.3", "--preset", "v2"])
+    assert (cfg.preset, cfg.lr_schedule, cfg.moco_t) == ("v2", "cosine", 0.3)
+
+
+@pytest.mark.parametrize("content, says", [
+    ('{"batchsize": 3}', "unknown key 'batchsize': not a flag of this script; did you mean --batch-size?"),
+    ('{"aug": "v9"}', "'aug' is 'v9'; choose one of v1, v2, v2-noblur"),
+    ('{"epochs": "3"}', "'epochs' must be int, got '3'"),
+    ('{"epochs": 3', "not valid JSON"),
+    ('[1, 2]', "expected a JSON object"),
+    ('{"preset": "v7"}', "'preset' is 'v7'; choose one of v1, v2"),
+])
+def test_a_bad_config_file_is_one_line_naming_the_problem(tmp_path, content, says):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    with pytest.raises(UsageError, match=None) as err:
+        parse_config(train_moco.MocoConfig, ["--config", str(bad)])
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_runs_config_json_repeats_the_run_exactly(tmp_path):
+    """--config RUN/config.json --out OTHER: the same flags, so the same weights, queue and all."""
+    first = tmp_path / "first"
+    args = ["--device", "cpu", "--image-size", "16", "--batch-size", "16", "--moco-k", "64", "--max-steps", "4",
+            "--knn-every", "0", "--moco-m", "0.9", "--accum-steps", "2", "--out", str(first)]
+    assert train_moco.main(args) == 0
+    again = tmp_path / "again"
+    assert train_moco.main(["--config", str(first / "config.json"), "--out", str(again)]) == 0
+    a, b = load_ckpt(first / "checkpoint_last.pt"), load_ckpt(again / "checkpoint_last.pt")
+    assert a["step"] == b["step"] == 4
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert json.loads((again / "config.json").read_text())["config"] == \
+        {**json.loads((first / "config.json").read_text())["config"], "out": str(again)}
