@@ -114,7 +114,7 @@ def _shuffle_worker(info: DistInfo, tmp_dir: str):
     moco = MoCo(nn.Identity(), dim=4, K=16)
     x = (info.rank * 6 + torch.arange(6, dtype=torch.float32)).unsqueeze(1).repeat(1, 4)  # 6 x 4
     shuffled, unshuffle = moco._shuffle_across_ranks(x)
-    restored = moco._unshuffle_across_ranks(shuffled, unshuffle)
+    restored = moco._unshuffle_and_gather(shuffled, unshuffle).local
     return {"x": x, "shuffled": shuffled, "restored": restored}
 
 

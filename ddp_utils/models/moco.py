@@ -312,11 +312,6 @@ class MoCo(nn.Module):
         return Keys(k_all[rank * n:(rank + 1) * n], k_all)
 
     @torch.no_grad()
-    def _unshuffle_across_ranks(self, k: torch.Tensor, unshuffle: torch.Tensor) -> torch.Tensor:
-        """This rank's keys in its own order (N x C); see :meth:`_unshuffle_and_gather`."""
-        return self._unshuffle_and_gather(k, unshuffle).local
-
-    @torch.no_grad()
     def keys_and_global(self, im_k: torch.Tensor) -> Keys:
         """Unit-length keys of this rank's key images (N x C) and of the global key batch
         ((W*N) x C, rank order, identical on every rank), computed without a graph.
@@ -340,11 +335,6 @@ class MoCo(nn.Module):
         else:
             k = F.normalize(encode(im_k), dim=1)
         return Keys(k, concat_all_gather(k) if is_dist() else k)
-
-    @torch.no_grad()
-    def keys(self, im_k: torch.Tensor) -> torch.Tensor:
-        """This rank's unit-length keys (N x C); :meth:`keys_and_global` also gives every rank's."""
-        return self.keys_and_global(im_k).local
 
     # ------------------------------------------------------------------ queue
     @torch.no_grad()
