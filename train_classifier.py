@@ -40,38 +40,30 @@ from torch import nn
 
 from ddp_utils.config import UsageError, opt
 from ddp_utils.data.loading import Loaders, make_loaders
-from ddp_utils.data.transforms import (
-    augment_on_device,
-    classification_transforms,
-    classifier_device_recipe,
-    device_training_augmentation,
-)
+from ddp_utils.data.recipes import classifier_recipe
+from ddp_utils.data.transforms import augment_on_device, eval_transform, training_augmentation
 from ddp_utils.models.backbones import build_model
+from ddp_utils.models.probe import LinearProbe
 from ddp_utils.runtime.collectives import (
     all_ranks_agree,
     all_reduce_sum,
     check_replicas_identical,
     sync_buffers_from_rank0,
 )
-from ddp_utils.runtime.dist import DistInfo
+from ddp_utils.runtime.dist import DistInfo, unwrap
+from ddp_utils.train.accumulation import no_sync, optimizer_step
+from ddp_utils.train.build import build_optimization, load_raw_splits, loader_options, preflight, wrap_network
+from ddp_utils.train.checkpoint import save_run
 from ddp_utils.train.fast_path import place_model, to_device
-from ddp_utils.train.monitor import StepMeter, TensorBoard
+from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.precision import autocast
-from ddp_utils.train.pretrained import LinearProbe, load_pretrained_backbone, tensors_equal
-from ddp_utils.train.run_state import Resume, unwrap
-from ddp_utils.train.train_config import OUT_HELP, TrainConfig
-from ddp_utils.train.trainer import (
-    TrainRun,
-    after_optimizer_step,
-    build_optimization,
-    load_raw_splits,
-    loader_options,
-    restore_if_resuming,
-    run_script,
-    save_run,
-    training_meter,
-    wrap_for_training,
-)
+from ddp_utils.train.pretrained import load_pretrained_backbone, tensors_equal
+from ddp_utils.train.resume import check_resume_fits, restore_training_state
+from ddp_utils.train.run import RunState, TrainRun
+from ddp_utils.train.run_folder import open_run_folder
+from ddp_utils.train.session import RunSession
+from ddp_utils.train.step_policy import after_optimizer_step, start_training
+from ddp_utils.train.train_config import OUT_HELP, TrainConfig, parse_args
 
 log = logging.getLogger("train")
 SCRIPT = "train_classifier.py"
@@ -104,23 +96,20 @@ class ClassifierConfig(TrainConfig):
             raise UsageError(f"--pretrained {self.pretrained}: no such file")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ClassifierRun(TrainRun):
-    network: nn.Module = None  # what runs forward: DDP-wrapped when distributed
     frozen_backbone: dict | None = None  # --linear-probe: the backbone's tensors at the start
 
 
 # ----------------------------------------------------------------------------- building
 def build_loaders(cfg: ClassifierConfig, info: DistInfo) -> Loaders:
-    train_raw, val_raw = load_raw_splits(cfg, info)
+    train_raw, val_raw = load_raw_splits(cfg)
     size = cfg.resolved_image_size()
-    train_tf, eval_tf = classification_transforms(cfg.dataset, size, cfg.augment, cfg.normalization)
-    device_augment = None
-    if augment_on_device(cfg.aug_on, cfg.dataset, info.device):
-        recipe = classifier_device_recipe(cfg.dataset, size, cfg.augment, cfg.normalization)
-        train_tf, device_augment = device_training_augmentation(recipe, cfg.dataset, size, cfg.seed, views=1)
-    return make_loaders(train_raw, val_raw, train_tf, eval_tf, seed=cfg.seed, device_augment=device_augment,
-                        device=info.device, **loader_options(cfg, info))
+    recipe = classifier_recipe(cfg.dataset, size, cfg.augment, cfg.normalization)
+    train_tf, device_augment = training_augmentation(recipe, cfg.dataset, size, cfg.seed, views=1,
+                                                     on_device=augment_on_device(cfg.aug_on, cfg.dataset, info.device))
+    return make_loaders(train_raw, val_raw, train_tf, eval_transform(cfg.dataset, size, cfg.normalization),
+                        seed=cfg.seed, device_augment=device_augment, device=info.device, **loader_options(cfg, info))
 
 
 def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn.Module:
@@ -135,47 +124,54 @@ def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn
     return place_model(model, info.device)
 
 
-def setup(cfg: ClassifierConfig, info: DistInfo, resume: Resume | None = None) -> ClassifierRun:
+def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
+    info = session.info
+    resume = preflight(cfg, info)
     with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
         loaders = build_loaders(cfg, info)
         model = build_network(cfg, info, loaders.num_classes)
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
         trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer, lr_scheduler, scaler, total_steps = build_optimization(
-            cfg, trainable, loaders.batches_per_epoch, info.device)
+        optimizer, lr_schedule, scaler, total_steps = build_optimization(cfg, trainable, loaders, info.device)
         facts = {"num_classes": loaders.num_classes}
-        state = restore_if_resuming(cfg, info, resume, script=SCRIPT, fixed=cfg.RESUME_FIXED, facts=facts,
-                                    model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler)
-    network, accumulator = wrap_for_training(model, cfg, info, optimizer, lr_scheduler, scaler)
-    frozen = model.backbone_snapshot() if cfg.linear_probe else None
-    return ClassifierRun(cfg, info, loaders, model, optimizer, lr_scheduler, scaler, accumulator, state,
-                         total_steps, TensorBoard(None), SCRIPT, facts, network=network, frozen_backbone=frozen)
+        state = RunState()
+        if resume is not None:
+            check_resume_fits(resume, cfg, SCRIPT, facts, info)
+            state = restore_training_state(resume, cfg, model=model, optimizer=optimizer, scaler=scaler, info=info)
+    network = wrap_network(model, cfg, info)  # DDP: rank 0's weights on every rank
+    tb = open_run_folder(cfg, session, loaders, resume, state.step)  # nothing was written before
+    return ClassifierRun(
+        cfg=cfg, info=info, session=session, loaders=loaders, model=model, network=network, optimizer=optimizer,
+        lr_schedule=lr_schedule, scaler=scaler, total_steps=total_steps, state=state, tb=tb, script=SCRIPT,
+        facts=facts, frozen_backbone=model.backbone_snapshot() if cfg.linear_probe else None)
 
 
 # ----------------------------------------------------------------------------- training
 def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
-    """One pass over the (rest of the) epoch; stops early at --max-steps or a stop signal."""
-    cfg, info, state = run.cfg, run.info, run.state
+    """Train on the rest of this epoch, one optimizer step per window of --accum-steps
+    micro-batches; return early at --max-steps or a stop signal."""
+    cfg, info = run.cfg, run.info
     criterion = nn.CrossEntropyLoss()
     run.network.train()
-    run.start_epoch()
-    for micro, (images, targets) in run.accumulator.micro_batches(run.loaders.train):
+    for micro, (images, targets) in run.micro_batches():
         images, targets = to_device(images, info.device), targets.to(info.device, non_blocking=True)
-        with run.accumulator.sync_context(micro):
+        # DDP all-reduces gradients inside backward(); under no_sync() it only adds them up in
+        # .grad. Skipping it on all but the window's last micro-step sends them once per step.
+        with no_sync(run.network, enabled=not micro.is_last):
             with autocast(cfg.amp, info.device):
                 loss = criterion(run.network(images), targets)
-            loss = run.faults.poison(loss, info.rank, state.step + 1, first_micro=micro.index == 0)
-            stepped = run.accumulator.backward(loss, micro)
-        meter.add_micro(info.world_size * len(images), micro.window_size, loss=loss)
-        state.batches_done += 1
-        if stepped is None:
+            # This micro-batch's share of the window's mean loss, back-propagated at once: its
+            # graph is freed here, before any optimizer step changes the weights.
+            run.scaler.scale(loss / micro.window_size).backward()
+        meter.add_micro(micro.window_size, len(images) * info.world_size, loss=loss)
+        if not micro.is_last:
             continue
-        run.count_step()
+        # The ranks agree (NaN loss? stop signal?), then: unscale and clip, set the LR, step,
+        # update the scaler, zero the gradients.
+        stepped = optimizer_step(run, meter.window_loss)
         if cfg.debug:
             check_gradients_released(run.model)
-        meter.end_step(state.step, state.epoch_number, force=run.is_last_step(stepped),
-                       lr=run.optimizer.param_groups[0]["lr"])
-        if after_optimizer_step(run, stepped):
+        if after_optimizer_step(run, meter, stepped):  # log, checkpoint, stop
             return
 
 
@@ -189,8 +185,7 @@ def check_gradients_released(model: nn.Module) -> None:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, info: DistInfo, amp: str) -> dict[str, float]:
     """Top-1 and top-5 accuracy and mean loss over the whole validation split, each sample
-    counted once (top-5: the label among the 5 highest logits, or among all of them when there are
-    fewer than 5 classes).
+    counted once (top-5: the label among the 5 highest logits, or all of them for fewer classes).
 
     Runs the bare module: a DDP forward may broadcast buffers, a collective that would hang when
     ranks hold different numbers of validation batches.
@@ -199,8 +194,7 @@ def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, info: DistIn
     sync_buffers_from_rank0(model)
     was_training = model.training
     model.eval()
-    # loss, top-1 and top-5 correct, count: summed on the device, read once at the end (no host
-    # sync per batch)
+    # loss, top-1 and top-5 correct, count: summed on the device, read once at the end
     sums = torch.zeros(4, dtype=torch.float64, device=info.device)
     for images, targets in loader:
         images, targets = to_device(images, info.device), targets.to(info.device, non_blocking=True)
@@ -219,11 +213,11 @@ def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, info: DistIn
 
 def fit(run: ClassifierRun) -> dict[str, float]:
     cfg, state = run.cfg, run.state
-    progress, meter = training_meter(run)
+    meter = start_training(run)
     metrics: dict[str, float] = {}
     while not run.finished():
         train_one_epoch(run, meter)
-        progress.end_line()
+        meter.progress.end_line()
         if run.preempted:  # checkpoint already written; leave for the requeue
             return metrics
         save_run(run)  # before evaluating: a preemption during evaluation loses nothing
@@ -245,7 +239,11 @@ def fit(run: ClassifierRun) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_script(ClassifierConfig, argv, __doc__.split("\n")[0], setup, fit)
+    cfg = parse_args(ClassifierConfig, argv, __doc__)  # bad flags: one line, exit code 2
+    with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
+        run = setup(cfg, session)
+        fit(run)
+    return session.exit_code
 
 
 if __name__ == "__main__":

@@ -40,38 +40,29 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddp_utils.config import UsageError, flag_name, opt
-from ddp_utils.data.loading import Loaders, eval_loader, make_loaders
-from ddp_utils.data.transforms import (
-    augment_on_device,
-    classification_transforms,
-    device_training_augmentation,
-    moco_device_recipe,
-    moco_train_transform,
-)
-from ddp_utils.eval.knn import bank_subset, knn_accuracy
+from ddp_utils.data.loading import Loaders, bank_subset, eval_loader, make_loaders
+from ddp_utils.data.recipes import MOCO_AUGS, moco_recipe
+from ddp_utils.data.transforms import augment_on_device, eval_transform, training_augmentation
+from ddp_utils.eval.knn import knn_accuracy
 from ddp_utils.models.backbones import build_model, feature_dim
-from ddp_utils.models.moco import Encoder, MoCo, contrastive_loss, split_batchnorm, symmetric_contrastive_loss
+from ddp_utils.models.moco import Encoder, MoCo, contrastive_loss, symmetric_contrastive_loss
+from ddp_utils.models.shuffle_bn import split_batchnorm
 from ddp_utils.runtime.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
 from ddp_utils.runtime.dist import DistInfo, LaunchEnv, barrier
+from ddp_utils.train.accumulation import no_sync, optimizer_step
+from ddp_utils.train.build import build_optimization, load_raw_splits, loader_options, preflight, wrap_network
+from ddp_utils.train.checkpoint import save_run
 from ddp_utils.train.fast_path import place_model, to_device
-from ddp_utils.train.monitor import StepMeter, TensorBoard
+from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.precision import autocast
 from ddp_utils.train.pretrained import export_backbone
-from ddp_utils.train.run_state import Resume
+from ddp_utils.train.resume import check_resume_fits, restore_training_state
+from ddp_utils.train.run import RunState, TrainRun
+from ddp_utils.train.run_folder import open_run_folder
 from ddp_utils.train.schedule import LR_SCHEDULES, cosine_to_one
-from ddp_utils.train.train_config import OUT_HELP, TrainConfig
-from ddp_utils.train.trainer import (
-    TrainRun,
-    after_optimizer_step,
-    build_optimization,
-    load_raw_splits,
-    loader_options,
-    restore_if_resuming,
-    run_script,
-    save_run,
-    training_meter,
-    wrap_for_training,
-)
+from ddp_utils.train.session import RunSession
+from ddp_utils.train.step_policy import after_optimizer_step, start_training
+from ddp_utils.train.train_config import OUT_HELP, TrainConfig, parse_args
 
 log = logging.getLogger("train")
 SCRIPT = "train_moco.py"
@@ -111,7 +102,7 @@ class MocoConfig(TrainConfig):
                           "enqueued (2 x the global batch per step: --moco-k must hold them)")
     mlp: bool = opt(True, "2-layer MLP projection head instead of one linear layer (v1: off)")
     aug: str = opt("v2", "augmentation: v1 weak, v2 strong with blur, v2-noblur (v1: v1)",
-                   choices=("v1", "v2", "v2-noblur"))
+                   choices=MOCO_AUGS)
     crop_min: float = opt(0.2, "smallest crop of the random resized crop, as a fraction of the image area "
                           "(MoCo on ImageNet 0.2; the authors' CIFAR-10 demo 0.08, torchvision's default)")
     shuffle_bn: bool = opt(True, "shuffle BN: key batch shuffled across ranks (one process: split BN)")
@@ -162,11 +153,10 @@ class MocoConfig(TrainConfig):
         return self.shuffle_bn and not self.sync_bn and world_size == 1 and self.bn_splits > 1
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MocoRun(TrainRun):
-    moco: MoCo = None
-    query_encoder: nn.Module = None  # encoder_q, DDP-wrapped when distributed
-    bank_loader: torch.utils.data.DataLoader = None  # un-augmented train split for the kNN monitor
+    moco: MoCo  # both encoders and the queue; ``network`` is encoder_q, DDP-wrapped when distributed
+    bank_loader: DataLoader  # the un-augmented train split (or --knn-bank-samples of it) for the kNN monitor
 
 
 # ----------------------------------------------------------------------------- building
@@ -196,38 +186,41 @@ def build_moco(cfg: MocoConfig, info: DistInfo, num_classes: int) -> MoCo:
 
 def build_loaders(cfg: MocoConfig, info: DistInfo) -> tuple[Loaders, DataLoader]:
     """Two-view training batches, validation loader, and the un-augmented train split for kNN."""
-    train_raw, val_raw = load_raw_splits(cfg, info)
+    train_raw, val_raw = load_raw_splits(cfg)
     size = cfg.resolved_image_size()
-    _, eval_tf = classification_transforms(cfg.dataset, size, augment=False, normalization=cfg.normalization)
-    options = loader_options(cfg, info)
-    train_tf = moco_train_transform(cfg.dataset, size, cfg.aug, cfg.crop_min, cfg.normalization)
-    device_augment = None
-    if augment_on_device(cfg.aug_on, cfg.dataset, info.device):
-        recipe = moco_device_recipe(cfg.dataset, size, cfg.aug, cfg.crop_min, cfg.normalization)
-        train_tf, device_augment = device_training_augmentation(recipe, cfg.dataset, size, cfg.seed, views=2)
+    eval_tf, options = eval_transform(cfg.dataset, size, cfg.normalization), loader_options(cfg, info)
+    recipe = moco_recipe(cfg.dataset, size, cfg.aug, cfg.crop_min, cfg.normalization)
+    train_tf, device_augment = training_augmentation(recipe, cfg.dataset, size, cfg.seed, views=2,
+                                                     on_device=augment_on_device(cfg.aug_on, cfg.dataset, info.device))
     loaders = make_loaders(train_raw, val_raw, train_tf, eval_tf, seed=cfg.seed, device_augment=device_augment,
                            device=info.device, **options)
     bank = bank_subset(train_raw, cfg.knn_bank_samples, cfg.seed) if cfg.knn_bank_samples else train_raw
     return loaders, eval_loader(bank, eval_tf, **options)
 
 
-def setup(cfg: MocoConfig, info: DistInfo, resume: Resume | None = None) -> MocoRun:
+def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
+    info = session.info
+    resume = preflight(cfg, info)
     with all_ranks_agree():  # every check that can fail, before the first collective
         loaders, bank_loader = build_loaders(cfg, info)
         moco = build_moco(cfg, info, loaders.num_classes)
         torch.manual_seed(cfg.seed + 1000 * info.rank)
-        optimizer, lr_scheduler, scaler, total_steps = build_optimization(
-            cfg, moco.encoder_q.parameters(), loaders.batches_per_epoch, info.device)  # never encoder_k
-        state = restore_if_resuming(cfg, info, resume, script=SCRIPT, fixed=cfg.RESUME_FIXED, facts={},
-                                    model=moco, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler)
+        optimizer, lr_schedule, scaler, total_steps = build_optimization(
+            cfg, moco.encoder_q.parameters(), loaders, info.device)  # never encoder_k
+        state = RunState()
+        if resume is not None:
+            check_resume_fits(resume, cfg, SCRIPT, {}, info)
+            state = restore_training_state(resume, cfg, model=moco, optimizer=optimizer, scaler=scaler, info=info)
     moco.sync_state_from_rank0()
     # Only the query encoder goes into DDP: it must not broadcast the queue or encoder_k.
-    query_encoder, accumulator = wrap_for_training(moco.encoder_q, cfg, info, optimizer, lr_scheduler, scaler)
-    if cfg.compile:  # the query encoder was compiled by wrap_for_training
+    query_encoder = wrap_network(moco.encoder_q, cfg, info)
+    if cfg.compile:
         moco.compile_key_encoder()
-    return MocoRun(cfg, info, loaders, moco, optimizer, lr_scheduler, scaler, accumulator, state,
-                   total_steps, TensorBoard(None), SCRIPT, moco=moco, query_encoder=query_encoder,
-                   bank_loader=bank_loader)
+    tb = open_run_folder(cfg, session, loaders, resume, state.step)  # nothing was written before
+    return MocoRun(
+        cfg=cfg, info=info, session=session, loaders=loaders, model=moco, network=query_encoder,
+        optimizer=optimizer, lr_schedule=lr_schedule, scaler=scaler, total_steps=total_steps, state=state,
+        tb=tb, script=SCRIPT, moco=moco, bank_loader=bank_loader)
 
 
 # ----------------------------------------------------------------------------- training
@@ -238,39 +231,40 @@ def momentum_at(cfg: MocoConfig, step: int, total_steps: int) -> float:
 
 
 def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
-    cfg, info, state, moco = run.cfg, run.info, run.state, run.moco
+    """Train on the rest of this epoch, one optimizer step per window of --accum-steps
+    micro-batches; return early at --max-steps or a stop signal."""
+    cfg, info, moco = run.cfg, run.info, run.moco
     moco.train()
-    run.start_epoch()
-    window_keys: list[torch.Tensor] = []
-    for micro, ((im_q, im_k), _) in run.accumulator.micro_batches(run.loaders.train):
+    window_keys: list[torch.Tensor] = []  # every rank's keys of this window: enqueued after its step
+    for micro, ((im_q, im_k), _) in run.micro_batches():
         im_q, im_k = to_device(im_q, info.device), to_device(im_k, info.device)
-        with run.accumulator.sync_context(micro):
+        # DDP all-reduces encoder_q's gradients inside backward(); under no_sync() it only adds them
+        # up in .grad. Skipping it on all but the window's last micro-step sends them once per step.
+        with no_sync(run.network, enabled=not micro.is_last):
             with autocast(cfg.amp, info.device):
                 if cfg.symmetric:  # loss(q1, k2) + loss(q2, k1); keys: (2*W*N) x C, crop 1's first
-                    *logits, keys = moco.symmetric_forward(im_q, im_k, run.query_encoder, global_keys=True)
-                    loss, contrastive_acc = symmetric_contrastive_loss(*logits)
-                else:  # logits: N x (1+K); keys: (W*N) x C, every rank's, gathered once for the queue
-                    logits, keys = moco(im_q, im_k, run.query_encoder, global_keys=True)
+                    logits_12, logits_21, keys = moco.symmetric_forward(im_q, im_k, run.network)
+                    loss, contrastive_acc = symmetric_contrastive_loss(logits_12, logits_21)
+                else:  # logits: N x (1+K); keys: (W*N) x C, every rank's, no graph
+                    logits, keys = moco(im_q, im_k, run.network)
                     loss, contrastive_acc = contrastive_loss(logits)
-            loss = run.faults.poison(loss, info.rank, state.step + 1, first_micro=micro.index == 0)
-            stepped = run.accumulator.backward(loss, micro)
-        window_keys.append(keys)  # (W*N) x C (--symmetric: 2*W*N), no graph, identical on every rank
-        meter.add_micro(info.world_size * len(im_q), micro.window_size, loss=loss,
+            run.scaler.scale(loss / micro.window_size).backward()  # this micro-batch's share, at once
+        window_keys.append(keys)
+        meter.add_micro(micro.window_size, len(im_q) * info.world_size, loss=loss,
                         contrastive_acc1=100.0 * contrastive_acc)
-        state.batches_done += 1
-        if stepped is None:
+        if not micro.is_last:
             continue
-        run.count_step()
-        momentum = momentum_at(cfg, state.step, run.total_steps)
-        if not stepped.skipped:  # a step that was not applied leaves encoder_k and the queue as they were
-            moco.momentum_update(momentum)  # once per optimizer step, after the query encoder moved
-            # The window's keys enter the queue together, so every micro-step of a window saw the same
-            # negatives, as one big batch would.
-            moco.enqueue(torch.cat(window_keys), gathered=True)
+        # The ranks agree (NaN loss? stop signal?), then: unscale and clip, set the LR, step,
+        # update the scaler, zero the gradients.
+        stepped = optimizer_step(run, meter.window_loss)
+        momentum = momentum_at(cfg, run.state.step, run.total_steps)
+        if stepped.applied:  # a skipped step leaves encoder_k and the queue as they were
+            moco.momentum_update(momentum)  # k = m*k + (1-m)*q, after encoder_q moved
+            # The window's keys enter together: every micro-step of it saw the same negatives,
+            # as one big batch would.
+            moco.enqueue(torch.cat(window_keys))
         window_keys = []
-        meter.end_step(state.step, state.epoch_number, force=run.is_last_step(stepped),
-                       lr=run.optimizer.param_groups[0]["lr"], moco_m=momentum)
-        if after_optimizer_step(run, stepped):
+        if after_optimizer_step(run, meter, stepped, moco_m=momentum):  # log, checkpoint, stop
             return
 
 
@@ -288,15 +282,15 @@ def knn_monitor(run: MocoRun) -> float:
 
 def fit(run: MocoRun) -> None:
     cfg, state = run.cfg, run.state
+    meter = start_training(run)
     log.info("MoCo %s: K=%d, m=%g%s, T=%g, %s head, %s augmentation", cfg.preset, cfg.moco_k, cfg.moco_m,
              " (cosine to 1)" if cfg.moco_m_cos else "", cfg.moco_t, "MLP" if cfg.mlp else "linear", cfg.aug)
-    progress, meter = training_meter(run)
     knn = None
     if cfg.knn_every and state.step == 0:
         knn = knn_monitor(run)  # the step-0 baseline that training must beat
     while not run.finished():
         train_one_epoch(run, meter)
-        progress.end_line()
+        meter.progress.end_line()
         if run.preempted:  # checkpoint already written; leave for the requeue
             return
         save_run(run)  # before the kNN pass: a preemption during it loses nothing
@@ -321,7 +315,11 @@ def fit(run: MocoRun) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_script(MocoConfig, argv, __doc__.split("\n")[0], setup, fit)
+    cfg = parse_args(MocoConfig, argv, __doc__)  # bad flags: one line, exit code 2
+    with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
+        run = setup(cfg, session)
+        fit(run)
+    return session.exit_code
 
 
 if __name__ == "__main__":

@@ -4,13 +4,13 @@
     python bench/accumulation.py --arch small_cnn --batch-size 32 --steps 5
 
 For A in {1, 2, 4, 8} it prints the bytes all-reduced per optimizer step divided by the gradient
-bytes (1.00 for our accumulator at every A; A for a loop that syncs on every micro-step), and the
-time per optimizer step of both variants, measured side by side in the same processes.
+bytes (1.00 with the scripts' ``no_sync`` on all but a window's last micro-step, at every A; A for
+a loop that syncs on every micro-step), and the time per optimizer step of both variants,
+measured side by side in the same processes.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -26,28 +26,24 @@ from ddp_utils.models.backbones import build_model  # noqa: E402
 from ddp_utils.runtime.collectives import all_gather_object  # noqa: E402
 from ddp_utils.runtime.dist import cleanup_distributed, init_distributed  # noqa: E402
 from ddp_utils.runtime.spawn import spawn_local  # noqa: E402
-from ddp_utils.train.accumulation import GradientAccumulator  # noqa: E402
+from ddp_utils.train.accumulation import no_sync, plan_windows  # noqa: E402
 
 ACCUM_STEPS = (1, 2, 4, 8)
 
 
-class SyncEveryMicroStep(GradientAccumulator):
-    """The naive loop: same scaling and stepping, but an all-reduce after every backward."""
-
-    def sync_context(self, micro):
-        return contextlib.nullcontext()
-
-
-def time_steps(model: DDP, accumulator: GradientAccumulator, batches, steps: int, traffic: dict) -> tuple[float, float]:
-    """Median seconds per optimizer step, and all-reduced bytes per optimizer step."""
+def time_steps(model: DDP, optimizer, batches, steps: int, traffic: dict, skip_sync: bool) -> tuple[float, float]:
+    """Median seconds per optimizer step, and all-reduced bytes per optimizer step; each step is
+    one window of all ``batches`` (``skip_sync``: no_sync on all but its last micro-step)."""
     times = []
     for step in range(steps + 1):  # the first step warms up (and lets DDP rebuild its buckets)
         traffic["bytes"] = 0
         torch.distributed.barrier()
         start = time.perf_counter()
-        for micro, (x, y) in accumulator.micro_batches(batches):
-            with accumulator.sync_context(micro):
-                accumulator.backward(nn.functional.cross_entropy(model(x), y), micro)
+        for micro, (x, y) in zip(plan_windows(len(batches), len(batches)), batches):
+            with no_sync(model, enabled=skip_sync and not micro.is_last):
+                (nn.functional.cross_entropy(model(x), y) / micro.window_size).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         torch.distributed.barrier()
         if step > 0:
             times.append(time.perf_counter() - start)
@@ -72,8 +68,8 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     for accum in ACCUM_STEPS:
         batches = [(torch.randn(args.batch_size, 3, args.image_size, args.image_size),
                     torch.randint(10, (args.batch_size,))) for _ in range(accum)]
-        ours_t, ours_b = time_steps(model, GradientAccumulator(model, optimizer, accum), batches, args.steps, traffic)
-        naive_t, naive_b = time_steps(model, SyncEveryMicroStep(model, optimizer, accum), batches, args.steps, traffic)
+        ours_t, ours_b = time_steps(model, optimizer, batches, args.steps, traffic, skip_sync=True)
+        naive_t, naive_b = time_steps(model, optimizer, batches, args.steps, traffic, skip_sync=False)
         rows.append((accum, ours_b / grad_bytes, naive_b / grad_bytes, ours_t, naive_t))
     rows_all = all_gather_object(rows)
     if info.is_main:

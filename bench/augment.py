@@ -3,8 +3,8 @@
     python bench/augment.py                      # MoCo v2, two views, 16 and 32 px, batch 256
     python bench/augment.py --samples 1024 --repeats 5
 
-The per-sample side is what the DataLoader runs today: ``moco_train_transform("cifar10", size,
-"v2")`` (decode, random resized crop, jitter p 0.8, grayscale, blur p 0.5, flip, normalise)
+The per-sample side is what the DataLoader runs on the loader path: ``view_transform`` of
+``moco_recipe("cifar10", size, "v2")`` (decode, random resized crop, jitter p 0.8, grayscale, blur p 0.5, flip, normalise)
 called image by image on 32x32 uint8 CIFAR-like tensors, two views each; the seeding that
 ``SeededTransform`` adds around it is left out, which flatters the per-sample side. The batched
 side is :class:`BatchAugment` with the same recipe on the same images, in batches, two views
@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ddp_utils.data import batch_augment as ba  # noqa: E402
-from ddp_utils.data.batch_augment import BatchAugment, moco_recipe  # noqa: E402
-from ddp_utils.data.sets import CIFAR10_MEAN, CIFAR10_STD  # noqa: E402
-from ddp_utils.data.transforms import moco_train_transform  # noqa: E402
+from ddp_utils.data.batch_augment import BatchAugment  # noqa: E402
+from ddp_utils.data.recipes import moco_recipe  # noqa: E402
+from ddp_utils.data.transforms import view_transform  # noqa: E402
 
 
 def _cpu_seconds(fn) -> float:
@@ -48,13 +48,13 @@ def _best_seconds(fns, repeats: int) -> list[float]:
 
 def per_sample_views(images: torch.Tensor, size: int):
     """Both views of every image, image by image, as the DataLoader's per-sample transform."""
-    two_crops = moco_train_transform("cifar10", size, "v2")
-    return lambda: [two_crops(image) for image in images]
+    view = view_transform(moco_recipe("cifar10", size, "v2"), "cifar10", size)
+    return lambda: [(view(image), view(image)) for image in images]
 
 
 def batched_views(images: torch.Tensor, size: int, batch: int):
     """Both views of every image, ``batch`` images at a time, with :class:`BatchAugment`."""
-    augment = BatchAugment(moco_recipe("v2", size, mean=CIFAR10_MEAN, std=CIFAR10_STD), size)
+    augment = BatchAugment(moco_recipe("cifar10", size, "v2"), size)
     index = torch.arange(len(images))
 
     def run():

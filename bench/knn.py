@@ -26,7 +26,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the gathered search is the tests' oracle
+import knn_reference as reference  # noqa: E402
+
 import ddp_utils.eval.knn as knn  # noqa: E402
 from ddp_utils.data.loading import eval_loader  # noqa: E402
 from ddp_utils.runtime.collectives import all_gather_object  # noqa: E402
@@ -41,7 +44,7 @@ GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_
 
 # ----------------------------------------------------------------------------- formulas
 def gathered_cost(M: int, D: int, N: int, k: int, W: int) -> dict:
-    """knn_accuracy_gathered: every rank ends with the whole fp32 bank (padded all_gather)."""
+    """The gathered search (tests/knn_reference.py): every rank ends with the whole fp32 bank."""
     m = math.ceil(M / W)
     return {"bank": M * (D * 4 + LABEL_BYTES), "received": (W - 1) * m * (D * 4 + LABEL_BYTES) + 16,
             "collectives": 5}  # 2 x (size exchange + all_gather) for features and labels, 1 all_reduce
@@ -68,7 +71,7 @@ class Probe:
 
     @contextmanager
     def installed(self):
-        real = {"sharded": knn.knn_predict_sharded, "gathered": knn.knn_predict}
+        real = {"sharded": knn.knn_predict_sharded, "gathered": reference.knn_predict}
         collectives = {n: getattr(dist, n) for n in GATHERS + ("all_reduce", "all_gather_object") if hasattr(dist, n)}
 
         def search(fn):
@@ -92,13 +95,13 @@ class Probe:
                     self.depth -= 1
             return wrapper
 
-        knn.knn_predict_sharded, knn.knn_predict = search(real["sharded"]), search(real["gathered"])
+        knn.knn_predict_sharded, reference.knn_predict = search(real["sharded"]), search(real["gathered"])
         for name, fn in collectives.items():
             setattr(dist, name, collective(name, fn))
         try:
             yield self
         finally:
-            knn.knn_predict_sharded, knn.knn_predict = real["sharded"], real["gathered"]
+            knn.knn_predict_sharded, reference.knn_predict = real["sharded"], real["gathered"]
             for name, fn in collectives.items():
                 setattr(dist, name, fn)
 
@@ -111,7 +114,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     val = TensorDataset(torch.randn(args.queries, args.dim, generator=gen), torch.randint(0, 100, (args.queries,), generator=gen))
     loaders = [eval_loader(data, None, batch_size=500, workers=0, rank=info.rank, world_size=info.world_size,
                            pin_memory=False) for data in (bank, val)]
-    modes = {"gathered": knn.knn_accuracy_gathered, "sharded": knn.knn_accuracy}
+    modes = {"gathered": reference.knn_accuracy_gathered, "sharded": knn.knn_accuracy}
     times: dict[str, list[float]] = {name: [] for name in modes}
     facts: dict[str, dict] = {}
     for round_ in range(args.rounds + 1):  # round 0 warms up and measures bytes

@@ -61,24 +61,24 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         times: dict[str, list[float]] = {}
         # The parts, one by one (the same work as MoCo.forward + backward + enqueue + update).
         q = timed(lambda: F.normalize(query(im_q), dim=1), times, "query forward+backward")
-        keys = timed(lambda: moco.keys_and_global(im_k), times, "key forward (shuffle BN)")
-        k = keys.local
+        keys = timed(lambda: moco.keys(im_k), times, "key forward (shuffle BN)")  # (W*N) x C
+        k = keys[rank * args.batch_size:(rank + 1) * args.batch_size]  # this rank's N x C
 
         def loss_and_backward():
             logits = torch.cat([(q * k).sum(1, keepdim=True), q @ moco.queue.clone()], dim=1) / moco.T
             contrastive_loss(logits)[0].backward()
 
         timed(loss_and_backward, times, "query forward+backward")
-        timed(lambda: moco.enqueue(keys.all_ranks, gathered=True), times, "enqueue")
+        timed(lambda: moco.enqueue(keys), times, "enqueue")
         timed(lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)), times, "optimizer step")
         timed(lambda: moco.momentum_update(0.999), times, "momentum update")
         with torch.no_grad():
             timed(lambda: moco.encoder_k(im_k), times, "bare key forward")
         # The real step, whole.
         start = time.perf_counter()
-        logits, all_keys = moco(im_q, im_k, query, global_keys=True)
+        logits, all_keys = moco(im_q, im_k, query)
         contrastive_loss(logits)[0].backward()
-        moco.enqueue(all_keys, gathered=True)
+        moco.enqueue(all_keys)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         moco.momentum_update(0.999)

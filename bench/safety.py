@@ -3,8 +3,8 @@
     python bench/safety.py                       # resnet18 (CIFAR stem), 32 px, batch 16 per rank
     python bench/safety.py --arch small_cnn --batch-size 64 --steps 40
 
-Runs the real training step of train_classifier.py (setup, train_one_epoch, after_optimizer_step)
-on synthetic data in four modes, interleaved over several rounds so that drift in the machine's
+Runs the real training step of train_classifier.py (setup in a RunSession, train_one_epoch) on
+synthetic data in four modes, interleaved over several rounds so that drift in the machine's
 speed hits them alike: the per-step agreement (one all_reduce + one host read: stop signals and
 non-finite losses) off and on, and on with a checkpoint every K steps (K = --ckpt-every, and 1).
 Prints the median seconds per optimizer step of each mode and its ratio to the first.
@@ -23,10 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train_classifier  # noqa: E402
 from ddp_utils.runtime.collectives import all_gather_object  # noqa: E402
-from ddp_utils.runtime.dist import cleanup_distributed, init_distributed  # noqa: E402
 from ddp_utils.runtime.spawn import spawn_local  # noqa: E402
-from ddp_utils.runtime.stopping import StepGuard  # noqa: E402
-from ddp_utils.train.monitor import Progress, StepMeter, TensorBoard  # noqa: E402
+from ddp_utils.runtime.stopping import StepVerdict  # noqa: E402
+from ddp_utils.train.session import RunSession  # noqa: E402
+from ddp_utils.train.step_policy import start_training  # noqa: E402
 
 
 def modes(ckpt_every: int) -> list[tuple[str, bool, int]]:
@@ -35,15 +35,23 @@ def modes(ckpt_every: int) -> list[tuple[str, bool, int]]:
             ("agreement on, checkpoint every step", True, 1)]
 
 
+def no_agreement(nonfinite, overflow=None) -> StepVerdict:
+    """The per-step agreement left out: no collective, no host read."""
+    return StepVerdict()
+
+
 def worker(rank: int, args: argparse.Namespace, out_dir: str) -> None:
     torch.set_num_threads(args.threads)
-    info = init_distributed("cpu")
     cfg = train_classifier.ClassifierConfig(dataset="synthetic", synthetic_samples=100_000, arch=args.arch,
                                             batch_size=args.batch_size, device="cpu", out=out_dir,
                                             keep_checkpoints=2, log_every=10**9)
-    run = train_classifier.setup(cfg, info)
-    Path(out_dir).mkdir(exist_ok=True)
-    meter = StepMeter(TensorBoard(None), Progress(10**9, 1, False), info.device, info.world_size, 10**9)
+    with RunSession(cfg) as session:
+        measure(rank, args, out_dir, train_classifier.setup(cfg, session))
+
+
+def measure(rank: int, args: argparse.Namespace, out_dir: str, run) -> None:
+    meter = start_training(run)
+    agreement = run.session.guard
 
     def steps(n: int) -> float:
         run.cfg.max_steps = run.state.step + n
@@ -56,7 +64,7 @@ def worker(rank: int, args: argparse.Namespace, out_dir: str) -> None:
     times: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for name, agree, ckpt_every in modes(args.ckpt_every):
-            run.accumulator.guard = StepGuard(None, info.device) if agree else None
+            run.session.guard = agreement if agree else no_agreement
             run.cfg.ckpt_every = ckpt_every
             times.setdefault(name, []).append(steps(args.steps))
     gathered = all_gather_object(times)
@@ -72,7 +80,6 @@ def worker(rank: int, args: argparse.Namespace, out_dir: str) -> None:
             seconds = max(statistics.median(t[name]) for t in gathered)
             base = base or seconds
             print(f"{name:40s} {seconds:8.3f} {seconds / base:7.3f}")
-    cleanup_distributed()
 
 
 def main() -> None:

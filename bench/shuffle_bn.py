@@ -5,7 +5,7 @@
 
 Old path (gather-based, kept here as the reference): all_gather the W*N key images, broadcast
 rank 0's permutation, keep N; all_gather the N x C keys to un-shuffle; all_gather them again
-for the queue. New path (``MoCo._shuffle_across_ranks`` + ``MoCo._unshuffle_and_gather``): no
+for the queue. New path (``models/shuffle_bn.py``: ``shuffle_to_ranks`` + ``gather_unshuffled``): no
 permutation is sent (every rank derives it from the shuffle seed and the key-batch count, on the
 CPU), one all_to_all in which each image goes only to the rank that encodes it, one all_gather
 of the keys that serves the un-shuffle and the queue.
@@ -17,7 +17,7 @@ Prints (markdown, ready for the README):
 3. wall time of the communication alone (no encoder: shuffle the images, bring the keys home
    and give the queue every rank's keys), median of a few repeats, old versus new;
 4. the host (CPU) time the new path spends deriving the permutation and its index plan
-   (``shuffle_permutation`` + ``shuffle_plan``) per key batch, at batch 32 per rank.
+   (``shuffle_permutation`` + ``plan_shuffle``) per key batch, at batch 32 per rank.
 
 Bytes: "received" is what a rank gets from its peers (its own share and images it keeps are not
 counted); "sent" is its own data handed to a collective for peers, counted once (a ring
@@ -35,10 +35,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ddp_utils.models.moco import MoCo, shuffle_permutation, shuffle_plan  # noqa: E402
+from ddp_utils.models.shuffle_bn import (  # noqa: E402
+    gather_unshuffled,
+    plan_shuffle,
+    shuffle_permutation,
+    shuffle_to_ranks,
+)
 from ddp_utils.runtime.collectives import all_gather_object, broadcast_, concat_all_gather  # noqa: E402
 from ddp_utils.runtime.dist import cleanup_distributed, get_rank, get_world_size, init_distributed  # noqa: E402
 from ddp_utils.runtime.spawn import spawn_local  # noqa: E402
@@ -67,10 +71,19 @@ def old_step(x: torch.Tensor, encoded: torch.Tensor, perm: torch.Tensor | None =
     return concat_all_gather(local)  # and once more for the queue
 
 
-@torch.no_grad()
-def new_step(moco: MoCo, x: torch.Tensor, encoded: torch.Tensor) -> torch.Tensor:
-    shuffled, unshuffle = moco._shuffle_across_ranks(x)
-    return moco._unshuffle_and_gather(encoded[: shuffled.shape[0]], unshuffle).all_ranks
+class NewPath:
+    """The new path's communication, as ``MoCo.keys`` does it: key batch number ``count``."""
+
+    def __init__(self):
+        self.count = 0
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor, encoded: torch.Tensor) -> torch.Tensor:
+        world = get_world_size()
+        plan = plan_shuffle(shuffle_permutation(0, self.count, world * len(x)), get_rank(), world, x.device)
+        self.count += 1
+        shuffled = shuffle_to_ranks(x, plan)
+        return gather_unshuffled(encoded[: shuffled.shape[0]], plan)
 
 
 # ----------------------------------------------------------------------------- byte counting
@@ -132,7 +145,7 @@ def planning_ms(world: int, n: int, repeats: int) -> float:
     times = []
     for count in range(repeats):
         start = time.perf_counter()
-        shuffle_plan(shuffle_permutation(0, count, world * n), world // 2, world)
+        plan_shuffle(shuffle_permutation(0, count, world * n), world // 2, world, torch.device("cpu"))
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -148,16 +161,16 @@ def timed(fn) -> float:
 
 def worker(rank: int, args: argparse.Namespace, out_dir: str) -> None:
     info = init_distributed("cpu")
-    moco = MoCo(nn.Identity(), dim=KEY_DIM, K=16)
+    new_step = NewPath()
     torch.manual_seed(rank)
     results = []
     for size, n in SETTINGS:
         x = torch.randn(n, 3, size, size)
         encoded = torch.nn.functional.normalize(torch.randn(n, KEY_DIM), dim=1)
         old_steps = lambda: old_step(x, encoded)  # noqa: E731
-        new_steps = lambda: new_step(moco, x, encoded)  # noqa: E731
+        new_steps = lambda: new_step(x, encoded)  # noqa: E731
         # the new path's next permutation, given to the old one: the same global keys
-        perm = shuffle_permutation(moco.shuffle_seed, moco._shuffles, get_world_size() * n)
+        perm = shuffle_permutation(0, new_step.count, get_world_size() * n)
         reference = old_step(x, encoded, perm)
         assert torch.equal(new_steps(), reference)
         counts = {}

@@ -5,10 +5,10 @@ per-sample loader augmentation against the batched device module, measured side 
     python bench/throughput.py --script classifier --arch resnet18 --device cuda --batch-size 512
     python bench/throughput.py --script moco --arch resnet50 --image-size 224 --batch-size 128 --preset v2
 
-One process. The run is built as ``run_script`` builds it: the script's own config class parsed
-from the flags (any flag this tool does not know, e.g. ``--preset v2`` or ``--moco-k 4096``, goes
-to the script), validated, ``init_distributed``, ``resolve_amp`` + ``configure_backends``, then
-the script's ``setup(cfg, info)``; nothing is written under runs/ (``--out`` is a temp folder).
+One process. The run is built as the script's ``main`` builds it: the script's own config class
+parsed from the flags (any flag this tool does not know, e.g. ``--preset v2`` or ``--moco-k 4096``,
+goes to the script) by ``parse_args``, a ``RunSession``, then the script's ``setup(cfg, session)``;
+nothing is written under runs/ (``--out`` is a temp folder).
 Each round measures, in this order:
 
 * step: ``--steps`` optimizer steps of the script's own ``train_one_epoch`` (data fetch,
@@ -31,6 +31,7 @@ gather several configurations in one table (bench/gpu_check.sh).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 import tempfile
@@ -42,23 +43,19 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ddp_utils.config import UsageError, parse_config  # noqa: E402
+from ddp_utils.config import UsageError  # noqa: E402
 from ddp_utils.data.loading import SeededTransform, fit_for_pad_crop  # noqa: E402
+from ddp_utils.data.recipes import classifier_recipe, moco_recipe  # noqa: E402
 from ddp_utils.data.sets import in_memory_tensors  # noqa: E402
-from ddp_utils.data.transforms import (  # noqa: E402
-    classification_transforms,
-    classifier_device_recipe,
-    device_training_augmentation,
-    moco_device_recipe,
-    moco_train_transform,
-)
+from ddp_utils.data.transforms import training_augmentation  # noqa: E402
 from ddp_utils.models.moco import contrastive_loss  # noqa: E402
-from ddp_utils.runtime.dist import cleanup_distributed, detect_launch, init_distributed  # noqa: E402
-from ddp_utils.runtime.stopping import RunStopped, StepGuard  # noqa: E402
+from ddp_utils.runtime.dist import detect_launch  # noqa: E402
+from ddp_utils.runtime.stopping import RunStopped  # noqa: E402
 from ddp_utils.train.fast_path import memory_format, to_device  # noqa: E402
-from ddp_utils.train.monitor import Progress, StepMeter  # noqa: E402
 from ddp_utils.train.precision import autocast  # noqa: E402
-from ddp_utils.train.trainer import configure_backends, resolve_amp  # noqa: E402
+from ddp_utils.train.session import RunSession  # noqa: E402
+from ddp_utils.train.step_policy import start_training  # noqa: E402
+from ddp_utils.train.train_config import parse_args as parse_script_args  # noqa: E402
 
 SCRIPTS = {"classifier": ("train_classifier", "ClassifierConfig"), "moco": ("train_moco", "MocoConfig")}
 DATASETS = ("synthetic", "digits", "cifar10")  # in memory: both augmentation paths apply
@@ -83,23 +80,16 @@ def script_argv(args: argparse.Namespace, extra: list[str], out: str) -> list[st
     return argv + extra
 
 
-def build_run(args: argparse.Namespace, extra: list[str], out: str):
-    """(script module, run): config parsed, validated and resolved as ``run_script`` does."""
+def build_run(args: argparse.Namespace, extra: list[str], out: str, stack: contextlib.ExitStack):
+    """(script module, run): config parsed and the run set up as the script's ``main`` does, in a
+    session that ``stack`` closes."""
     module_name, config_name = SCRIPTS[args.script]
     script = importlib.import_module(module_name)
-    config_cls = getattr(script, config_name)
-    launch = detect_launch()
-    if launch.world_size != 1:
+    if detect_launch().world_size != 1:
         raise UsageError("one process only: run it with plain python, not torchrun or srun")
-    cfg = parse_config(config_cls, script_argv(args, extra, out), f"{module_name}.py flags")
-    cfg.validate(launch)
-    cfg.check_paths()
-    info = init_distributed(cfg.device, cfg.dist_timeout)
-    cfg.amp = resolve_amp(cfg.amp, info.device)
-    configure_backends(info.device)
-    run = script.setup(cfg, info)
-    run.accumulator.guard = StepGuard(None, info.device)  # the per-step agreement (start_run sets it)
-    return script, run
+    cfg = parse_script_args(getattr(script, config_name), script_argv(args, extra, out), f"{module_name}.py flags")
+    session = stack.enter_context(RunSession(cfg))
+    return script, script.setup(cfg, session)
 
 
 def sync(device: torch.device) -> None:
@@ -114,9 +104,8 @@ class RealSteps:
 
     def __init__(self, script, run):
         self.script, self.run = script, run
-        cfg = run.cfg
-        progress = Progress(run.total_steps, cfg.epochs, enabled=False)
-        self.meter = StepMeter(run.tb, progress, run.info.device, run.info.world_size, cfg.log_every)
+        self.meter = start_training(run)
+        self.meter.progress.enabled = False
 
     def __call__(self, steps: int) -> float:
         run = self.run
@@ -140,15 +129,11 @@ def floor_step_fn(args: argparse.Namespace, run):
     accum = cfg.accum_steps  # as many forward+backward passes per optimizer step as the real step
 
     def backward(loss: torch.Tensor) -> None:
-        loss = loss / accum
-        (loss if scaler is None else scaler.scale(loss)).backward()
+        scaler.scale(loss / accum).backward()
 
     def optimizer_step() -> None:
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        scaler.step(optimizer)  # a disabled scaler (no fp16) just steps
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
     if args.script == "classifier":
@@ -165,7 +150,7 @@ def floor_step_fn(args: argparse.Namespace, run):
         return step
 
     im_q, im_k = (to_device(v, device) for v in images)
-    moco, query = run.moco, run.query_encoder
+    moco, query = run.moco, run.network
     moco.train()
 
     def step() -> None:
@@ -211,11 +196,10 @@ def augmentation_fns(args: argparse.Namespace, run):
     size = cfg.resolved_image_size()
     n = min(args.aug_samples or cfg.batch_size, len(raw))
     if args.script == "classifier":
-        loader_tf, _ = classification_transforms(cfg.dataset, size, cfg.augment)
-        recipe, views = classifier_device_recipe(cfg.dataset, size, cfg.augment), 1
+        recipe, views = classifier_recipe(cfg.dataset, size, cfg.augment, cfg.normalization), 1
     else:
-        loader_tf = moco_train_transform(cfg.dataset, size, cfg.aug)
-        recipe, views = moco_device_recipe(cfg.dataset, size, cfg.aug), 2
+        recipe, views = moco_recipe(cfg.dataset, size, cfg.aug, cfg.crop_min, cfg.normalization), 2
+    loader_tf, _ = training_augmentation(recipe, cfg.dataset, size, cfg.seed, views, on_device=False)
     per_sample = DataLoader(SeededTransform(Samples([raw[i] for i in range(n)]), loader_tf, cfg.seed),
                             batch_size=n, num_workers=0)  # the loader path of a 0-worker DataLoader
 
@@ -223,7 +207,7 @@ def augmentation_fns(args: argparse.Namespace, run):
         for _ in per_sample:
             pass
 
-    _, device_augment = device_training_augmentation(recipe, cfg.dataset, size, cfg.seed, views)
+    _, device_augment = training_augmentation(recipe, cfg.dataset, size, cfg.seed, views, on_device=True)
     if run.loaders.on_device:  # the split the run already holds on the device (fitted by make_loaders)
         images = run.loaders.train.images[:n]
     else:
@@ -238,12 +222,9 @@ def augmentation_fns(args: argparse.Namespace, run):
 
 # ----------------------------------------------------------------------------- the measurement
 def measure(args: argparse.Namespace, extra: list[str]) -> dict:
-    with tempfile.TemporaryDirectory(prefix="throughput-") as tmp:
-        script, run = build_run(args, extra, str(Path(tmp) / "run"))
-        try:
-            return measure_run(args, script, run)
-        finally:
-            cleanup_distributed()
+    with tempfile.TemporaryDirectory(prefix="throughput-") as tmp, contextlib.ExitStack() as stack:
+        script, run = build_run(args, extra, str(Path(tmp) / "run"), stack)
+        return measure_run(args, script, run)
 
 
 def measure_run(args: argparse.Namespace, script, run) -> dict:

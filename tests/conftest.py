@@ -1,10 +1,51 @@
-"""Shared fixtures: a real one-node SLURM cluster, started once per test session when installed."""
+"""Shared fixtures: the reference runs that many tests compare against, each made once per test
+session, and a real one-node SLURM cluster, started once per session when installed.
+
+A reference run writes a checkpoint after every optimizer step; a resume test copies step k's
+checkpoint into a new folder, resumes it once and compares the end with the reference's."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+from helpers import CLASSIFIER_REF, MOCO_REF, SYMMETRIC_REF, Reference, assert_ok, run_cli
 from slurm_cluster import missing_tools, start_cluster, stop_cluster
+
+
+def _reference(tmp_path_factory, script: str, args: list[str]) -> Reference:
+    out = tmp_path_factory.mktemp("reference") / "run"
+    proc = run_cli(script, args + ["--ckpt-every", "1", "--keep-checkpoints", "100", "--out", str(out)], nproc=2)
+    assert_ok(proc)
+    return Reference(script, args, out, proc.stdout)
+
+
+@pytest.fixture(scope="session")
+def classifier_reference(tmp_path_factory) -> Reference:
+    return _reference(tmp_path_factory, "train_classifier.py", CLASSIFIER_REF)
+
+
+@pytest.fixture(scope="session")
+def moco_reference(tmp_path_factory) -> Reference:
+    return _reference(tmp_path_factory, "train_moco.py", MOCO_REF)
+
+
+@pytest.fixture(scope="session")
+def symmetric_reference(tmp_path_factory) -> Reference:
+    return _reference(tmp_path_factory, "train_moco.py", SYMMETRIC_REF)
+
+
+@pytest.fixture(scope="session")
+def trained_moco(tmp_path_factory) -> Path:
+    """A one-process MoCo run folder (small_cnn, 16 px, 5 steps) with its exported backbone:
+    what the probe, export, bad-input and recipe tests start from. Read it, never write into it."""
+    import train_moco
+
+    root = tmp_path_factory.mktemp("trained_moco")
+    args = ["--device", "cpu", "--image-size", "16", "--batch-size", "32", "--moco-k", "256", "--max-steps", "5",
+            "--knn-every", "0", "--export-backbone", str(root / "backbone.pt"), "--out", str(root / "run")]
+    assert train_moco.main(args) == 0
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -5,16 +5,15 @@ of it are saved), from when the graph saves it until the graph lets it go. Unlik
 resident memory (which the allocator's caching makes vary by 100 MiB from run to run), this is
 exact and repeatable: it is the memory a graph that outlives its micro-step would cost.
 
-mode "ours" uses GradientAccumulator (backward per micro-batch); mode "summed_loss" is the
-classic mistake of summing the window's losses and calling backward once, which keeps every
-micro-batch's graph alive until the end of the window.
+mode "ours" is the scripts' loop (a backward per micro-batch, then ``optimizer_step``); mode
+"summed_loss" is the classic mistake of summing the window's losses and calling backward once,
+which keeps every micro-batch's graph alive until the end of the window.
 """
 from __future__ import annotations
 
 import torch
+from helpers import bare_run, train_windows
 from torch import nn
-
-from ddp_utils.train.accumulation import GradientAccumulator
 
 MICRO_BATCH, SIZE, WIDTH = 32, 64, 32
 
@@ -65,13 +64,11 @@ def peak_saved_bytes(accum_steps: int, mode: str) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     batches = [(torch.randn(MICRO_BATCH, 3, SIZE, SIZE), torch.randint(10, (MICRO_BATCH,)))
                for _ in range(accum_steps)]
-    accumulator = GradientAccumulator(model, optimizer, accum_steps)
+    run = bare_run(model, optimizer, accum_steps=accum_steps)
     meter = SavedTensorMeter()
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         if mode == "ours":
-            for micro, (x, y) in accumulator.micro_batches(batches):
-                with accumulator.sync_context(micro):
-                    accumulator.backward(nn.functional.cross_entropy(model(x), y), micro)
+            train_windows(run, batches, lambda net, b: nn.functional.cross_entropy(net(b[0]), b[1]))
         else:
             total = sum(nn.functional.cross_entropy(model(x), y) for x, y in batches)
             (total / accum_steps).backward()

@@ -6,6 +6,7 @@ the tests that need it are skipped, except in CI (``CI=true``), where that is a 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -119,15 +120,23 @@ def start_cluster(base: Path) -> tuple[SlurmCluster, list[int]]:
     raise RuntimeError(f"SLURM node never became idle (state {state!r}); logs:\n{logs}")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def stop_cluster(pids: list[int]) -> None:
+    """SIGTERM to every daemon at once (a throw-away cluster has no state worth a clean shutdown),
+    SIGKILL to any still there after 3 s."""
     for pid in reversed(pids):  # slurmd, slurmctld, then munged if it was started here
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            continue
-        for _ in range(50):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
+    deadline = time.time() + 3
+    while time.time() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.05)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -1,17 +1,18 @@
 """Gradient accumulation: numerically the same as one big batch, one all-reduce per optimizer step,
-short windows scaled by their real length, and loss-scaler/clip work only on the synchronising step."""
+short windows scaled by their real length, and loss-scaler/clip work only in the optimizer step."""
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
-from helpers import assert_ok, load_ckpt, run_cli, run_on_ranks
+from helpers import assert_ok, bare_run, in_process, load_ckpt, run_cli, run_on_ranks, train_windows
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import train_classifier
 from ddp_utils.models.backbones import build_model
-from ddp_utils.train.accumulation import GradientAccumulator, MicroStep, plan_windows
+from ddp_utils.train.accumulation import MicroStep, plan_windows
 
 DIGITS_LENET = ["--dataset", "digits", "--arch", "lenet", "--no-augment", "--device", "cpu",
                 # constant LR: a cosine schedule's length depends on how many samples drop_last
@@ -19,14 +20,14 @@ DIGITS_LENET = ["--dataset", "digits", "--arch", "lenet", "--no-augment", "--dev
                 "--lr", "0.05", "--lr-schedule", "constant", "--epochs", "1", "--log-every", "1"]
 
 
-def test_accumulation_matches_one_big_batch(tmp_path):
-    """2 ranks x A=4 x batch 8 (torchrun) == 1 process x A=1 x batch 64, through the real CLI."""
+def test_accumulation_matches_one_big_batch(tmp_path, capsys):
+    """2 ranks x A=4 x batch 8 (torchrun) == 1 process x A=1 x batch 64, through the scripts."""
     steps = 4
     small = run_cli("train_classifier.py", DIGITS_LENET + ["--batch-size", "8", "--accum-steps", "4",
                     "--max-steps", str(steps), "--out", str(tmp_path / "ddp")], nproc=2)
     assert_ok(small)
-    big = run_cli("train_classifier.py", DIGITS_LENET + ["--batch-size", "64", "--accum-steps", "1",
-                  "--max-steps", str(steps), "--out", str(tmp_path / "single")], nproc=1)
+    big = in_process(train_classifier.main, DIGITS_LENET + ["--batch-size", "64", "--accum-steps", "1",
+                     "--max-steps", str(steps), "--out", str(tmp_path / "single")], capsys)
     assert_ok(big)
     a, b = load_ckpt(tmp_path / "ddp/checkpoint_last.pt"), load_ckpt(tmp_path / "single/checkpoint_last.pt")
     assert a["step"] == b["step"] == steps
@@ -47,7 +48,7 @@ def test_accumulation_matches_one_big_batch(tmp_path):
 def test_plan_windows_has_a_short_last_window():
     plan = plan_windows(10, 4)
     assert [m.window_size for m in plan] == [4] * 8 + [2] * 2
-    assert [m.syncs for m in plan] == [False, False, False, True] * 2 + [False, True]
+    assert [m.is_last for m in plan] == [False, False, False, True] * 2 + [False, True]
     assert plan_windows(3, 1) == [MicroStep(0, 1)] * 3
 
 
@@ -58,14 +59,12 @@ def test_short_final_window_is_scaled_by_its_real_size():
     model = nn.Linear(5, 3)
     batches = [(torch.randn(4, 5), torch.randint(3, (4,))) for _ in range(7)]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # update == -gradient
-    accumulator = GradientAccumulator(model, optimizer, accum_steps=3)
+    run = bare_run(model, optimizer, accum_steps=3)
+    windows = [batches[0:3], batches[3:6], batches[6:7]]  # what plan_windows(7, 3) makes of the epoch
     snapshots = []
-    for micro, (x, y) in accumulator.micro_batches(batches):
-        if micro.index == 0:
-            snapshots.append(copy.deepcopy(model))
-        with accumulator.sync_context(micro):
-            accumulator.backward(nn.functional.cross_entropy(model(x), y), micro)
-    windows = [batches[0:3], batches[3:6], batches[6:7]]
+    for window in windows:
+        snapshots.append(copy.deepcopy(model))
+        train_windows(run, window, lambda net, b: nn.functional.cross_entropy(net(b[0]), b[1]))
     final = model
     for before, after, window in zip(snapshots, snapshots[1:] + [final], windows):
         x = torch.cat([b[0] for b in window])
@@ -94,32 +93,31 @@ class _CountingScaler(torch.amp.GradScaler):
         return super().update(new_scale)
 
 
-def test_fp16_scaler_and_clipping_run_only_on_the_synchronising_micro_step():
+def test_fp16_scaler_and_clipping_run_only_in_the_optimizer_step():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     optimizer_steps = []
     optimizer.register_step_post_hook(lambda *_: optimizer_steps.append(1))
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     scaler = _CountingScaler()
-    accumulator = GradientAccumulator(model, optimizer, accum_steps=4, lr_scheduler=scheduler,
-                                      grad_scaler=scaler, clip_grad=1.0)
+    run = bare_run(model, optimizer, accum_steps=4, scaler=scaler, clip_grad=1.0)
     batches = [(torch.randn(4, 8), torch.randint(2, (4,))) for _ in range(10)]  # windows 4, 4, 2
-    results = []
-    for micro, (x, y) in accumulator.micro_batches(batches):
-        with accumulator.sync_context(micro), torch.autocast("cpu", dtype=torch.float16):
-            loss = nn.functional.cross_entropy(model(x), y)
-        results.append(accumulator.backward(loss, micro))
-        if not micro.syncs:  # gradients accumulate (still scaled) between optimizer steps
-            assert all(p.grad is not None for p in model.parameters())
-        else:  # ... and are released right after the step
-            assert all(p.grad is None for p in model.parameters())
+    grads_between = []
+
+    def loss(net, batch):
+        grads_between.append([p.grad is not None for p in net.parameters()])
+        with torch.autocast("cpu", dtype=torch.float16):
+            return nn.functional.cross_entropy(net(batch[0]), batch[1])
+
+    results = train_windows(run, batches, loss)
     steps = [r for r in results if r is not None]
-    assert len(steps) == 3
+    assert len(steps) == 3 and run.state.step == 3
+    # gradients accumulate (still scaled) within a window, and are released by the step
+    assert [all(g) for g in grads_between] == [False, True, True, True] * 2 + [False, True]
+    assert all(p.grad is None for p in model.parameters())
     # unscaled once per window; the optimizer steps on the unscaled gradients (no GradScaler.step)
     assert scaler.calls == {"unscale_": 3, "update": 3} and len(optimizer_steps) == 3
-    assert scheduler.last_epoch == 3
-    assert all(r.grad_norm is not None and not r.skipped for r in steps)
+    assert all(r.grad_norm is not None and r.applied for r in steps)
 
 
 def test_an_fp16_overflow_skips_the_step_and_lowers_the_scale():
@@ -127,17 +125,15 @@ def test_an_fp16_overflow_skips_the_step_and_lowers_the_scale():
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    accumulator = GradientAccumulator(model, optimizer, accum_steps=2, grad_scaler=scaler)
+    run = bare_run(model, optimizer, accum_steps=2, scaler=scaler)
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(3, 4)
-    results = []
-    for micro, scale in accumulator.micro_batches([1.0, float("inf")]):  # the 2nd micro-batch overflows
-        loss = (model(x) * scale).sum() if scale != float("inf") else (model(x) * 1e38).sum() * 1e38
-        results.append(accumulator.backward(loss, micro))
-    assert results[-1].skipped and results[-1].verdict.overflow
+    # the 2nd micro-batch's loss is finite (about 1e36), its scaled gradients overflow (x 1024)
+    results = train_windows(run, [1.0, 1e36], lambda net, scale: net(x).sum() * scale)
+    assert not results[-1].applied and results[-1].verdict.overflow and not results[-1].verdict.nonfinite_ranks
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing moved
     assert scaler.get_scale() == 2.0**9  # halved by update()
-    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters()) and run.state.step == 1
 
 
 # ----------------------------------------------------------------------------- communication
@@ -159,25 +155,41 @@ def _count_allreduce(info, accum_steps: int, optimizer_steps: int):
 
     model.register_comm_hook(None, counting_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    accumulator = GradientAccumulator(model, optimizer, accum_steps)
+    run = bare_run(model, optimizer, accum_steps=accum_steps)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    per_step = []
+    per_micro = []
+
+    def loss(net, batch):  # counts what the previous micro-step's backward sent
+        per_micro.append(dict(calls))
+        return nn.functional.cross_entropy(net(batch[0]), batch[1])
+
     batches = [(torch.randn(8, 32), torch.randint(4, (8,))) for _ in range(accum_steps * optimizer_steps)]
-    for micro, (x, y) in accumulator.micro_batches(batches):
-        before = dict(calls)
-        with accumulator.sync_context(micro):
-            step = accumulator.backward(nn.functional.cross_entropy(model(x), y), micro)
-        if step is None:
-            assert calls == before, "a no_sync micro-step communicated"
+    results = train_windows(run, batches, loss)
+    per_micro.append(dict(calls))
+    per_step = []
+    for before, after, result in zip(per_micro, per_micro[1:], results):
+        if result is None:
+            assert after == before, "a no_sync micro-step communicated"
         else:
-            per_step.append((calls["n"] - before["n"], calls["bytes"] - before["bytes"]))
+            per_step.append((after["n"] - before["n"], after["bytes"] - before["bytes"]))
     params = [p.detach().clone() for p in model.parameters()]
     return {"per_step": per_step, "grad_bytes": grad_bytes, "params": params}
 
 
+def _communication(info) -> dict:
+    """Both counts on one 2-rank job: bucket all-reduces for A = 1, 2, 4, and agreements for A = 3."""
+    return {"allreduce": {a: _count_allreduce(info, a, 3) for a in (1, 2, 4)},
+            "agreements": _count_agreements(info, 3, 2)}
+
+
+@pytest.fixture(scope="module")
+def communication(tmp_path_factory) -> list[dict]:
+    return run_on_ranks(_communication, tmp_path_factory.mktemp("communication"))
+
+
 @pytest.mark.parametrize("accum_steps", [1, 2, 4])
-def test_gradients_are_all_reduced_once_per_optimizer_step(tmp_path, accum_steps):
-    results = run_on_ranks(_count_allreduce, tmp_path, accum_steps, 3)
+def test_gradients_are_all_reduced_once_per_optimizer_step(communication, accum_steps):
+    results = [rank["allreduce"][accum_steps] for rank in communication]
     for r in results:
         assert len(r["per_step"]) == 3
         calls = [c for c, _ in r["per_step"]]
@@ -194,7 +206,6 @@ def _count_agreements(info, accum_steps: int, optimizer_steps: int):
     import torch.distributed as dist
 
     from ddp_utils.runtime import collectives
-    from ddp_utils.runtime.stopping import StepGuard
 
     calls = {"n": 0}
     real_all_reduce = dist.all_reduce
@@ -206,20 +217,20 @@ def _count_agreements(info, accum_steps: int, optimizer_steps: int):
     collectives.dist.all_reduce = counting_all_reduce
     torch.manual_seed(0)
     model = DDP(nn.Linear(8, 4))
-    accumulator = GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accum_steps,
-                                      guard=StepGuard(None, info.device))
-    per_micro = []
-    for micro, (x, y) in accumulator.micro_batches([(torch.randn(4, 8), torch.randint(4, (4,)))] *
-                                                   (accum_steps * optimizer_steps)):
-        before = calls["n"]
-        with accumulator.sync_context(micro):
-            accumulator.backward(nn.functional.cross_entropy(model(x), y), micro)
-        per_micro.append(calls["n"] - before)
-    return per_micro
+    run = bare_run(model, torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=accum_steps)
+    marks = []
+
+    def loss(net, batch):
+        marks.append(calls["n"])
+        return nn.functional.cross_entropy(net(batch[0]), batch[1])
+
+    train_windows(run, [(torch.randn(4, 8), torch.randint(4, (4,)))] * (accum_steps * optimizer_steps), loss)
+    marks.append(calls["n"])
+    return [b - a for a, b in zip(marks, marks[1:])]
 
 
-def test_the_stop_agreement_is_one_all_reduce_per_optimizer_step(tmp_path):
-    """Signals, Ctrl-C and non-finite losses travel in one collective, on the synchronising
+def test_the_stop_agreement_is_one_all_reduce_per_optimizer_step(communication):
+    """Signals, Ctrl-C and non-finite losses travel in one collective, on a window's last
     micro-step only (DDP's gradient all-reduce runs in C++ and is not counted here)."""
-    for per_micro in run_on_ranks(_count_agreements, tmp_path, 3, 2):
-        assert per_micro == [0, 0, 1, 0, 0, 1]
+    for rank in communication:
+        assert rank["agreements"] == [0, 0, 1, 0, 0, 1]

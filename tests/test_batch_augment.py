@@ -1,4 +1,5 @@
-"""Batched device augmentation (ddp_utils/data/batch_augment.py) against torchvision, per sample.
+"""Batched device augmentation (ddp_utils/data/batch_augment.py) against torchvision, per sample,
+and the per-sample pipelines built from the same recipes (ddp_utils/data/recipes.py).
 
 Every test is deterministic (fixed seeds). Statistical tolerances are sized so that a correct
 implementation would fail with probability below about 1e-4 on a fresh seed (each comment gives
@@ -8,6 +9,7 @@ step, a biased choice) move the statistic many times further.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,15 +18,8 @@ from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
 from ddp_utils.data import batch_augment as ba
-from ddp_utils.data.batch_augment import (
-    AugmentRecipe,
-    BatchAugment,
-    classifier_recipe,
-    moco_recipe,
-    photometric_only,
-    sample_crop_boxes,
-    uniforms,
-)
+from ddp_utils.data.batch_augment import BatchAugment, uniforms
+from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, moco_recipe, photometric_only
 
 # Two-sample Kolmogorov-Smirnov: P(D > c sqrt((n + m) / (n m))) <= 2 exp(-2 c^2), which is 1e-4
 # at c = sqrt(ln(2e4) / 2) = 2.23 (conservative for the discrete distributions compared here).
@@ -40,6 +35,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def _moco(aug: str, size: int, mean=None, std=None) -> AugmentRecipe:
+    """A MoCo view of colour images (flipped), with the given normalisation (none by default)."""
+    return replace(moco_recipe("cifar10", size, aug), mean=mean, std=std)
+
+
+def _pad_crop(size: int, flip: bool = True) -> AugmentRecipe:
+    """The classifier's 32 px view without normalisation (flipped unless digits)."""
+    return replace(classifier_recipe("cifar10" if flip else "digits", size), mean=None, std=None)
+
+
+def _crop_boxes(index: torch.Tensor, height: int, width: int, scale, ratio=(3 / 4, 4 / 3)) -> torch.Tensor:
+    return BatchAugment(AugmentRecipe(crop_scale=scale, crop_ratio=ratio), 8).crop_boxes(height, width, 0, 0, index)
 
 
 def ks_statistic(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -118,8 +127,8 @@ def test_runs_without_reading_values_on_the_host():
     here means the pipeline never synchronises a CUDA stream to read a value back."""
     images = torch.empty(4, 3, 32, 32, dtype=torch.uint8, device="meta")
     index = torch.empty(4, dtype=torch.int64, device="meta")
-    for recipe, size in [(moco_recipe("v2", 16, mean=(0.5,) * 3, std=(0.2,) * 3), 16),
-                         (moco_recipe("v1", 32), 32), (classifier_recipe(32), 32)]:
+    for recipe, size in [(_moco("v2", 16, mean=(0.5,) * 3, std=(0.2,) * 3), 16),
+                         (_moco("v1", 32), 32), (_pad_crop(32), 32)]:
         out = BatchAugment(recipe, size)(images, seed=0, epoch=0, index=index)
         assert out.device.type == "meta" and out.shape == (4, 3, size, size)
 
@@ -127,7 +136,7 @@ def test_runs_without_reading_values_on_the_host():
 # ----------------------------------------------------------------------------- the pipeline
 def test_shapes_dtype_range_and_input_types():
     images = colour_images(8, 32)
-    augment = BatchAugment(moco_recipe("v2", 16), 16)  # no normalisation: values stay in [0, 1]
+    augment = BatchAugment(_moco("v2", 16), 16)  # no normalisation: values stay in [0, 1]
     index = torch.arange(100, 108)
     out = augment(images, seed=1, epoch=2, index=index)
     assert out.shape == (8, 3, 16, 16) and out.dtype == torch.float32
@@ -138,7 +147,7 @@ def test_shapes_dtype_range_and_input_types():
     assert torch.equal(floats, kept)  # the input is left alone
     gray = images[:, :1]
     assert torch.equal(augment(gray, 1, 2, index), augment(gray.expand(-1, 3, -1, -1), 1, 2, index))
-    normalised = BatchAugment(moco_recipe("v2", 16, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3)), 16)
+    normalised = BatchAugment(_moco("v2", 16, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3)), 16)
     mean = torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)
     std = torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1)
     torch.testing.assert_close(normalised(images, 1, 2, index), (out - mean) / std)
@@ -157,8 +166,8 @@ def test_recipe_rejects_contradictions(fields):
 
 
 @pytest.mark.parametrize("threads", [1, 2])  # thread count changes how ops split the work
-@pytest.mark.parametrize("recipe, out", [(moco_recipe("v2", 16, mean=(0.5,) * 3, std=(0.2,) * 3), 16),
-                                         (moco_recipe("v1", 32), 32), (classifier_recipe(32), 32)])
+@pytest.mark.parametrize("recipe, out", [(_moco("v2", 16, mean=(0.5,) * 3, std=(0.2,) * 3), 16),
+                                         (_moco("v1", 32), 32), (_pad_crop(32), 32)])
 def test_a_sample_gets_the_same_pixels_whatever_its_batch(recipe, out, threads):
     torch.set_num_threads(threads)  # the autouse fixture restores the count afterwards
     images, index = colour_images(12, 32), torch.arange(40, 52)
@@ -177,7 +186,7 @@ def test_a_sample_gets_the_same_pixels_whatever_its_batch(recipe, out, threads):
 @pytest.mark.parametrize("height, width", [(24, 40), (10, 100)])  # the second mostly falls back
 def test_crop_boxes_follow_torchvision_distribution(height, width):
     n, scale, ratio = 4000, (0.08, 1.0), (3 / 4, 4 / 3)
-    ours = sample_crop_boxes(0, 0, torch.arange(n), height, width, scale, ratio).double()  # n x 4
+    ours = _crop_boxes(torch.arange(n), height, width, scale, ratio).double()  # n x 4
     image = torch.empty(3, height, width)
     with torch.random.fork_rng():  # torchvision draws from the global generator
         torch.manual_seed(0)
@@ -212,7 +221,7 @@ def test_resized_crops_are_torchvision_bilinear_inside_the_box():
     augment = BatchAugment(AugmentRecipe(crop_scale=(0.2, 1.0)), 32)
     out = augment(images, seed=0, epoch=0, index=index)
     boxes = augment.crop_boxes(32, 32, seed=0, epoch=0, index=index)
-    assert torch.equal(boxes, sample_crop_boxes(0, 0, index, 32, 32, (0.2, 1.0)))
+    assert torch.equal(boxes, _crop_boxes(index, 32, 32, (0.2, 1.0)))
     steps = torch.arange(32) + 0.5
     for image, result, (top, left, h, w) in zip(images, out, boxes.tolist()):
         expected = TF.resized_crop(image, top, left, h, w, [32, 32], antialias=True)
@@ -228,7 +237,7 @@ def test_resized_crops_are_torchvision_bilinear_inside_the_box():
 
 def test_pad_crop_offsets_are_uniform_and_windows_exact():
     n, pad = 4000, 4
-    augment = BatchAugment(classifier_recipe(32, flip=False), 32)
+    augment = BatchAugment(_pad_crop(32, flip=False), 32)
     assert augment.recipe.pad_crop == pad
     boxes = augment.crop_boxes(32, 32, seed=0, epoch=0, index=torch.arange(n))
     assert (boxes[:, 2:] == 32).all()
@@ -329,7 +338,7 @@ def test_probabilities_of_jitter_grayscale_blur_and_flip():
     assert torch.equal(mirrored, ~(flipped == images).flatten(1).all(1))  # flipped xor unchanged
     assert_binomial(int(mirrored.sum()), n, 0.5)
     for aug in ("v1", "v2"):  # in the full pipelines: no later step mixes the channels again
-        out = BatchAugment(moco_recipe(aug, 8), 8)(images, 0, 0, index)
+        out = BatchAugment(_moco(aug, 8), 8)(images, 0, 0, index)
         assert_binomial(int(all_equal_channels(out).sum()), n, 0.2)
 
 
@@ -337,7 +346,7 @@ def test_blur_sigma_is_drawn_uniformly_from_its_range():
     """The pipeline blurs with sigma = lo + (hi - lo) u, u the blur stream's second column."""
     images, index = as_float(colour_images(32, 8)), torch.arange(32)
     recipe = AugmentRecipe(blur_p=1.0, blur_sigma=(0.3, 1.7), blur_kernel=5)
-    u = uniforms(2, 1, index, ba._stream(1, ba._BLUR), 2)
+    u = uniforms(2, 1, index, 8 * 1 + ba._BLUR, 2)
     expected = ba._gaussian_blur(images, 0.3 + 1.4 * u[:, 1], 5)
     assert torch.equal(BatchAugment(recipe, 8)(images, seed=2, epoch=1, index=index, view=1), expected)
 
@@ -355,7 +364,7 @@ def test_grayscale_runs_before_or_after_the_jitter_as_the_recipe_says():
 
 def test_photometric_only_keeps_the_rest_of_the_pipeline():
     images, index = colour_images(16, 32), torch.arange(16)
-    recipe = moco_recipe("v2", 16, mean=(0.5,) * 3, std=(0.2,) * 3)
+    recipe = _moco("v2", 16, mean=(0.5,) * 3, std=(0.2,) * 3)
     rest = photometric_only(recipe)
     assert rest.crop_scale is None and rest.pad_crop == 0 and rest.flip and rest.mean == recipe.mean
     crops = BatchAugment(AugmentRecipe(crop_scale=recipe.crop_scale), 16)(images, 0, 0, index, view=1)
@@ -364,43 +373,48 @@ def test_photometric_only_keeps_the_rest_of_the_pipeline():
 
 
 # ----------------------------------------------------------------------------- recipes
-def _recipe_of(compose: T.Compose) -> AugmentRecipe:
-    """The AugmentRecipe that a per-sample torchvision pipeline describes (for the drift check)."""
-    fields: dict = {}
-
-    def strength(pair, centre):
-        return 0.0 if pair is None else round(pair[1] - centre, 6)
-
+def _steps(compose: T.Compose) -> list[str]:
+    """The per-sample pipeline's steps by name, with what a RandomApply wraps and its p."""
+    names = []
     for step in compose.transforms:
-        p, inner = (step.p, step.transforms[0]) if isinstance(step, T.RandomApply) else (1.0, step)
-        if isinstance(inner, T.RandomResizedCrop):
-            fields.update(crop_scale=inner.scale, crop_ratio=inner.ratio)
-        elif isinstance(inner, T.RandomCrop):
-            fields.update(pad_crop=inner.padding[0])
-        elif isinstance(inner, T.ColorJitter):
-            fields.update(jitter_p=p, jitter=(strength(inner.brightness, 1), strength(inner.contrast, 1),
-                                              strength(inner.saturation, 1), strength(inner.hue, 0)))
-        elif isinstance(inner, T.RandomGrayscale):
-            fields.update(gray_p=inner.p, gray_before_jitter="jitter" not in fields)
-        elif isinstance(inner, T.GaussianBlur):
-            fields.update(blur_p=p, blur_sigma=inner.sigma, blur_kernel=inner.kernel_size[0])
-        elif isinstance(inner, T.RandomHorizontalFlip):
-            fields.update(flip=True)
-        elif isinstance(inner, T.Normalize):
-            fields.update(mean=inner.mean, std=inner.std)
-    return AugmentRecipe(**fields)
+        if isinstance(step, T.RandomApply):
+            names.append(f"{type(step.transforms[0]).__name__}(p={step.p})")
+        else:
+            names.append(type(step).__name__)
+    return names
 
 
-def test_recipes_mirror_the_per_sample_pipelines():
-    from ddp_utils.data.sets import NORMALIZATION
-    from ddp_utils.data.transforms import classification_transforms, moco_view_transform
+@pytest.mark.parametrize("aug, colour", [
+    ("v1", ["RandomGrayscale", "ColorJitter"]),
+    ("v2", ["ColorJitter(p=0.8)", "RandomGrayscale", "GaussianBlur(p=0.5)"]),
+    ("v2-noblur", ["ColorJitter(p=0.8)", "RandomGrayscale"]),
+])
+def test_the_per_sample_pipeline_takes_the_recipes_steps_in_its_order(aug, colour):
+    from ddp_utils.data.transforms import view_transform
 
-    for dataset, size in [("cifar10", 32), ("cifar10", 16), ("imagefolder", 224)]:
-        mean, std = NORMALIZATION[dataset]
-        for aug in ("v1", "v2", "v2-noblur"):
-            expected = _recipe_of(moco_view_transform(dataset, size, aug))
-            assert moco_recipe(aug, size, mean=mean, std=std) == expected, (dataset, size, aug)
-    for dataset, flip in [("cifar10", True), ("digits", False)]:
-        mean, std = NORMALIZATION[dataset]
-        expected = _recipe_of(classification_transforms(dataset, 32, augment=True)[0])
-        assert classifier_recipe(32, flip=flip, mean=mean, std=std) == expected, dataset
+    recipe = moco_recipe("cifar10", 32, aug, crop_min=0.08)
+    pipeline = view_transform(recipe, "cifar10", 32)
+    assert _steps(pipeline) == ["ToImage", "RandomResizedCrop", "ToDtype", *colour, "RandomHorizontalFlip",
+                                "Normalize", "ToPureTensor"]
+    crop = pipeline.transforms[1]
+    assert crop.scale == (0.08, 1.0) and crop.ratio == recipe.crop_ratio
+    digits = view_transform(moco_recipe("digits", 16, aug), "digits", 16)  # float tensors, never flipped
+    assert _steps(digits) == ["RandomResizedCrop", *colour, "Normalize", "ToPureTensor"]
+    noise = view_transform(moco_recipe("synthetic", 16, aug), "synthetic", 16)  # no colour, no normalisation
+    assert _steps(noise) == ["RandomResizedCrop", "RandomHorizontalFlip", "ToPureTensor"]
+
+
+def test_the_classifier_recipes_and_their_pipelines():
+    from ddp_utils.data.transforms import view_transform
+
+    cifar = classifier_recipe("cifar10", 32)
+    assert (cifar.pad_crop, cifar.flip, cifar.crop_scale) == (4, True, None)
+    assert _steps(view_transform(cifar, "cifar10", 32)) == ["ToImage", "RandomCrop", "ToDtype",
+                                                             "RandomHorizontalFlip", "Normalize", "ToPureTensor"]
+    resized = view_transform(classifier_recipe("cifar10", 48), "cifar10", 48)  # resized to 48, then padded by 6
+    assert _steps(resized)[1:3] == ["Resize", "RandomCrop"] and resized.transforms[2].padding == [6, 6, 6, 6]
+    assert not classifier_recipe("digits", 32).flip
+    imagenet = classifier_recipe("imagefolder", 224)
+    assert imagenet.crop_scale == (0.08, 1.0) and imagenet.flip
+    plain = view_transform(classifier_recipe("cifar10", 32, augment=False), "cifar10", 32)
+    assert _steps(plain) == ["ToImage", "ToDtype", "Normalize", "ToPureTensor"]  # the evaluation pipeline

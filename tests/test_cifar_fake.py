@@ -108,6 +108,7 @@ def test_bypass_skips_only_cifar10s_md5(tmp_path, cifar):
 
 
 # ----------------------------------------------------------------------------- real CLIs
+@pytest.mark.slow
 def test_classifier_learns_fake_cifar_on_two_ranks(tmp_path, cifar):
     """The device path (the loader path is the one-process run above): uint8 images held on the
     device, padded crops and flips as a batch."""
@@ -155,6 +156,7 @@ def check_moco_run(proc, out, steps: int, world: int, batch: int, moco_k: int) -
     assert knn[-1][1] >= MIN_KNN_ACC, knn
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("aug_on", ["loader", "device"])
 def test_moco_on_fake_cifar_on_two_ranks(tmp_path, cifar, aug_on):
     out, aug_flags = tmp_path / "moco", ["--aug-on", aug_on]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, cli_env, run_cli, write_image_folder
+from helpers import REPO, cli_env, in_process, run_cli, write_image_folder
 
 import train_classifier
 import train_moco
@@ -30,12 +30,11 @@ class _Evil:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, Path]:
+def files(tmp_path_factory, trained_moco) -> dict[str, Path]:
     """Real checkpoints of both scripts and the broken inputs the cases point at."""
     root = tmp_path_factory.mktemp("inputs")
     common = ["--device", "cpu", "--max-steps", "1", "--batch-size", "16", "--image-size", "16"]
     assert train_classifier.main(common + ["--arch", "lenet", "--out", str(root / "cls")]) == 0
-    assert train_moco.main(common + ["--moco-k", "64", "--knn-every", "0", "--out", str(root / "moco")]) == 0
     (root / "corrupt.pt").write_bytes((root / "cls/checkpoint_last.pt").read_bytes()[:5000])
     torch.save({"model": _Evil(root / "PWNED")}, root / "evil.pt")
     (root / "a_file").write_text("not a folder\n")
@@ -43,7 +42,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     write_image_folder(root / "empty_class", per_class=2)
     (root / "empty_class/train/class9").mkdir()
     write_image_folder(root / "three_classes", per_class=2)
-    return {"cls": root / "cls/checkpoint_last.pt", "moco": root / "moco/checkpoint_last.pt",
+    return {"cls": root / "cls/checkpoint_last.pt", "moco": trained_moco / "run/checkpoint_last.pt",
             "corrupt": root / "corrupt.pt", "evil": root / "evil.pt", "marker": root / "PWNED",
             "a_file": root / "a_file", "no_train": root / "no_train", "empty_class": root / "empty_class",
             "cls_dir": root / "cls", "three_classes": root / "three_classes"}
@@ -128,19 +127,18 @@ CASES = [
     ("moco", ["--aug", "v9"], "argument --aug: invalid choice: 'v9'"),
     ("moco", ["--resume", "{cls}"], "a checkpoint of train_classifier.py, not of train_moco.py"),
     ("moco", ["--resume", "{moco}", "--image-size", "16", "--moco-k", "128", "--moco-dim", "64", "--no-mlp"],
-     "(--moco-dim: checkpoint 128, now 64; --moco-k: checkpoint 64, now 128; --mlp: checkpoint True, now False)"),
-    ("moco", ["--resume", "{moco}", "--image-size", "16", "--moco-k", "64", "--arch", "lenet"],
+     "(--moco-dim: checkpoint 128, now 64; --moco-k: checkpoint 256, now 128; --mlp: checkpoint True, now False)"),
+    ("moco", ["--resume", "{moco}", "--image-size", "16", "--moco-k", "256", "--arch", "lenet"],
      "--arch: checkpoint small_cnn, now lenet"),
-    ("moco", ["--resume", "{moco}", "--moco-k", "64", "--arch", "resnet18", "--batch-size", "16"],
+    ("moco", ["--resume", "{moco}", "--moco-k", "256", "--arch", "resnet18", "--batch-size", "16"],
      "--arch: checkpoint small_cnn, now resnet18"),
 ]
 IDS = [f"{script} {' '.join(args)}" for script, args, _ in CASES]
 # One case of each mechanism (argparse, flag checks, file checks agreed by the ranks, checkpoint
 # checks, data checks) also goes through a real interpreter, as a user types it.
 THROUGH_CLI = [IDS.index(i) for i in (
-    "classifier --batch-size 0", "classifier --lr nan", "classifier --batch-size 4096",
-    "classifier --resume {evil}", "classifier --out {cls_dir}", "classifier --device cuda",
-    "classifier --dataset imagefolder --data-dir {no_train}", "moco --resume {cls}",
+    "classifier --lr nan", "classifier --batch-size 0", "classifier --out {cls_dir}", "classifier --resume {evil}",
+    "classifier --dataset imagefolder --data-dir {no_train}",
 )]
 
 
@@ -202,7 +200,6 @@ def test_a_subset_through_the_real_cli(tmp_path, files):
 @pytest.mark.parametrize("args, message", [
     (["--batch-size", "0"], "--batch-size must be positive"),           # a flag check, before the group forms
     (["--resume", "{corrupt}"], "truncated or not a PyTorch checkpoint"),  # a file check, agreed by the ranks
-    (["--debug"], "--debug runs one process"),
 ])
 def test_bad_input_under_torchrun_is_printed_once(tmp_path, files, args, message):
     argv = [a.format(**{k: str(v) for k, v in files.items()}) for a in args]
@@ -217,10 +214,22 @@ def test_bad_input_under_torchrun_is_printed_once(tmp_path, files, args, message
     assert not (tmp_path / "r").exists()
 
 
+def test_debug_under_a_launcher_is_refused(tmp_path, capsys, monkeypatch):
+    """--debug is one process: as rank 0 of 2 (torchrun's variables), one line and exit 2 before
+    any process group forms."""
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(name, value)
+    proc = in_process(train_classifier.main, ["--debug", "--device", "cpu", "--out", str(tmp_path / "r")], capsys)
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1
+    assert "--debug runs one process; start it with plain `python`, not torchrun/srun" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_bad_fault_plan_is_a_usage_error(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("DDP_FAULT", "explode:1")
-    assert train_classifier.main(["--device", "cpu", "--out", str(tmp_path / "r")]) == 2
-    assert "DDP_FAULT='explode:1': expected KIND:RANK:STEP" in capsys.readouterr().err
+    proc = in_process(train_classifier.main, ["--device", "cpu", "--out", str(tmp_path / "r")], capsys)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "DDP_FAULT='explode:1': expected KIND:RANK:STEP" in proc.stderr
 
 
 # ----------------------------------------------------------------------------- every numeric flag
@@ -292,3 +301,34 @@ def readme_rows() -> list[str]:
             shown = shown.replace(placeholder, name)
         rows.append(f"| {script} | `{shown}` | {message.replace('|', chr(92) + '|')} |")
     return rows
+
+
+def test_a_one_line_load_error_is_reported_not_crashed_on(trained_moco, monkeypatch):
+    """load_state_dict errors are usually a header line and details; one that is a single line
+    must still give the one-line message, not an IndexError."""
+    from ddp_utils.models.backbones import build_model
+    from ddp_utils.train.pretrained import load_pretrained_backbone
+
+    model = build_model("small_cnn", 10, 16)
+
+    def refuse(state, strict=True):
+        raise RuntimeError("a tensor on the meta device cannot be loaded")
+
+    monkeypatch.setattr(model, "load_state_dict", refuse)
+    with pytest.raises(UsageError, match=r"does not fit this --arch/--image-size \(a tensor on the meta device"):
+        load_pretrained_backbone(model, trained_moco / "backbone.pt", "small_cnn")
+
+
+def test_a_flag_error_is_said_in_a_jobs_first_attempt_only_and_leaves_no_file(tmp_path, capsys, monkeypatch):
+    """torchrun restarts a failed group whatever the cause: the line comes from the first attempt;
+    nothing is written anywhere to remember it."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-17")
+    first = in_process(train_classifier.main, ["--batch-size", "0"], capsys)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    again = in_process(train_classifier.main, ["--batch-size", "0"], capsys)
+    assert (first.returncode, again.returncode) == (2, 2)
+    assert first.stderr.count("--batch-size must be positive") == 1 and again.stderr == ""
+    assert list(tmp_path.iterdir()) == []

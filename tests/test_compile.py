@@ -12,8 +12,9 @@ from helpers import assert_ok, load_ckpt, run_cli
 
 import train_moco
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
-                                reason="torch.compile's CPU backend (inductor) needs a C++ compiler")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
+                                 reason="torch.compile's CPU backend (inductor) needs a C++ compiler")]
 
 STEPS = ["--device", "cpu", "--dataset", "digits", "--batch-size", "16", "--accum-steps", "2",
          "--max-steps", "3", "--epochs", "1", "--image-size", "16"]

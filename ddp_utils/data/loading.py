@@ -1,10 +1,10 @@
-"""From raw data sets to batches: per-sample seeded transforms, the resumable distributed sampler,
-the exact evaluation sampler and the DataLoaders.
+"""From raw data sets to each rank's batches: the resumable distributed sampler, the exact
+evaluation sampler, per-sample seeded transforms, batches held and augmented on the device, the
+DataLoaders, and the kNN bank's fixed subset.
 
 Randomness: data order comes from ``DistributedSampler`` (seed + epoch, identical on every rank,
-then sharded); augmentation is seeded per sample from (seed, epoch, sample index), so each rank
-draws its own stream for its own samples and a resumed or re-sharded run applies exactly the same
-crops and flips as an uninterrupted one.
+then sharded); augmentation is a function of (seed, epoch, sample index), so a resumed or
+re-sharded run applies exactly the crops and flips of an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from typing import Callable, Iterator, Sized
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
+from .. import hashing
 from ..config import UsageError
 from .batch_augment import BatchAugment
 from .sets import in_memory_tensors, num_classes_of
@@ -26,14 +27,12 @@ Key = tuple[int, int]  # (epoch, sample index): what the training sampler yields
 
 
 class SeededTransform(Dataset):
-    """Applies ``transform`` to ``base[i]`` with the RNG seeded from (seed, epoch, i).
+    """``transform(base[i])`` with the RNG seeded from (seed, epoch, i).
 
     The key is an (epoch, index) pair from :class:`ResumableDistributedSampler`, so the epoch
-    travels with the index into the workers (persistent workers never see a stale epoch); a plain
-    index (evaluation) means epoch 0. The global RNG of the calling process is saved and restored
-    around the transform, so a loader without workers does not disturb the training process's own
-    random stream. ``with_key``: also return (epoch, index), for the half of the augmentation
-    that runs on the device afterwards (:class:`DeviceFinish`).
+    travels with the index into persistent workers; a plain index (evaluation) means epoch 0.
+    The caller's global RNG is restored afterwards. ``with_key``: also return (epoch, index), for
+    the half of the augmentation that runs on the device (:class:`DeviceFinish`).
     """
 
     def __init__(self, base: Dataset, transform: Transform | None, seed: int, with_key: bool = False):
@@ -47,7 +46,7 @@ class SeededTransform(Dataset):
         image, target = self.base[index]
         if self.transform is not None:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(hash((self.seed, epoch, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+                torch.manual_seed(hashing.seed(self.seed, epoch, index))
                 image = self.transform(image)
         return (image, target, epoch, index) if self.with_key else (image, target)
 
@@ -70,12 +69,9 @@ class DeviceAugment:
 
 
 class DeviceBatches:
-    """Training batches of an in-memory data set held once, as one tensor, on the training device.
-
-    Each batch is gathered by index in the sampler's order (the same order, sharding and resume
-    skip as the DataLoader path) and augmented as a whole with :class:`DeviceAugment`: no worker
-    processes, no per-sample Python, no host-to-device copy of images.
-    """
+    """Training batches of an in-memory data set held once, as one tensor, on the training device:
+    gathered by index in the sampler's order (the DataLoader path's order, sharding and resume
+    skip) and augmented as a whole; no workers, no per-sample Python, no image copies."""
 
     def __init__(self, images: torch.Tensor, targets: torch.Tensor, sampler: ResumableDistributedSampler,
                  batch_size: int, augment: DeviceAugment):
@@ -220,22 +216,35 @@ def fit_for_pad_crop(images: torch.Tensor, augment: BatchAugment) -> torch.Tenso
 
 
 def _private_generator() -> torch.Generator:
-    """Each new DataLoader iterator draws a worker base seed from its generator. Without one of
-    its own it would draw from the global RNG, and a resumed run (which starts an iterator at a
-    different point of that stream) would draw different shuffle-BN permutations afterwards.
-    Augmentation does not depend on it: SeededTransform seeds every sample itself."""
+    """Each DataLoader iterator draws its workers' base seed from this generator instead of the
+    global RNG, whose position a resumed run would otherwise shift."""
     return torch.Generator().manual_seed(0)
 
 
 def eval_loader(raw: Dataset, transform: Transform | None, *, batch_size: int, workers: int,
                 rank: int, world_size: int, pin_memory: bool) -> DataLoader:
-    """Sharded, in order, every sample exactly once over all ranks."""
+    """Sharded, in order, every sample exactly once over all ranks. Its workers are started for
+    each pass and leave after it: only the training loader keeps a resident pool."""
     data = SeededTransform(raw, transform, seed=0)
     return DataLoader(data, batch_size=batch_size, sampler=ShardedEvalSampler(data, world_size, rank),
-                      num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
+                      num_workers=workers, pin_memory=pin_memory, persistent_workers=False,
                       generator=_private_generator())
 
 
 def steps_per_epoch(batches_per_epoch: int, accum_steps: int) -> int:
     """Optimizer steps in one epoch, counting a shorter final window as a step."""
     return math.ceil(batches_per_epoch / accum_steps)
+
+
+def bank_subset(train_dataset: Dataset, n: int, seed: int) -> Subset:
+    """A fixed subset of ``n`` samples (all of them when ``n >= len``), indices in increasing
+    order, for a cheaper kNN bank: a function of (len, n, seed) alone, so the same on every rank,
+    at any world size and across resumes. A larger ``n`` with the same seed gives a superset."""
+    size = len(train_dataset)  # type: ignore[arg-type]
+    if n < 0:
+        raise ValueError(f"bank_subset: n must be >= 0, got {n}")
+    if n >= size:
+        return Subset(train_dataset, list(range(size)))
+    scores = hashing.ranking(hashing.key(seed), torch.arange(size))
+    chosen = torch.argsort(scores, stable=True)[:n].sort().values
+    return Subset(train_dataset, chosen.tolist())

@@ -1,43 +1,18 @@
 """Weighted k-nearest-neighbour accuracy of frozen features: MoCo's training monitor.
 
-The memory bank is the (un-augmented) training split's features; each validation image votes with
-its k most similar bank entries, weighted by exp(cosine / T) (Wu et al. 2018, as in the MoCo
-authors' CIFAR demo: k=200, T=0.1).
+The memory bank is the un-augmented training split's features; each validation image votes with
+its k most similar bank entries, weighted by exp(cosine / T) (Wu et al. 2018; the MoCo authors'
+CIFAR-10 demo: k=200, T=0.1).
 
-:func:`knn_accuracy` searches a *sharded* bank: each rank keeps only the bank rows it extracted
-(M/W x D; bf16 on CUDA, fp32 on CPU by default) and never sees the others. The validation
-features go round in steps of ``queries_per_step`` (all ranks together): one all_gather hands
-every rank all ranks' queries of the step, each rank takes its own top-k of them against its
-shard, and one all_to_all returns every list to the rank that owns the query, which merges the W
-lists into the global top-k and votes. Per pass: 1 + 2 x steps + 1 collectives, whatever the bank
-size (the first agrees on the sizes, the last sums the counts); one host sync, at the start.
+The bank stays sharded: each rank keeps only the rows it extracted (M/W x D; bf16 on CUDA). The
+validation features go round in steps of ``queries_per_step``: one all_gather hands every rank
+all ranks' queries of the step, each rank takes its own top-k against its shard, and one
+all_to_all returns each list to the query's owner, which merges the W lists and votes. The
+collectives per pass do not grow with the bank, and no rank ever holds all of it.
 
-Why all_gather + all_to_all: broadcasting each rank's chunk in turn needs W broadcasts per step
-(and gathering the lists to each owner in turn W more); an all_gather of equal, zero-padded chunks
-moves the same bytes in one collective, and so does one all_to_all for the lists (each rank
-receives only the lists of its own queries, not everyone's).
-
-:func:`knn_accuracy_gathered` is the previous implementation (the whole bank gathered on every
-rank, fp32), kept as the reference for tests and ``bench/knn.py``.
-
-Exactness and ties. With the bank stored in fp32 the sharded search selects the same neighbours
-and casts the same votes as the gathered one: similarities are the same fp32 matmul, the merged
-list is sorted by similarity as ``torch.topk``'s is, and the vote code is the same. Two caveats.
-(1) A BLAS may round a dot product differently in a very thin matrix (MKL: under 4 rows or 12
-columns, ~1e-7); the gathered search meets one when its last query chunk has 1-3 rows, the
-sharded one never (it pads). That changes a prediction only when two neighbours, or two classes'
-votes, are that close. (2) Ties: ``torch.topk`` does not say which of several equal similarities
-it keeps (on CPU neither the first nor the last), so the gathered search's choice at the k-th
-place is unspecified and cannot be reproduced. The sharded search breaks ties by the lower bank
-position in the gathered order (rank 0's rows first, each rank's in loader order): the same
-result for any ``queries_per_step`` and ``bank_block``. Ties only arise between exact duplicates,
-and matter only when such copies carry different labels at the k-th place; equality tests use
-tie-free data. The rule costs an int64 key per similarity (on CPU at D=512 the search takes
-~1.2-1.5x the gathered one's time; see bench/knn.py).
-
-A bf16 bank differs from the fp32 one by the rounding of the bank features only (queries and
-similarities stay fp32); it is exact against the gathered search over the same bf16-rounded bank.
-On CUDA the vote's ``scatter_add_`` is atomic, in both versions, so votes agree to float rounding.
+With an fp32 bank the predictions are those of a search over the whole gathered bank (tested
+against ``tests/knn_reference.py``). Ties go to the lower bank position in gathered order (rank
+0's rows first), whatever the step and block sizes; ``torch.topk`` leaves them unspecified.
 """
 from __future__ import annotations
 
@@ -47,17 +22,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader
 
-from ..runtime.collectives import all_gather_object, concat_all_gather, reduce_metrics
+from ..runtime.collectives import reduce_metrics
 from ..runtime.dist import get_rank, get_world_size, is_dist
 
 _TWO32 = 1 << 32
 _NO_NEIGHBOUR = -(1 << 63)  # the smallest int64: a list slot a rank with fewer than k rows cannot fill
 # BLAS libraries hand very thin matrices to other kernels, which round dot products differently
-# (MKL: under 4 rows or under 12 columns, ~1e-7). Every similarity matmul here has at least this
-# many query rows and bank rows (zero-padded), so copies of one feature get bit-identical
-# similarities whatever the shard, step and block sizes, and only the tie rule tells them apart.
+# (MKL: under 4 rows or 12 columns). Every similarity matmul here has at least this many query
+# and bank rows (zero-padded), so equal features get equal similarities whatever the sharding.
 _MIN_MATMUL = 16
 
 
@@ -78,49 +52,6 @@ def extract_features(backbone: nn.Module, loader: DataLoader, device: torch.devi
     if not feats:
         return torch.empty(0, 0, dtype=dtype, device=device), torch.empty(0, dtype=torch.long, device=device)
     return torch.cat(feats), torch.cat(labels)
-
-
-# ----------------------------------------------------------------------------- gathered (reference)
-@torch.no_grad()
-def gather_uneven(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate tensors whose first dimension differs between ranks (padded all_gather)."""
-    sizes = all_gather_object(x.shape[0])
-    padded = torch.zeros((max(sizes), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    padded[: x.shape[0]] = x
-    gathered = concat_all_gather(padded).view(len(sizes), max(sizes), *x.shape[1:])
-    return torch.cat([gathered[r, :n] for r, n in enumerate(sizes)])
-
-
-@torch.no_grad()
-def knn_predict(features: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor,
-                num_classes: int, k: int, T: float, chunk: int = 256) -> torch.Tensor:
-    """Predicted labels for ``features`` (n x D) from the bank (M x D), in chunks to bound memory."""
-    k = min(k, bank.shape[0])
-    preds = []
-    for start in range(0, features.shape[0], chunk):
-        sim = features[start:start + chunk] @ bank.T                      # c x M
-        top_sim, top_idx = sim.topk(k, dim=1)                               # c x k
-        weights = (top_sim / T).exp()
-        votes = torch.zeros(sim.shape[0], num_classes, device=sim.device)
-        votes.scatter_add_(1, bank_labels[top_idx], weights)                # c x classes
-        preds.append(votes.argmax(dim=1))
-    return torch.cat(preds) if preds else torch.empty(0, dtype=torch.long, device=features.device)
-
-
-@torch.no_grad()
-def knn_accuracy_gathered(backbone: nn.Module, bank_loader: DataLoader, val_loader: DataLoader,
-                          num_classes: int, device: torch.device, k: int = 200, T: float = 0.1) -> float:
-    """The previous :func:`knn_accuracy`: the whole train split's features (fp32) gathered on
-    every rank (M x D each: ~10 GB at ImageNet size). Kept as the reference."""
-    was_training = backbone.training
-    backbone.eval()
-    bank, bank_labels = extract_features(backbone, bank_loader, device)
-    bank, bank_labels = gather_uneven(bank), gather_uneven(bank_labels)  # the full train split
-    val, val_labels = extract_features(backbone, val_loader, device)     # this rank's shard
-    backbone.train(was_training)
-    correct = (knn_predict(val, bank, bank_labels, num_classes, k, T) == val_labels).sum().item()
-    total = reduce_metrics({"correct": correct, "count": len(val_labels)}, device)
-    return 100.0 * total["correct"] / total["count"]
 
 
 # ----------------------------------------------------------------------------- sharded
@@ -196,10 +127,8 @@ def knn_predict_sharded(features: torch.Tensor, bank: torch.Tensor, bank_labels:
     the ranks: this rank holds ``bank`` (m_r x D, any float dtype) and ``bank_labels`` (m_r).
 
     Every rank must call it (a rank with n_r = 0 or m_r = 0 too; an empty shard may be 0 x 0).
-    Steps of ``queries_per_step`` validation queries over all ranks (ceil(queries_per_step / W)
-    per rank, zero-padded) bound the memory: a step holds (W x that) x ``bank_block``
-    similarities, plus an int64 key for each. Equal to :func:`knn_predict` over the gathered bank
-    (see the module docstring for ties). No process group: no collectives.
+    Steps of ``queries_per_step`` queries over all ranks (zero-padded) bound the memory: a step
+    holds (W x that / W) x ``bank_block`` similarities, and an int64 key for each.
     """
     device, world, rank = features.device, get_world_size(), get_rank()
     mine = [bank.shape[0], features.shape[0], max(bank.shape[-1], features.shape[-1])]
@@ -212,7 +141,7 @@ def knn_predict_sharded(features: torch.Tensor, bank: torch.Tensor, bank_labels:
     steps = math.ceil(max(val_sizes) / per_rank)
     n = features.shape[0]
     if total == 0 or steps == 0:  # nothing to search, or nothing to classify (the same on every rank)
-        return torch.zeros(n, dtype=torch.long, device=device)  # knn_predict's argmax of no votes
+        return torch.zeros(n, dtype=torch.long, device=device)  # the argmax of no votes
     k_all, width = min(k, total), min(k, max(bank_sizes))  # global list length, per-rank list length
     first_pos = sum(bank_sizes[:rank])  # this shard's place in the gathered order, for ties
     bank = bank.reshape(-1, dim)
@@ -229,7 +158,7 @@ def knn_predict_sharded(features: torch.Tensor, bank: torch.Tensor, bank_labels:
         lists = packed.view(world, per_rank, width, 3).transpose(0, 1)      # per_rank x W x width x 3
         cand_keys = (lists[..., 0].long() * _TWO32 + lists[..., 1].long() + 2**31).reshape(per_rank, world * width)
         cand_labels = lists[..., 2].reshape(per_rank, world * width)
-        top_keys, pick = cand_keys.topk(k_all, dim=1)                       # sorted, like knn_predict's
+        top_keys, pick = cand_keys.topk(k_all, dim=1)                       # sorted by similarity
         top_sim = _similarities(top_keys)
         weights = (top_sim / T).exp()
         votes = torch.zeros(per_rank, num_classes, device=device)
@@ -241,8 +170,8 @@ def knn_predict_sharded(features: torch.Tensor, bank: torch.Tensor, bank_labels:
 @torch.no_grad()
 def local_bank(backbone: nn.Module, bank_loader: DataLoader, device: torch.device,
                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's shard of the memory bank: (m_r x D in ``dtype``, default
-    :func:`default_bank_dtype`), and its labels. All :func:`knn_accuracy` keeps of the bank."""
+    """This rank's shard of the memory bank (m_r x D in ``dtype``, default
+    :func:`default_bank_dtype`) and its labels."""
     return extract_features(backbone, bank_loader, device, dtype or default_bank_dtype(device))
 
 
@@ -251,12 +180,9 @@ def knn_accuracy(backbone: nn.Module, bank_loader: DataLoader, val_loader: DataL
                  num_classes: int, device: torch.device, k: int = 200, T: float = 0.1, *,
                  bank_dtype: torch.dtype | None = None, queries_per_step: int = 1024,
                  bank_block: int = 32768) -> float:
-    """Top-1 kNN accuracy (%) over the whole validation split, each sample counted once.
-
-    Each rank extracts and keeps its own shard of ``bank_loader`` (stored as ``bank_dtype``:
-    default bf16 on CUDA, fp32 on CPU) and the search is sharded (:func:`knn_predict_sharded`).
-    Every rank must call it. NaN when the validation split is empty.
-    """
+    """Top-1 kNN accuracy (%) over the whole validation split, each sample counted once; NaN
+    when it is empty. Every rank must call it; each keeps its own shard of ``bank_loader``. Host
+    reads: the shard sizes at the start, the correct count and the final sum."""
     was_training = backbone.training
     backbone.eval()
     try:
@@ -269,37 +195,3 @@ def knn_accuracy(backbone: nn.Module, bank_loader: DataLoader, val_loader: DataL
     correct = (preds == val_labels).sum().item()
     total = reduce_metrics({"correct": correct, "count": len(val_labels)}, device)
     return 100.0 * total["correct"] / total["count"] if total["count"] else math.nan
-
-
-# ----------------------------------------------------------------------------- a cheaper bank
-def _splitmix64(x):
-    """SplitMix64's finaliser on a numpy uint64 array (wrapping arithmetic is defined there)."""
-    import numpy as np
-
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def bank_subset(train_dataset: Dataset, n: int, seed: int) -> Subset:
-    """A fixed subset of ``n`` samples of ``train_dataset`` for a cheaper kNN bank (all of it
-    when ``n >= len``), indices in increasing order.
-
-    A function of (len, n, seed) alone: the same on every rank, for any world size, and across
-    runs, resumes and library versions (each index gets a SplitMix64 hash of (seed, index), the
-    ``n`` smallest win; no RNG stream whose algorithm could change). A larger ``n`` with the same
-    seed gives a superset.
-    """
-    import numpy as np
-
-    size = len(train_dataset)  # type: ignore[arg-type]
-    if n < 0:
-        raise ValueError(f"bank_subset: n must be >= 0, got {n}")
-    if n >= size:
-        return Subset(train_dataset, list(range(size)))
-    with np.errstate(over="ignore"):
-        scores = _splitmix64(_splitmix64(np.array([seed], dtype=np.int64).astype(np.uint64))
-                             ^ np.arange(size, dtype=np.uint64))
-    chosen = np.sort(np.argsort(scores, kind="stable")[:n])
-    return Subset(train_dataset, chosen.tolist())

@@ -1,1 +1,2 @@
-"""Networks: the backbones (``backbones``) and MoCo's encoders, queue and shuffle BN (``moco``)."""
+"""Networks: the backbones (``backbones``), MoCo (``moco``) and its shuffle BN (``shuffle_bn``),
+and the linear probe (``probe``)."""

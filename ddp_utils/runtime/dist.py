@@ -164,13 +164,25 @@ def shared_gpu_problem(gpus: list[tuple[str, str | None]]) -> str | None:
     return None
 
 
-def select_device(requested: str, launch: LaunchEnv) -> tuple[torch.device, str]:
-    """Pick the device and the matching backend: CUDA + NCCL where possible, else CPU + gloo."""
+def check_device(requested: str, launch: LaunchEnv) -> None:
+    """Raise :class:`UsageError` (one line) if ``--device`` cannot work on this machine."""
     if requested not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device {requested}: choose auto, cpu or cuda")
     if requested == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu (or auto)")
     if requested != "cpu" and torch.cuda.is_available():
+        cuda_index(launch.local_rank, launch.local_world_size, torch.cuda.device_count(), launch.launcher)
+
+
+def device_type(requested: str) -> str:
+    """"cuda" or "cpu": what ``--device`` resolves to on this machine."""
+    return "cuda" if requested != "cpu" and torch.cuda.is_available() else "cpu"
+
+
+def select_device(requested: str, launch: LaunchEnv) -> tuple[torch.device, str]:
+    """Pick the device and the matching backend: CUDA + NCCL where possible, else CPU + gloo."""
+    check_device(requested, launch)
+    if device_type(requested) == "cuda":
         index = cuda_index(launch.local_rank, launch.local_world_size, torch.cuda.device_count(),
                            launch.launcher)
         torch.cuda.set_device(index)
@@ -183,8 +195,8 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0,
     """Initialise the process group for torchrun, srun or a single process.
 
     ``timeout_s`` bounds every collective: a peer that died makes the others fail after this many
-    seconds instead of hanging the job until its wall-clock limit. A device problem (``--device
-    cuda`` without CUDA, more workers than GPUs) raises :class:`UsageError` before any rendezvous.
+    seconds instead of hanging the job until its wall-clock limit. A device that cannot work
+    raises :class:`UsageError` before any rendezvous (see :func:`check_device`).
     """
     launch = detect_launch(env)
     torch_device, backend = select_device(device, launch)
@@ -219,6 +231,17 @@ def _bracket_ipv6(host: str | None) -> str:
     if host is None:
         raise RuntimeError("no master address: set MASTER_ADDR or launch with torchrun/srun")
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare module under DistributedDataParallel and torch.compile (what checkpoints store)."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile's wrapper
+            model = model._orig_mod
+        else:
+            return model
 
 
 def cleanup_distributed() -> None:

@@ -1,23 +1,23 @@
 """Fault injection for the tests (and for anyone checking their cluster's restart path).
 
 ``DDP_FAULT="KIND:RANK:STEP[,KIND:RANK:STEP...]"`` makes rank RANK misbehave at optimizer step
-STEP, only in the first attempt of a job (torchrun restart count and SLURM requeue count 0), so a
-restarted job runs clean:
+STEP, in a job's first attempt only (torchrun restart count and SLURM requeue count 0):
 
 * ``kill``  after step STEP, the process kills itself with SIGKILL (like ``kill -9`` of a worker);
 * ``raise`` after step STEP, the process raises RuntimeError("injected fault ...");
-* ``nan``   the loss of step STEP (its first micro-batch) becomes NaN on that rank.
+* ``nan``   the network's first training forward of step STEP returns NaN on that rank.
 
-Unset (the normal case) every hook is a no-op.
+The training loops never see it: the ``nan`` fault is a forward hook on the network, the others
+run after each optimizer step. Unset (the normal case) nothing is installed.
 """
 from __future__ import annotations
 
 import os
 import signal
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
-import torch
+from torch import nn
 
 from ..config import UsageError
 from .dist import restart_count
@@ -53,17 +53,28 @@ class FaultPlan:
             faults.append(Fault(kind, int(rank), int(step)))
         return cls(tuple(faults))
 
-    def _planned(self, kind: str, rank: int, step: int) -> bool:
-        return Fault(kind, rank, step) in self.faults
+    def _steps(self, kind: str, rank: int) -> set[int]:
+        return {f.step for f in self.faults if f.kind == kind and f.rank == rank}
 
-    def poison(self, loss: torch.Tensor, rank: int, step: int, first_micro: bool) -> torch.Tensor:
-        """The loss, or NaN where a ``nan`` fault is planned for this rank and step."""
-        if first_micro and self._planned("nan", rank, step):
-            return loss * float("nan")
-        return loss
+    def install(self, module: nn.Module, rank: int, step_in_progress: Callable[[], int]) -> None:
+        """The ``nan`` faults of ``rank``: ``module``'s first training forward of each such step
+        (``step_in_progress()``, counted from 1) returns NaN."""
+        steps = self._steps("nan", rank)
+        if not steps:
+            return
+        fired: set[int] = set()
+
+        def poison(module: nn.Module, inputs, output):
+            step = step_in_progress()
+            if module.training and step in steps and step not in fired:
+                fired.add(step)
+                return output * float("nan")
+            return output
+
+        module.register_forward_hook(poison)
 
     def after_step(self, rank: int, step: int) -> None:
-        if self._planned("kill", rank, step):
+        if step in self._steps("kill", rank):
             os.kill(os.getpid(), signal.SIGKILL)
-        if self._planned("raise", rank, step):
+        if step in self._steps("raise", rank):
             raise RuntimeError(f"injected fault ({ENV}) on rank {rank} after step {step}")

@@ -1,20 +1,8 @@
-"""How a run stops: signals, the one agreement per optimizer step, and the exit codes.
+"""How a run stops: signals, the one agreement of all ranks per optimizer step, and exit codes.
 
-Exit codes of both training scripts:
-
-====  =====================================================================================
-0     finished; or preempted (SIGUSR1/SIGTERM): checkpoint + ``PREEMPTED`` marker, requeue me
-1     a crash, a lost peer, or a checkpoint that could not be written (the previous one is kept)
-2     bad input: one line naming the fix, printed by rank 0, before any work
-3     a non-finite (NaN/Inf) loss: that step was not applied; the last good checkpoint is kept
-130   interrupted (Ctrl-C): the step in progress finished and a checkpoint was written
-====  =====================================================================================
-
-Signals only set a flag (I/O or collectives inside a handler can deadlock). After the last
-backward of each optimizer step, and before ``optimizer.step()``, the ranks agree on three
-numbers with *one* all_reduce: any rank signalled to stop (preemption), any rank interrupted,
-how many ranks saw a non-finite loss in the window. Every rank therefore takes the same decision
-after the same step: skip a non-finite step or stop on it, checkpoint and stop, or go on.
+Signal handlers only record what came (I/O or collectives inside a handler can deadlock). After
+the last backward of each optimizer step, before ``optimizer.step()``, the ranks agree with one
+all_reduce (:class:`StepGuard`), so every rank takes the same decision after the same step.
 """
 from __future__ import annotations
 
@@ -31,6 +19,18 @@ from .collectives import all_reduce_sum
 log = logging.getLogger("train")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NONFINITE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+# code: (when, what is on disk afterwards); README's table is generated from it
+EXIT_CODES = {
+    EXIT_OK: ("finished; or preempted (SIGUSR1/SIGTERM)",
+              "a checkpoint of the last step; `PREEMPTED` when preempted (the SLURM script requeues)"),
+    EXIT_FAILURE: ("a crash, a lost peer, a checkpoint that could not be written",
+                   "the previous checkpoints, untouched"),
+    EXIT_USAGE: ("bad input: one line naming the fix, before any work", "nothing new"),
+    EXIT_NONFINITE: ("a NaN or Inf loss (beyond `--skip-nonfinite`), or weights that became NaN or Inf",
+                     "the last good checkpoint; the bad step was not applied"),
+    EXIT_INTERRUPTED: ("Ctrl-C", "the first Ctrl-C during training: a checkpoint of the optimizer step in "
+                       "progress, which finishes; a second Ctrl-C, or one before training starts: nothing new"),
+}
 MARKER = "PREEMPTED"
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -45,10 +45,7 @@ class RunStopped(Exception):
 
 class StopSignals:
     """SIGUSR1/SIGTERM (preemption) and SIGINT (Ctrl-C) handlers that only record what came.
-
-    Ctrl-C before training starts, or a second Ctrl-C, raises KeyboardInterrupt at once; the first
-    one during training asks for a checkpoint after the step in progress.
-    """
+    Ctrl-C before training starts, or a second one, raises KeyboardInterrupt at once."""
 
     def __init__(self, out_dir: str | Path, announce: bool):
         self.marker = Path(out_dir) / MARKER
@@ -63,7 +60,7 @@ class StopSignals:
         self.training = True
 
     def close(self) -> None:
-        """Give the signals back to their previous handlers (the run is over)."""
+        """Give the signals back to their previous handlers."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
@@ -97,7 +94,7 @@ class StepVerdict:
     nonfinite_ranks: int = 0   # ranks whose loss was NaN or Inf in this window
     preempted: bool = False    # a rank received SIGUSR1/SIGTERM
     interrupted: bool = False  # a rank received Ctrl-C
-    overflow: bool = False     # fp16: some gradient overflowed after unscaling (the scaler skips the step)
+    overflow: bool = False     # fp16: a gradient overflowed after unscaling (the step is skipped)
 
     @property
     def stop(self) -> bool:
@@ -105,30 +102,22 @@ class StepVerdict:
 
 
 class StepGuard:
-    """The per-step agreement: one all_reduce of four int32 and one device-to-host read.
-
-    Kept cheap on a GPU: the non-finite flag is accumulated on the device over the window's
-    micro-steps (no host sync per micro-step); the signal flags are written into a preallocated
-    device tensor (a fill kernel, no copy from host memory); fp16's overflow flag comes from the
-    unscaled gradients on the device; the four numbers travel in one collective; ``tolist()`` is
-    the step's single host synchronisation, needed anyway because Python must branch on the
-    answer before ``optimizer.step()``. With accumulation it happens once per ``accum_steps``
-    micro-batches.
-    """
+    """The per-step agreement: one all_reduce of four int32 and one device-to-host read, the
+    optimizer step's only one (Python must branch on it before ``optimizer.step()``). The flags
+    are written on the device; the non-finite and overflow flags are computed there."""
 
     def __init__(self, signals: StopSignals | None, device: torch.device):
         self.signals = signals
         self.flags = torch.zeros(4, dtype=torch.int32, device=device)
 
-    def __call__(self, nonfinite: torch.Tensor | None, overflow: torch.Tensor | None = None) -> StepVerdict:
+    def __call__(self, nonfinite: torch.Tensor, overflow: torch.Tensor | None = None) -> StepVerdict:
         flags = self.flags
         flags.zero_()
         if self.signals is not None and self.signals.preempt_signal is not None:
             flags[0] = 1
         if self.signals is not None and self.signals.interrupted:
             flags[1] = 1
-        if nonfinite is not None:
-            flags[2].copy_(nonfinite)
+        flags[2].copy_(nonfinite)
         if overflow is not None:
             flags[3].copy_(overflow)
         preempted, interrupted, nonfinite_ranks, overflow_ranks = all_reduce_sum(flags).tolist()

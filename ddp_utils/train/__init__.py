@@ -1,2 +1,3 @@
-"""Training: the config both scripts share, gradient accumulation, LR schedule, precision,
-checkpoints and run folders, resume, monitoring, pretrained weights, and the run skeleton."""
+"""Training: the shared config and command line, the session around a run, build helpers, the run
+record, accumulation and the optimizer step, what happens between steps, schedule, precision,
+checkpoints, resume and run folders, monitoring, pretrained weights."""

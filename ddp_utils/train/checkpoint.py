@@ -1,4 +1,5 @@
-"""Checkpoints: written atomically by rank 0 with a short history, read back as data only.
+"""Checkpoints: what one holds, written atomically by rank 0 with a short history, read back
+as data only (``torch.load(..., weights_only=True)``).
 
 ``OUT/checkpoint_last.pt`` is the newest; ``checkpoint_prev1.pt`` ... ``checkpoint_prev{N-1}.pt``
 are older ones (``--keep-checkpoints N``). A new checkpoint is written to a temp file and fsynced;
@@ -14,23 +15,41 @@ import pickle
 import random
 import re
 import zipfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..runtime.collectives import all_gather_object, broadcast_object
-from ..runtime.dist import get_rank, get_world_size
-from ..runtime.stopping import EXIT_FAILURE, RunStopped
+from ..config import config_dict
+from ..runtime.collectives import all_gather_object, all_reduce_sum, broadcast_object
+from ..runtime.dist import get_rank, unwrap
+from ..runtime.stopping import EXIT_FAILURE, EXIT_NONFINITE, RunStopped
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from .run import TrainRun
+
+log = logging.getLogger("train")
 LAST = "checkpoint_last.pt"
 _PREVIOUS = re.compile(r"checkpoint_prev(\d+)\.pt")
-REQUIRED_KEYS = ("model", "step", "epoch", "config")
+REQUIRED_KEYS = ("script", "model", "step", "epoch", "batches_done", "config", "world_size")
 
 
 class UnreadableCheckpoint(Exception):
     """A checkpoint file that cannot be used; ``str()`` says why in a few words."""
+
+
+@dataclass
+class SavedCheckpoint:
+    """The newest checkpoint this process wrote or resumed from: what a failure message names."""
+
+    step: int | None = None
+    path: Path | None = None
+
+    def describe(self) -> str:
+        if self.path is None:
+            return "no checkpoint was written yet"
+        return f"the last good checkpoint is {self.path} (step {self.step})"
 
 
 def history_names(keep: int) -> list[str]:
@@ -47,7 +66,55 @@ def checkpoint_files(out_dir: str | os.PathLike) -> list[Path]:
     return ([out / LAST] if (out / LAST).is_file() else []) + [p for _, p in previous]
 
 
-def save_checkpoint(state: dict[str, Any], out_dir: str | os.PathLike, keep: int = 2) -> Path:
+# ----------------------------------------------------------------------------- writing
+def save_run(run: TrainRun) -> None:
+    """Checkpoint the run, unless this very step is on disk already (every rank calls; rank 0
+    writes). Weights that are NaN or Inf are never written over a good checkpoint."""
+    step = run.state.step
+    if run.session.saved.step == step:
+        return
+    if not weights_finite(run.model, run.info.device):
+        raise RunStopped(f"step {step}: the weights are NaN or Inf, so no checkpoint was written; "
+                         f"{run.session.saved.describe()}. Lower --lr or add --clip-grad", EXIT_NONFINITE)
+    path = write_checkpoint(checkpoint_of(run), run.cfg.out, run.cfg.keep_checkpoints)
+    run.session.saved.step, run.session.saved.path = step, path
+    log.info("saved checkpoint %s (%s)", path, run.state.describe())
+
+
+def checkpoint_of(run: TrainRun) -> dict[str, Any]:
+    """Everything a resume needs, as plain data (every rank must call: RNG states are gathered).
+    ``script`` and ``facts`` (e.g. the class count) let a resume refuse a checkpoint that cannot fit."""
+    return {
+        **asdict(run.state),
+        "script": run.script,
+        "facts": run.facts,
+        "world_size": run.info.world_size,
+        "config": config_dict(run.cfg),
+        "model": unwrap(run.model).state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "grad_scaler": run.scaler.state_dict(),  # empty unless fp16
+        "rng": rng_states(),
+    }
+
+
+def weights_finite(model: torch.nn.Module, device: torch.device) -> bool:
+    """True on every rank when every floating tensor of the model is finite on every rank: checked
+    on the device, the ranks' counts summed, the answer read once."""
+    checks = [torch.isfinite(t).all() for t in model.state_dict().values() if t.is_floating_point()]
+    bad = (~torch.stack(checks)).sum().to(device=device, dtype=torch.int32).reshape(1)
+    return int(all_reduce_sum(bad).item()) == 0
+
+
+def rng_states() -> list[dict[str, Any]]:
+    """Every rank's RNG states (gathered, so rank 0 can store them all)."""
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+             "python_pos": random.getstate()[2]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return all_gather_object(state)
+
+
+def write_checkpoint(state: dict[str, Any], out_dir: str | os.PathLike, keep: int = 2) -> Path:
     """Rank 0 writes ``out_dir/checkpoint_last.pt`` and rotates the history; every rank must call
     it and learns the outcome (a broadcast, which also keeps anyone from racing ahead while the
     file is written). A failed write raises :class:`RunStopped` on every rank."""
@@ -91,6 +158,7 @@ def _write_with_history(state: dict[str, Any], out: Path, keep: int) -> str | No
     return None
 
 
+# ----------------------------------------------------------------------------- reading
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """A checkpoint of these scripts (:func:`load_data`, then a check of its entries)."""
     data = load_data(path)
@@ -102,10 +170,9 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_data(path: str | os.PathLike) -> Any:
-    """Load a file written by ``torch.save`` as data (``weights_only=True``: tensors, numbers,
+    """A file written by ``torch.save``, loaded as data (``weights_only=True``: tensors, numbers,
     strings, containers). Raises :class:`UnreadableCheckpoint` with a short reason; never
-    suggests ``weights_only=False``, which would let a file from an unknown source run code.
-    """
+    suggests ``weights_only=False``, which would let a file from an unknown source run code."""
     path = Path(path)
     if not path.is_file():
         raise UnreadableCheckpoint("no such file")
@@ -127,24 +194,8 @@ def load_data(path: str | os.PathLike) -> Any:
     return data
 
 
-def rng_states() -> list[dict[str, Any]]:
-    """Every rank's RNG states (gathered, so rank 0 can store them all)."""
-    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
-             "python_pos": random.getstate()[2]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return all_gather_object(state)
-
-
-def restore_rng_states(states: list[dict[str, Any]]) -> None:
-    """Restore this rank's RNG states; skipped (with a warning) if the world size changed."""
-    if len(states) != get_world_size():
-        if get_rank() == 0:
-            log.warning("checkpoint has RNG states for %d ranks, running %d: RNG streams not restored",
-                        len(states), get_world_size())
-        return
-    mine = states[get_rank()]
-    torch.set_rng_state(mine["torch"])
-    random.setstate((3, tuple(mine["python"]), mine["python_pos"]))
-    if "cuda" in mine and torch.cuda.is_available():
-        torch.cuda.set_rng_state(mine["cuda"])
+def mismatch_detail(err: Exception) -> str:
+    """The first specific line of a ``load_state_dict`` error (its first line only names the
+    module), at most 160 characters."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return (lines[1] if len(lines) > 1 else lines[0] if lines else type(err).__name__)[:160]

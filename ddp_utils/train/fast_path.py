@@ -1,15 +1,6 @@
-"""The GPU fast path: what a CUDA run turns on so that a step costs the model's arithmetic.
-
-* bf16 autocast by default (``--amp auto``; ``--amp none`` for fp32, ``fp16`` with a scaler);
-* TF32 for fp32 matmuls and convolutions, ``cudnn.benchmark`` (input shapes are fixed: every
-  training batch has ``--batch-size`` samples, ``drop_last``);
-* ``channels_last`` for the conv nets' weights and inputs (tensor cores want NHWC);
-* fused SGD (one kernel for all parameters instead of several per tensor);
-* ``torch.compile`` with ``--compile`` (off by default: minutes of compilation at start).
-
-On the CPU only the choices that change nothing numerically apply (foreach SGD, contiguous
-tensors), so the CPU tests exercise the same code paths.
-"""
+"""The GPU fast path: TF32 and cuDNN's autotuner (every training batch has the same shape),
+channels_last weights and inputs, fused SGD, and ``torch.compile`` with --compile. On the CPU
+only what changes nothing numerically applies (foreach SGD), through the same code."""
 from __future__ import annotations
 
 import torch
@@ -40,13 +31,11 @@ def place_model(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def sgd(params, lr: float, momentum: float, weight_decay: float, device: torch.device) -> torch.optim.SGD:
-    """Fused SGD on CUDA; the multi-tensor (foreach) implementation elsewhere. Same update rule,
-    same state dict: a checkpoint moves between them."""
+    """Fused SGD on CUDA, the multi-tensor (foreach) one elsewhere: the same update rule."""
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **fast)
 
 
 def maybe_compile(module: nn.Module, enabled: bool) -> nn.Module:
-    """``torch.compile(module)`` when asked. The compiled wrapper forwards attribute access to the
-    module (DDP's ``no_sync`` included); checkpoints keep saving the uncompiled module."""
+    """``torch.compile(module)`` when asked (the wrapper forwards attributes: DDP's ``no_sync``)."""
     return torch.compile(module) if enabled else module

@@ -82,36 +82,44 @@ class Progress:
 class StepMeter:
     """Per-step training metrics, averaged over steps and ranks at each --log-every boundary.
 
-    Micro-step values are summed on the device (no host sync per micro-step); one all_reduce per
-    logged step. Each metric is added as value / window_size, so one step contributes its mean.
+    Micro-step values are summed on the device (no host read per micro-step), each as
+    value / window size, so a step contributes its mean; one all_reduce per logged step.
     """
 
     def __init__(self, tb: TensorBoard, progress: Progress, device, world_size: int, log_every: int):
         self.tb, self.progress, self.device = tb, progress, device
         self.world_size, self.log_every = world_size, log_every
+        self.window: dict = {}  # this optimizer step's sums so far
         self._reset()
 
     def _reset(self) -> None:
         self.sums: dict = {}
         self.images, self.steps, self.since = 0, 0, time.perf_counter()
 
-    def add_micro(self, images: int, window_size: int, **metrics) -> None:
+    def add_micro(self, window_size: int, images: int, **metrics) -> None:
         """``images``: samples of this micro-step over all ranks; metrics: 0-dim tensors."""
         self.images += images
         for name, value in metrics.items():
             value = value.detach().float() / window_size
-            self.sums[name] = self.sums[name] + value if name in self.sums else value
+            self.window[name] = self.window[name] + value if name in self.window else value
+
+    @property
+    def window_loss(self) -> torch.Tensor:
+        """The mean loss of this optimizer step's micro-steps so far, on the device."""
+        return self.window["loss"]
 
     def end_step(self, step: int, epoch: int, force: bool = False, **values: float) -> dict | None:
         """Call after each optimizer step; logs (and returns the averages) every log_every steps,
         and at a ``force``d step (the run's last). Every rank must call it (it may all_reduce)."""
+        for name, value in self.window.items():
+            self.sums[name] = self.sums[name] + value if name in self.sums else value
+        self.window = {}
         self.steps += 1
         if not (force or step % self.log_every == 0):
             return None
         elapsed = time.perf_counter() - self.since
         names = list(self.sums)
-        # one all_reduce and one host read for all metrics (the only sync of a logged step besides
-        # the step agreement)
+        # one all_reduce and one host read for all metrics
         summed = all_reduce_sum(torch.stack([self.sums[n] for n in names]).double()).tolist() if names else []
         means = {n: v / (self.world_size * self.steps) for n, v in zip(names, summed)}
         rate = self.images / elapsed

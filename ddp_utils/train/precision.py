@@ -25,9 +25,7 @@ def autocast(amp: str, device: torch.device) -> ContextManager:
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler | None:
-    """fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none."""
-    amp = resolve_amp(amp, device)
-    if amp != "fp16":
-        return None
-    return torch.amp.GradScaler(device.type)
+def grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler:
+    """Loss scaling for fp16, whose small gradients underflow; bf16 has fp32's range. Disabled
+    (``scale()`` returns its input, ``unscale_`` and ``update`` do nothing) for anything else."""
+    return torch.amp.GradScaler(device.type, enabled=resolve_amp(amp, device) == "fp16")

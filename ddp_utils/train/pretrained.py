@@ -1,4 +1,4 @@
-"""Moving a MoCo backbone into a classifier: export, load, and the frozen linear probe."""
+"""Moving a MoCo backbone into a classifier: its export as a plain state dict, and loading it."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..config import UsageError
-from .checkpoint import UnreadableCheckpoint, load_data
+from .checkpoint import UnreadableCheckpoint, load_data, mismatch_detail
 
 QUERY_BACKBONE = "encoder_q.backbone."
 
@@ -48,7 +48,7 @@ def load_pretrained_backbone(model: nn.Module, path: str | os.PathLike, arch: st
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # shape mismatch: another architecture or stem
         raise UsageError(f"--pretrained {path} does not fit this --arch/--image-size "
-                         f"({str(err).splitlines()[1].strip()})") from None
+                         f"({mismatch_detail(err)})") from None
     if unexpected or set(missing) != {"fc.weight", "fc.bias"}:
         raise UsageError(f"--pretrained {path} does not match --arch: missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]}")
@@ -66,33 +66,3 @@ def export_backbone(backbone: nn.Module, path: str | os.PathLike) -> Path:
 
 def tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-class LinearProbe(nn.Module):
-    """A frozen backbone (always in eval mode, so BatchNorm statistics do not move) under a new
-    linear classifier, MoCo's linear-classification protocol."""
-
-    def __init__(self, model: nn.Module, num_classes: int, feature_norm: bool = False):
-        super().__init__()
-        width = model.fc.in_features
-        # Optional parameter-free BatchNorm on the features (MAE's linear probe does the same):
-        # the probe then trains at ordinary LRs whatever the scale of the frozen features.
-        self.feature_norm = nn.BatchNorm1d(width, affine=False) if feature_norm else nn.Identity()
-        self.fc = nn.Linear(width, num_classes)
-        nn.init.normal_(self.fc.weight, std=0.01)  # as in MoCo's main_lincls
-        nn.init.zeros_(self.fc.bias)
-        model.fc = nn.Identity()
-        self.backbone = model.requires_grad_(False)
-
-    def train(self, mode: bool = True) -> "LinearProbe":
-        super().train(mode)
-        self.backbone.eval()
-        return self
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():  # no graph through the frozen part: less memory, no stray grads
-            features = self.backbone(x)
-        return self.fc(self.feature_norm(features))
-
-    def backbone_snapshot(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.backbone.state_dict().items()}

@@ -1,5 +1,5 @@
-"""The run folder (``--out``): checked before any work, never silently re-used, cleared only on
-``--overwrite``, and the checkpoint ``--resume`` continues from."""
+"""The run folder (``--out``): checked before any work, never silently re-used (see
+``resume.choose_resume``), cleared only on ``--overwrite``, opened once every check has passed."""
 from __future__ import annotations
 
 import logging
@@ -7,12 +7,20 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..config import UsageError
-from ..runtime.dist import restart_count
+from ..config import UsageError, save_config
+from ..data.loading import Loaders
+from ..data.preview import augmentation_grid
+from ..runtime.dist import barrier
 from ..runtime.stopping import MARKER
-from .checkpoint import LAST, UnreadableCheckpoint, checkpoint_files, read_checkpoint
-from .run_state import Resume, describe_position
+from .checkpoint import LAST, checkpoint_files
+from .monitor import TensorBoard
+
+if TYPE_CHECKING:
+    from .resume import Resume
+    from .session import RunSession
+    from .train_config import TrainConfig
 
 log = logging.getLogger("train")
 TB_DIR = "tb"
@@ -37,61 +45,6 @@ def check_out_dir(out: str) -> None:
                          f"you can write to") from None
 
 
-def _summary(path: Path) -> str:
-    try:
-        ckpt = read_checkpoint(path)
-    except UnreadableCheckpoint:
-        return f"{path.name}, unreadable"
-    return f"{path.name} at {describe_position(ckpt['step'], ckpt['epoch'], ckpt['batches_done'])}"
-
-
-def choose_resume(resume: str, out: str, overwrite: bool, announce: bool) -> Resume | None:
-    """The checkpoint this run continues from, or None to start from scratch.
-
-    ``--resume PATH``: that file, or exit 2 if it cannot be read. ``--resume auto``: the newest
-    checkpoint in ``out`` that reads; unreadable newer ones are reported and passed over. No
-    ``--resume``: a folder that already holds a checkpoint is refused unless ``--overwrite``.
-    """
-    if overwrite and restart_count() > 0:
-        # A restarted attempt (torchrun --max-restarts, SLURM requeue) must not wipe what its own
-        # first attempt wrote: it continues instead.
-        resume = "auto"
-        if announce:
-            log.info("restarted attempt: --overwrite already cleared %s; continuing from its checkpoint", out)
-    found = checkpoint_files(out)
-    if not resume:
-        if found and not overwrite:
-            raise UsageError(f"--out {out} already holds a run ({_summary(found[0])}): continue it with "
-                             f"--resume auto, start over with --overwrite, or choose another --out")
-        return None
-    if resume != "auto":
-        if found and Path(resume).resolve() not in [p.resolve() for p in found]:
-            raise UsageError(f"--out {out} holds another run ({_summary(found[0])}): continue {resume} "
-                             f"into a new --out")
-        try:
-            return Resume(Path(resume), read_checkpoint(resume))
-        except UnreadableCheckpoint as err:
-            raise UsageError(f"--resume {resume}: {err}") from None
-    unreadable: list[tuple[Path, UnreadableCheckpoint]] = []
-    for path in found:
-        try:
-            ckpt = read_checkpoint(path)
-        except UnreadableCheckpoint as err:
-            unreadable.append((path, err))
-            continue
-        for bad, err in unreadable if announce else ():
-            log.warning("%s is unreadable (%s); resuming from the previous one at step %d",
-                        bad.name, err, ckpt["step"])
-        return Resume(path, ckpt)
-    if unreadable:
-        reasons = "; ".join(f"{path.name}: {err}" for path, err in unreadable)
-        raise UsageError(f"--resume auto: no readable checkpoint in {out} ({reasons}); start over with "
-                         f"--overwrite or choose another --out")
-    if announce:
-        log.info("--resume auto: no checkpoint in %s yet, starting from scratch", out)
-    return None
-
-
 def prepare_run_folder(out: str, overwrite: bool, resuming: bool) -> None:
     """Rank 0, once every check has passed: create ``out``; on ``--overwrite`` clear the old run
     first (checkpoints, TensorBoard events, marker, config), so two runs never mix in one ``tb/``."""
@@ -110,3 +63,24 @@ def prepare_run_folder(out: str, overwrite: bool, resuming: bool) -> None:
     else:  # only reachable without checkpoints: an earlier attempt that never saved one
         log.warning("removed %s of an earlier run that wrote no checkpoint in %s",
                     ", ".join(p.name for p in old), out)
+
+
+def open_run_folder(cfg: TrainConfig, session: RunSession, loaders: Loaders, resume: Resume | None,
+                    step: int) -> TensorBoard:
+    """Rank 0, once every check has passed: the folder (an old run cleared on --overwrite), its
+    config.json, TensorBoard from ``step`` on, and a picture of the augmentation. Returns the
+    TensorBoard writer (a no-op on other ranks). A resumed checkpoint in this folder counts as
+    saved."""
+    tb = TensorBoard(None)
+    if resume is not None and resume.path.parent == Path(cfg.out):
+        session.saved.step, session.saved.path = step, resume.path
+    if session.info.is_main:
+        prepare_run_folder(cfg.out, cfg.overwrite, resuming=resume is not None)
+        save_config(cfg, cfg.out, {"world_size": session.info.world_size})
+        session.signals.clear_marker()
+        tb = session.close_at_exit(TensorBoard(Path(cfg.out) / TB_DIR, purge_step=step + 1 if resume else None))
+        if resume is None:  # what the augmentation does, once per run
+            grid = augmentation_grid(loaders, cfg.dataset, cfg.resolved_image_size(), normalization=cfg.normalization)
+            tb.image("data/augmented_views", grid, step)
+    barrier()
+    return tb

@@ -1,11 +1,6 @@
-"""Learning-rate schedules as pure functions of the optimizer step (not micro-steps, not epochs).
-
-``LRSchedule(...)(step)`` is the LR of the optimizer step about to be taken when ``step`` steps
-(applied or skipped) have been taken before it: the first step trains at ``schedule(0)``, as a
-``LambdaLR`` built with the same factor gives it. Nothing about the schedule lives in a
-checkpoint: a resumed run's LR follows from its step counter and *this* run's flags, so resuming
-with more --epochs stretches the schedule instead of keeping the old end.
-"""
+"""Learning-rate schedules as pure functions of the optimizer step (not micro-steps, not epochs):
+``LRSchedule(...)(step)`` is the LR of the step taken after ``step`` others (applied or skipped).
+Nothing of it lives in a checkpoint: a resumed run's LR follows from its step and its own flags."""
 from __future__ import annotations
 
 import math
@@ -39,20 +34,11 @@ def epoch_cosine_factor(epoch: int, epochs: int) -> float:
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """The LR of every optimizer step, from the flags alone.
-
-    ``kind`` (one of LR_SCHEDULES), after a linear warm-up of ``warmup_steps`` from
-    ``peak / warmup_steps`` to ``peak``:
-
-    * ``cosine``: cosine from ``peak`` to 0 over the steps after the warm-up, ending at ``total_steps``;
-    * ``step``: ``peak``, x0.1 at each of ``milestones`` (optimizer steps);
-    * ``constant``: ``peak``;
-    * ``cosine-epoch``: one value per epoch of ``steps_per_epoch`` steps,
-      ``peak * epoch_cosine_factor(e, epochs)`` with ``e`` counted from 1. Its warm-up multiplies
-      that value (``(step + 1) / warmup_steps`` during the warm-up), so the LR rises to the
-      epoch's value instead of jumping from ``peak`` down to it; without a warm-up it is exactly
-      the demo's schedule.
-    """
+    """The LR of every optimizer step, after a linear warm-up of ``warmup_steps`` to ``peak``:
+    ``cosine`` decays to 0 at ``total_steps``; ``step`` is x0.1 at each of ``milestones`` (steps);
+    ``constant``; ``cosine-epoch`` takes one value per epoch of ``steps_per_epoch`` steps,
+    ``peak * epoch_cosine_factor(e, epochs)``, which its warm-up multiplies (the LR rises to the
+    epoch's value instead of dropping from the peak; without warm-up it is the demo's schedule)."""
 
     peak: float
     kind: str = "cosine"
@@ -85,8 +71,7 @@ class LRSchedule:
         return warmup_step_factor(step, self.warmup_steps, self.milestones if self.kind == "step" else ())
 
     def __call__(self, step: int) -> float:
-        # peak * factor, the very product LambdaLR forms (base_lr * lambda(step)): the same bits.
-        return self.peak * self.factor(step)
+        return self.peak * self.factor(step)  # LambdaLR's own product: the same bits
 
 
 def parse_milestones(text: str, epochs: int | None = None) -> list[int]:

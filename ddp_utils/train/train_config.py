@@ -1,16 +1,27 @@
-"""The settings both training scripts share; each script's config dataclass extends this one."""
+"""The settings both training scripts share (each script's config dataclass extends this one),
+and the command line that fills them in."""
 from __future__ import annotations
 
+import dataclasses
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Sequence, TypeVar
 
-from ..config import UsageError, flag_name, opt
+import torch
+
+from ..config import UsageError, flag_name, opt, parse_config
 from ..data.sets import DATASETS, NATIVE_SIZE, NORMALIZATIONS, check_data_dir
 from ..data.transforms import AUG_ON
 from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
-from ..runtime.dist import LaunchEnv
-from .precision import AMP_MODES
+from ..runtime.dist import LaunchEnv, check_device, detect_launch, device_type, restart_count
+from ..runtime.faults import FaultPlan
+from ..runtime.stopping import EXIT_USAGE
+from .precision import AMP_MODES, resolve_amp
 from .run_folder import check_out_dir
 from .schedule import LR_SCHEDULES, parse_milestones
+
+C = TypeVar("C", bound="TrainConfig")
 
 OUT_HELP = ("run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a fresh run refuses a folder "
             "that already holds a checkpoint")
@@ -18,6 +29,9 @@ OUT_HELP = ("run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a f
 
 @dataclass
 class TrainConfig:
+    # What shapes the model: a checkpoint that differs in any of these cannot be resumed.
+    RESUME_FIXED: ClassVar[tuple[str, ...]] = ("arch",)
+
     # data
     dataset: str = opt("digits", "data set: digits (ships with scikit-learn, no download), cifar10, "
                        "imagefolder (DIR/train, DIR/val class folders) or synthetic (random tensors)",
@@ -77,8 +91,8 @@ class TrainConfig:
     debug: bool = opt(False, "one process, tiny data subset, autograd anomaly detection, extra checks")
 
     def validate(self, launch: LaunchEnv) -> None:
-        """Raise UsageError (one line, with the fix) for input that cannot train."""
-        """Checks of the flags alone: the same answer on every rank, so no rank waits for another.
+        """Raise UsageError (one line, with the fix) for flags that cannot train: checks of the
+        flags and the launch alone, the same answer on every rank, so no rank waits for another.
         Files and folders are checked by :meth:`check_paths`, once the ranks can agree."""
         positive = ("batch_size", "accum_steps", "epochs", "log_every", "synthetic_samples",
                     "keep_checkpoints")
@@ -116,6 +130,8 @@ class TrainConfig:
                              f"--normalization auto")
         if self.debug and launch.world_size > 1:
             raise UsageError("--debug runs one process; start it with plain `python`, not torchrun/srun")
+        check_device(self.device, launch)
+        FaultPlan.from_env()  # DDP_FAULT, the tests' fault injection
 
     def check_paths(self) -> None:
         """Checks that read the file system (run on every rank inside an agreement)."""
@@ -129,3 +145,19 @@ class TrainConfig:
 
     def resolved_image_size(self) -> int:
         return self.image_size or NATIVE_SIZE[self.dataset]
+
+
+def parse_args(cls: type[C], argv: Sequence[str] | None, doc: str) -> C:
+    """The command line as a checked config, ``--amp auto`` resolved for this machine. Bad input:
+    one line on stderr (rank 0 only, and only in a job's first attempt: a torchrun restart or a
+    requeue would repeat the same flags) and exit code 2."""
+    launch = detect_launch()
+    says = launch.rank == 0 and restart_count() == 0
+    try:
+        cfg = parse_config(cls, argv, doc.split("\n")[0], quiet=not says)  # argparse exits 2 itself
+        cfg.validate(launch)
+    except UsageError as err:
+        if says:
+            print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USAGE) from None
+    return dataclasses.replace(cfg, amp=resolve_amp(cfg.amp, torch.device(device_type(cfg.device))))

@@ -1,0 +1,99 @@
+"""The training augmentations, each written once as an :class:`AugmentRecipe`, from which both
+pipelines are built: per sample with torchvision (``transforms.view_transform``, the reference)
+and per batch on the device (``batch_augment.BatchAugment``). MoCo v1 is "weak" (crop,
+grayscale, jitter, flip), v2 "strong" (jitter with p 0.8, grayscale, blur with p 0.5), v2-noblur
+the authors' CIFAR-10 demo. Digits are never flipped (a mirrored digit is another symbol)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .sets import normalization_stats
+
+MOCO_AUGS = ("v1", "v2", "v2-noblur")
+IMAGENET_CROP_SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop default
+JITTER_V1 = (0.4, 0.4, 0.4, 0.4)   # brightness, contrast, saturation, hue
+JITTER_V2 = (0.4, 0.4, 0.4, 0.1)
+
+
+@dataclass(frozen=True)
+class AugmentRecipe:
+    """One augmented view, step by step.
+
+    Geometry, at most one of: ``crop_scale`` (random resized crop, area fraction in that range,
+    aspect ratio in ``crop_ratio``) or ``pad_crop`` (zero-pad by that many pixels, then a random
+    window of the output size). Colour: ``jitter`` = (brightness, contrast, saturation, hue)
+    strengths, applied with ``jitter_p``; grayscale with ``gray_p``, before the jitter if
+    ``gray_before_jitter`` (v1) else after it (v2); Gaussian blur with ``blur_p``, sigma uniform
+    in ``blur_sigma``, an odd ``blur_kernel``. Then a horizontal flip with p 0.5 if ``flip``, then
+    ``(x - mean) / std`` if ``mean`` is set. The defaults only resize to the output size.
+    """
+
+    crop_scale: tuple[float, float] | None = None
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    pad_crop: int = 0
+    flip: bool = False
+    jitter: tuple[float, float, float, float] | None = None
+    jitter_p: float = 1.0
+    gray_p: float = 0.0
+    gray_before_jitter: bool = False
+    blur_p: float = 0.0
+    blur_sigma: tuple[float, float] = (0.1, 2.0)
+    blur_kernel: int = 5
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("crop_scale", "crop_ratio", "jitter", "blur_sigma", "mean", "std"):
+            value = getattr(self, name)
+            if value is not None:  # lists become tuples: recipes compare equal and stay hashable
+                object.__setattr__(self, name, tuple(float(v) for v in value))
+        if self.pad_crop < 0:
+            raise ValueError(f"AugmentRecipe: pad_crop {self.pad_crop} must be >= 0")
+        if self.crop_scale is not None and self.pad_crop:
+            raise ValueError("AugmentRecipe: crop_scale and pad_crop are alternatives; set one")
+        if self.crop_scale is not None and not 0 < self.crop_scale[0] <= self.crop_scale[1]:
+            raise ValueError(f"AugmentRecipe: crop_scale {self.crop_scale} must be (min, max) with 0 < min <= max")
+        jitter = self.jitter
+        if jitter is not None and (len(jitter) != 4 or min(jitter) < 0 or jitter[3] > 0.5):
+            raise ValueError(f"AugmentRecipe: jitter {self.jitter} must be 4 non-negative strengths, hue <= 0.5")
+        if self.blur_kernel < 1 or self.blur_kernel % 2 == 0:
+            raise ValueError(f"AugmentRecipe: blur_kernel {self.blur_kernel} must be odd and positive")
+        if (self.mean is None) != (self.std is None):
+            raise ValueError("AugmentRecipe: set both mean and std, or neither")
+        if not all(0.0 <= p <= 1.0 for p in (self.jitter_p, self.gray_p, self.blur_p)):
+            raise ValueError("AugmentRecipe: probabilities must lie in [0, 1]")
+
+
+def photometric_only(recipe: AugmentRecipe) -> AugmentRecipe:
+    """``recipe`` without its geometry, for data whose crop is done per sample by the workers
+    (ImageFolder: decoding needs the whole image anyway); flip and normalisation stay."""
+    return replace(recipe, crop_scale=None, pad_crop=0)
+
+
+def _normalize(dataset: str, normalization: str) -> dict:
+    mean, std = normalization_stats(dataset, normalization) or (None, None)
+    return dict(mean=mean, std=std)
+
+
+def classifier_recipe(dataset: str, size: int, augment: bool = True, normalization: str = "auto") -> AugmentRecipe:
+    """The classifier's training view; without ``augment`` only the normalisation."""
+    if not augment:
+        return AugmentRecipe(**_normalize(dataset, normalization))
+    if dataset == "imagefolder":
+        return AugmentRecipe(crop_scale=IMAGENET_CROP_SCALE, flip=True, **_normalize(dataset, normalization))
+    # 32 px data: shift by up to an eighth of the side
+    return AugmentRecipe(pad_crop=max(1, size // 8), flip=dataset != "digits", **_normalize(dataset, normalization))
+
+
+def moco_recipe(dataset: str, size: int, aug: str, crop_min: float = 0.2, normalization: str = "auto") -> AugmentRecipe:
+    """One MoCo view (``aug``: v1, v2 or v2-noblur) at ``size`` px, crops from ``crop_min`` of the area."""
+    if aug not in MOCO_AUGS:
+        raise ValueError(f"unknown MoCo augmentation {aug!r}; one of {', '.join(MOCO_AUGS)}")
+    crop = dict(crop_scale=(crop_min, 1.0), flip=dataset != "digits", **_normalize(dataset, normalization))
+    if dataset == "synthetic":  # Gaussian noise: colour has no meaning there
+        return AugmentRecipe(**crop)
+    if aug == "v1":
+        return AugmentRecipe(**crop, gray_p=0.2, gray_before_jitter=True, jitter=JITTER_V1)
+    # about a tenth of the side, odd: 23 px at 224, 5 px at 32
+    blur = dict(blur_p=0.5, blur_kernel=2 * max(1, round(0.05 * size)) + 1) if aug == "v2" else {}
+    return AugmentRecipe(**crop, jitter=JITTER_V2, jitter_p=0.8, gray_p=0.2, **blur)

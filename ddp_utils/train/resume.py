@@ -1,0 +1,161 @@
+"""Resuming: which checkpoint ``--resume`` continues from, whether it fits this run, and putting
+everything back exactly (model, optimizer, scaler, RNG streams, the place in the epoch).
+
+The LR schedule is not restored: the LR is a function of the optimizer step and of this run's
+flags (``schedule.LRSchedule``), so more ``--epochs`` extends the schedule of a resumed run.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import UsageError, config_dict, flag_name
+from ..runtime.dist import DistInfo, get_rank, get_world_size, restart_count, unwrap
+from .checkpoint import UnreadableCheckpoint, checkpoint_files, mismatch_detail, read_checkpoint
+from .run import RunState, describe_position
+from .train_config import TrainConfig
+
+log = logging.getLogger("train")
+# Config fields that name this invocation, not the training: they may differ without a word.
+RUN_ONLY_FIELDS = ("out", "resume", "overwrite")
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A checkpoint chosen by ``--resume`` (already read and checked to be a checkpoint)."""
+
+    path: Path
+    checkpoint: dict[str, Any]
+
+
+def _summary(path: Path) -> str:
+    try:
+        ckpt = read_checkpoint(path)
+    except UnreadableCheckpoint:
+        return f"{path.name}, unreadable"
+    return f"{path.name} at {describe_position(ckpt['step'], ckpt['epoch'], ckpt['batches_done'])}"
+
+
+def choose_resume(resume: str, out: str, overwrite: bool, announce: bool) -> Resume | None:
+    """The checkpoint this run continues from, or None to start from scratch.
+
+    ``--resume PATH``: that file, or exit 2 if it cannot be read. ``--resume auto``: the newest
+    checkpoint in ``out`` that reads; unreadable newer ones are reported and passed over. No
+    ``--resume``: a folder that already holds a checkpoint is refused unless ``--overwrite``.
+    """
+    if overwrite and restart_count() > 0:
+        # A restarted attempt (torchrun --max-restarts, SLURM requeue) must not wipe what its own
+        # first attempt wrote: it continues instead.
+        resume = "auto"
+        if announce:
+            log.info("restarted attempt: --overwrite already cleared %s; continuing from its checkpoint", out)
+    found = checkpoint_files(out)
+    if not resume:
+        if found and not overwrite:
+            raise UsageError(f"--out {out} already holds a run ({_summary(found[0])}): continue it with "
+                             f"--resume auto, start over with --overwrite, or choose another --out")
+        return None
+    if resume != "auto":
+        if found and Path(resume).resolve() not in [p.resolve() for p in found]:
+            raise UsageError(f"--out {out} holds another run ({_summary(found[0])}): continue {resume} "
+                             f"into a new --out")
+        try:
+            return Resume(Path(resume), read_checkpoint(resume))
+        except UnreadableCheckpoint as err:
+            raise UsageError(f"--resume {resume}: {err}") from None
+    unreadable: list[tuple[Path, UnreadableCheckpoint]] = []
+    for path in found:
+        try:
+            ckpt = read_checkpoint(path)
+        except UnreadableCheckpoint as err:
+            unreadable.append((path, err))
+            continue
+        for bad, err in unreadable if announce else ():
+            log.warning("%s is unreadable (%s); resuming from the previous one at step %d",
+                        bad.name, err, ckpt["step"])
+        return Resume(path, ckpt)
+    if unreadable:
+        reasons = "; ".join(f"{path.name}: {err}" for path, err in unreadable)
+        raise UsageError(f"--resume auto: no readable checkpoint in {out} ({reasons}); start over with "
+                         f"--overwrite or choose another --out")
+    if announce:
+        log.info("--resume auto: no checkpoint in %s yet, starting from scratch", out)
+    return None
+
+
+def check_resume_fits(resume: Resume, cfg: TrainConfig, script: str, facts: dict[str, Any], info: DistInfo) -> None:
+    """Refuse (one line, every difference listed) a checkpoint of the other script or of another
+    model (``cfg.RESUME_FIXED``; ``facts`` such as the class count); log the settings that changed."""
+    ckpt, path = resume.checkpoint, resume.path
+    if ckpt["script"] != script:
+        hint = "; to start a classifier from it use --pretrained" if ckpt["script"] == "train_moco.py" else ""
+        raise UsageError(f"--resume {path}: a checkpoint of {ckpt['script']}, not of {script}{hint}")
+    config = config_dict(cfg)
+    saved, now = {**ckpt["config"], **ckpt["facts"]}, {**config, **facts}
+    differences = [f"{_label(name)}: checkpoint {saved[name]}, now {now[name]}"
+                   for name in (*cfg.RESUME_FIXED, *facts) if name in saved and saved[name] != now[name]]
+    if differences:
+        raise UsageError(f"--resume {path} does not fit this run ({'; '.join(differences)}); resume with "
+                         f"the checkpoint's settings, or start a new run in another --out")
+    changed = [f"{_label(name)} {saved[name]} -> {value}" for name, value in config.items()
+               if name in saved and saved[name] != value and name not in RUN_ONLY_FIELDS]
+    if ckpt["world_size"] != info.world_size:
+        changed.append(f"world size {ckpt['world_size']} -> {info.world_size}")
+    if changed and info.is_main:
+        log.info("resuming with changed settings: %s", ", ".join(changed))
+
+
+def _label(name: str) -> str:
+    return "number of classes" if name == "num_classes" else flag_name(name)
+
+
+def restore_training_state(resume: Resume, cfg: TrainConfig, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                           scaler: torch.amp.GradScaler, info: DistInfo) -> RunState:
+    """Load the checkpoint into the objects given and return where the run stands. A model that
+    does not fit (another --image-size, say) is a UsageError naming the first mismatch."""
+    ckpt, path = resume.checkpoint, resume.path
+    try:
+        unwrap(model).load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise UsageError(f"--resume {path}: its model does not fit this one ({mismatch_detail(err)}); was it "
+                         f"written with another --arch or --image-size?") from None
+    if ckpt["grad_scaler"]:  # empty when the checkpoint's run did not use fp16
+        scaler.load_state_dict(ckpt["grad_scaler"])
+    _restore_rng_states(ckpt["rng"])
+    state = RunState(ckpt["epoch"], ckpt["step"], ckpt["batches_done"], ckpt["nonfinite_skipped"])
+    old_world, old_batch = ckpt["world_size"], ckpt["config"]["batch_size"]
+    geometry_changed = (old_world, old_batch) != (info.world_size, cfg.batch_size)
+    if state.batches_done and (geometry_changed or state.batches_done % cfg.accum_steps):
+        # The same sample position in this run's micro-batches, rounded down to a whole window
+        # (a few samples are seen again rather than skipped).
+        batches = state.batches_done * old_world * old_batch // (info.world_size * cfg.batch_size)
+        state.batches_done = batches - batches % cfg.accum_steps
+        if info.is_main:
+            log.warning("resuming with world size %d x batch %d x accum steps %d (was %d x %d): the epoch "
+                        "continues near, not exactly at, the saved position", info.world_size, cfg.batch_size,
+                        cfg.accum_steps, old_world, old_batch)
+    if info.is_main:
+        log.info("resumed from %s: %s, %d batches into the epoch", path, state.describe(), state.batches_done)
+    return state
+
+
+def _restore_rng_states(states: list[dict[str, Any]]) -> None:
+    """This rank's RNG streams as the checkpoint saved them; left as they are (with a warning)
+    when the world size changed."""
+    if len(states) != get_world_size():
+        if get_rank() == 0:
+            log.warning("checkpoint has RNG states for %d ranks, running %d: RNG streams not restored",
+                        len(states), get_world_size())
+        return
+    mine = states[get_rank()]
+    torch.set_rng_state(mine["torch"])
+    random.setstate((3, tuple(mine["python"]), mine["python_pos"]))
+    if "cuda" in mine and torch.cuda.is_available():
+        torch.cuda.set_rng_state(mine["cuda"])

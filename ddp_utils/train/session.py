@@ -1,0 +1,155 @@
+"""The life of one training process, as a context manager around ``setup`` and ``fit``::
+
+    cfg = parse_args(Config, argv, __doc__)
+    with RunSession(cfg) as session:   # signals, process group, logging, exit code, clean-up
+        fit(setup(cfg, session))
+    return session.exit_code
+
+Every way a run can end becomes one exit code (``runtime.stopping.EXIT_CODES``), said once.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import UsageError
+from ..runtime.dist import DistInfo, cleanup_distributed, detect_launch, init_distributed
+from ..runtime.faults import FaultPlan
+from ..runtime.logs import release_held_logs, setup_logging
+from ..runtime.stopping import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    RunStopped,
+    StepGuard,
+    StopSignals,
+)
+from .checkpoint import SavedCheckpoint
+from .fast_path import configure_backends
+from .train_config import TrainConfig
+
+log = logging.getLogger("train")
+
+# What a collective raises when a peer died or stopped answering (gloo's and NCCL's own words);
+# anything else, a size mismatch or an out-of-memory inside NCCL included, is this rank's error.
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Timed out waiting \d+ms|"
+                        r"collective operation timeout|remote process exited|communicator was aborted")
+
+
+class RunSession:
+    """Owns, for one run: the stop signals, the process group, rank-0 logging, the per-step
+    agreement, the exit code and the clean-up. Bad input (:class:`UsageError`) anywhere inside
+    ends as one line on rank 0 and exit code 2; a crash of a distributed run as its traceback on
+    the rank that failed and one line on the others, exit code 1."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.exit_code = EXIT_OK
+        self.saved = SavedCheckpoint()  # what a failure message names
+        self.faults = FaultPlan.from_env()
+        self._closing = contextlib.ExitStack()
+
+    def __enter__(self) -> RunSession:
+        cfg = self.cfg
+        self.reporter = detect_launch().rank == 0  # the one process that prints bad-input errors
+        self.signals = StopSignals(cfg.out, announce=self.reporter)  # before the rendezvous: a USR1 then must not kill us
+        self._closing.callback(self.signals.close)
+        try:
+            self.info: DistInfo = init_distributed(cfg.device, cfg.dist_timeout)
+            setup_logging(self.info.rank, cfg.debug, hold=True)  # shown once the start has succeeded
+            configure_backends(self.info.device)
+            self.guard = StepGuard(self.signals, self.info.device)
+        except BaseException:
+            self._close()
+            raise
+        log.info("%s launch: world size %d, backend %s, device %s, precision %s%s", self.info.launcher,
+                 self.info.world_size, self.info.backend or "none", self.info.device,
+                 cfg.amp if cfg.amp != "none" else "fp32", ", compiled" if cfg.compile else "")
+        warn_if_restarts_can_hang(self.info)
+        torch.autograd.set_detect_anomaly(cfg.debug)
+        if cfg.debug:
+            log.info("--debug: autograd anomaly detection on, small data subsets, extra checks after every step")
+        return self
+
+    def close_at_exit(self, resource):
+        """``resource.close()`` when the session ends, however it ends; returns ``resource``."""
+        self._closing.callback(resource.close)
+        return resource
+
+    def __exit__(self, kind, err: BaseException | None, traceback) -> bool:
+        try:
+            return self._end(err)
+        finally:
+            self._close()
+
+    def _end(self, err: BaseException | None) -> bool:
+        """Sets the exit code; True when ``err`` has been reported and must not propagate."""
+        if err is None:
+            return False
+        if isinstance(err, UsageError):
+            release_held_logs(show=False)  # the error line says it all
+            if self.reporter:
+                print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr, flush=True)
+            self.exit_code = EXIT_USAGE
+            return True
+        if isinstance(err, RunStopped):
+            if self.reporter:
+                (log.warning if err.code == EXIT_INTERRUPTED else log.error)("%s", err)
+            self.exit_code = err.code
+            return True
+        if isinstance(err, KeyboardInterrupt):
+            if self.reporter:
+                print(f"{Path(sys.argv[0]).name}: interrupted: stopped at once without a new checkpoint; "
+                      f"{self.saved.describe()}", file=sys.stderr, flush=True)
+            if self.info.is_distributed:
+                self._leave(EXIT_INTERRUPTED)  # peers may be inside a collective: no group teardown
+            self.exit_code = EXIT_INTERRUPTED
+            return True
+        if not isinstance(err, Exception) or not self.info.is_distributed:
+            return False  # one process: the ordinary traceback is the clearest report of a bug
+        release_held_logs(show=True)
+        if lost_a_peer(err):
+            brief = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().splitlines()[0] if str(err).strip() else "")
+            log.error("rank %d stops: lost contact with another rank (%s); that rank's own error is shown "
+                      "above or in its log", self.info.rank, brief.split(". ")[0] or type(err).__name__)
+        else:
+            log.error("rank %d failed:", self.info.rank, exc_info=err)
+        self._leave(EXIT_FAILURE)
+
+    def _leave(self, code: int) -> None:
+        """Leave at once: tearing down a process group whose peer may be dead can abort the
+        process (gloo: "terminate called without an active exception")."""
+        self._closing.close()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    def _close(self) -> None:
+        release_held_logs(show=True)
+        self._closing.close()
+        cleanup_distributed()
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """Whether a collective failed because another rank died or stopped answering."""
+    lost = tuple(getattr(dist, name) for name in ("DistNetworkError", "DistStoreError") if hasattr(dist, name))
+    return isinstance(err, lost) or bool(_PEER_LOST.search(str(err)))
+
+
+def warn_if_restarts_can_hang(info: DistInfo) -> None:
+    """torchrun shares its rendezvous store with the workers unless told not to; a restarted
+    group can then read the dead group's addresses and hang at start-up (pytorch/pytorch#135712)."""
+    if info.is_main and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) and \
+            os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        log.warning("torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted "
+                    "group can hang at start-up (pytorch/pytorch#135712); set it in torchrun's "
+                    "environment (launch/*.sh do)")

@@ -1,0 +1,77 @@
+"""What a run does around its optimizer steps: the start of training, and after each step the
+epoch's end, the log, a NaN/Inf loss skipped or stopped on, stop signals and checkpoints."""
+from __future__ import annotations
+
+import logging
+
+from ..data.loading import steps_per_epoch
+from ..runtime.logs import release_held_logs
+from ..runtime.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, RunStopped
+from .accumulation import StepResult
+from .checkpoint import save_run
+from .monitor import Progress, StepMeter
+from .run import TrainRun
+
+log = logging.getLogger("train")
+
+
+def start_training(run: TrainRun) -> StepMeter:
+    """Everything is built and checked: show the start-up log, arm Ctrl-C's checkpoint, and
+    return the meter of the training steps."""
+    cfg, info = run.cfg, run.info
+    log.info("global batch %d = %d rank(s) x %d accum steps x %d per micro-batch; %d optimizer "
+             "steps per epoch, %d in all", info.world_size * cfg.accum_steps * cfg.batch_size,
+             info.world_size, cfg.accum_steps, cfg.batch_size,
+             steps_per_epoch(run.loaders.batches_per_epoch, cfg.accum_steps), run.total_steps)
+    release_held_logs(show=True)
+    run.session.signals.training_started()
+    progress = Progress(min(run.total_steps, cfg.max_steps or run.total_steps), cfg.epochs, info.is_main,
+                        start_step=run.state.step)
+    return StepMeter(run.tb, progress, info.device, info.world_size, cfg.log_every)
+
+
+def after_optimizer_step(run: TrainRun, meter: StepMeter, stepped: StepResult, **logged: float) -> bool:
+    """Every rank calls it after each optimizer step (it may run collectives); ``logged``: more
+    values for TensorBoard. True when the epoch loop must end here."""
+    cfg, state, verdict = run.cfg, run.state, stepped.verdict
+    run.end_epoch_if_done()
+    meter.end_step(state.step, state.epoch_number, force=_ends_the_run(run, stepped),
+                   lr=run.optimizer.param_groups[0]["lr"], **logged)
+    if verdict.nonfinite_ranks:
+        _skip_or_stop_nonfinite(run, verdict.nonfinite_ranks)
+    if verdict.stop:
+        save_run(run)
+        if verdict.interrupted:
+            raise RunStopped(f"interrupted at step {state.step}: checkpoint written in {cfg.out}; continue "
+                             f"with the same command plus --resume auto", EXIT_INTERRUPTED)
+        if run.info.is_main:
+            run.session.signals.write_marker(state.step)
+        run.preempted = True
+        return True
+    if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
+        save_run(run)
+    run.session.faults.after_step(run.info.rank, state.step)  # DDP_FAULT=kill/raise (tests)
+    return bool(cfg.max_steps and state.step >= cfg.max_steps)
+
+
+def _ends_the_run(run: TrainRun, stepped: StepResult) -> bool:
+    """Whether this step is the run's last (its metrics are then logged whatever --log-every says)."""
+    verdict = stepped.verdict
+    stops_on_nonfinite = verdict.nonfinite_ranks > 0 and run.state.nonfinite_skipped >= run.cfg.skip_nonfinite
+    return verdict.stop or stops_on_nonfinite or run.finished()
+
+
+def _skip_or_stop_nonfinite(run: TrainRun, ranks: int) -> None:
+    """The step's loss was NaN/Inf on ``ranks`` ranks and its update was dropped on every rank:
+    count it against --skip-nonfinite, or stop every rank with exit code 3."""
+    cfg, state, world = run.cfg, run.state, run.info.world_size
+    if state.nonfinite_skipped < cfg.skip_nonfinite:
+        state.nonfinite_skipped += 1
+        run.tb.scalars(state.step, train__nonfinite_skipped=state.nonfinite_skipped)
+        if run.info.is_main:
+            log.warning("step %d: NaN/Inf loss on %d of %d rank(s); step skipped (%d of --skip-nonfinite %d)",
+                        state.step, ranks, world, state.nonfinite_skipped, cfg.skip_nonfinite)
+        return
+    raise RunStopped(f"step {state.step}: the loss was NaN or Inf on {ranks} of {world} rank(s); that step was "
+                     f"not applied and the run stops; {run.session.saved.describe()}. Lower --lr, add "
+                     f"--clip-grad, or allow skipping such steps with --skip-nonfinite N", EXIT_NONFINITE)
