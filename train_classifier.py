@@ -50,11 +50,11 @@ from ddp_utils.runtime.collectives import (
     check_replicas_identical,
     sync_buffers_from_rank0,
 )
-from ddp_utils.runtime.dist import DistInfo, unwrap
+from ddp_utils.runtime.dist import DistInfo, to_device, unwrap
 from ddp_utils.train.accumulation import no_sync, optimizer_step
 from ddp_utils.train.build import build_optimization, load_raw_splits, loader_options, preflight, wrap_network
 from ddp_utils.train.checkpoint import save_run
-from ddp_utils.train.fast_path import place_model, to_device
+from ddp_utils.train.fast_path import place_model
 from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.precision import autocast
 from ddp_utils.train.pretrained import load_pretrained_backbone, tensors_equal
@@ -166,20 +166,22 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
         meter.add_micro(micro.window_size, len(images) * info.world_size, loss=loss)
         if not micro.is_last:
             continue
+        run.prepare_next_batch()  # its augmentation runs on the device while the host waits below
         # The ranks agree (NaN loss? stop signal?), then: unscale and clip, set the LR, step,
         # update the scaler, zero the gradients.
         stepped = optimizer_step(run, meter.window_loss)
         if cfg.debug:
-            check_gradients_released(run.model)
+            check_gradients_cleared(run.model)
         if after_optimizer_step(run, meter, stepped):  # log, checkpoint, stop
             return
 
 
-def check_gradients_released(model: nn.Module) -> None:
-    """--debug: no gradient may outlive its optimizer step (zero_grad(set_to_none=True))."""
+def check_gradients_cleared(model: nn.Module) -> None:
+    """--debug: no gradient may outlive its optimizer step (freed in one process, zeroed in
+    place under DDP, whose buckets hold them)."""
     for name, param in unwrap(model).named_parameters():
-        if param.grad is not None:
-            raise AssertionError(f"gradient of {name} survived zero_grad(set_to_none=True)")
+        if param.grad is not None and param.grad.count_nonzero():
+            raise AssertionError(f"gradient of {name} survived the optimizer step's zero_grad")
 
 
 @torch.no_grad()

@@ -32,15 +32,15 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Iterable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from ddp_utils.config import UsageError, flag_name, opt
-from ddp_utils.data.loading import Loaders, bank_subset, eval_loader, make_loaders
+from ddp_utils.data.loading import Loaders, bank_batches, bank_subset, make_loaders
 from ddp_utils.data.recipes import MOCO_AUGS, moco_recipe
 from ddp_utils.data.transforms import augment_on_device, eval_transform, training_augmentation
 from ddp_utils.eval.knn import knn_accuracy
@@ -48,11 +48,11 @@ from ddp_utils.models.backbones import build_model, feature_dim
 from ddp_utils.models.moco import Encoder, MoCo, contrastive_loss, symmetric_contrastive_loss
 from ddp_utils.models.shuffle_bn import split_batchnorm
 from ddp_utils.runtime.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
-from ddp_utils.runtime.dist import DistInfo, LaunchEnv, barrier
+from ddp_utils.runtime.dist import DistInfo, LaunchEnv, barrier, to_device
 from ddp_utils.train.accumulation import no_sync, optimizer_step
 from ddp_utils.train.build import build_optimization, load_raw_splits, loader_options, preflight, wrap_network
 from ddp_utils.train.checkpoint import save_run
-from ddp_utils.train.fast_path import place_model, to_device
+from ddp_utils.train.fast_path import place_model
 from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.precision import autocast
 from ddp_utils.train.pretrained import export_backbone
@@ -156,7 +156,7 @@ class MocoConfig(TrainConfig):
 @dataclass(kw_only=True)
 class MocoRun(TrainRun):
     moco: MoCo  # both encoders and the queue; ``network`` is encoder_q, DDP-wrapped when distributed
-    bank_loader: DataLoader  # the un-augmented train split (or --knn-bank-samples of it) for the kNN monitor
+    bank_loader: Iterable  # the un-augmented train split (or --knn-bank-samples of it) for the kNN monitor
 
 
 # ----------------------------------------------------------------------------- building
@@ -184,7 +184,7 @@ def build_moco(cfg: MocoConfig, info: DistInfo, num_classes: int) -> MoCo:
                            shuffle_seed=cfg.seed), info.device)
 
 
-def build_loaders(cfg: MocoConfig, info: DistInfo) -> tuple[Loaders, DataLoader]:
+def build_loaders(cfg: MocoConfig, info: DistInfo) -> tuple[Loaders, Iterable]:
     """Two-view training batches, validation loader, and the un-augmented train split for kNN."""
     train_raw, val_raw = load_raw_splits(cfg)
     size = cfg.resolved_image_size()
@@ -195,7 +195,7 @@ def build_loaders(cfg: MocoConfig, info: DistInfo) -> tuple[Loaders, DataLoader]
     loaders = make_loaders(train_raw, val_raw, train_tf, eval_tf, seed=cfg.seed, device_augment=device_augment,
                            device=info.device, **options)
     bank = bank_subset(train_raw, cfg.knn_bank_samples, cfg.seed) if cfg.knn_bank_samples else train_raw
-    return loaders, eval_loader(bank, eval_tf, **options)
+    return loaders, bank_batches(bank, eval_tf, loaders, **options)
 
 
 def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
@@ -254,6 +254,7 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
                         contrastive_acc1=100.0 * contrastive_acc)
         if not micro.is_last:
             continue
+        run.prepare_next_batch()  # its augmentation runs on the device while the host waits below
         # The ranks agree (NaN loss? stop signal?), then: unscale and clip, set the LR, step,
         # update the scaler, zero the gradients.
         stepped = optimizer_step(run, meter.window_loss)
@@ -272,11 +273,12 @@ def knn_monitor(run: MocoRun) -> float:
     sync_buffers_from_rank0(run.moco.encoder_q)  # score rank 0's model (what checkpoints hold)
     # backbone: the features a linear probe sees; head: the whole query encoder's output (the demo's)
     features = run.moco.encoder_q if run.cfg.knn_features == "head" else run.moco.encoder_q.backbone
-    acc = knn_accuracy(features, run.bank_loader, run.loaders.val,
-                       run.loaders.num_classes, run.info.device, k=run.cfg.knn_k, T=run.cfg.knn_t)
+    started = time.perf_counter()
+    acc = knn_accuracy(features, run.bank_loader, run.loaders.val, run.loaders.num_classes, run.info.device,
+                       k=run.cfg.knn_k, T=run.cfg.knn_t, amp=run.cfg.amp)
     run.tb.scalars(run.state.step, knn__acc1=acc)
-    log.info("epoch %d step %d: kNN acc1 %.2f%% (k=%d, T=%g)", run.state.epoch_number, run.state.step, acc,
-             run.cfg.knn_k, run.cfg.knn_t)
+    log.info("epoch %d step %d: kNN acc1 %.2f%% (k=%d, T=%g) in %.1f s", run.state.epoch_number, run.state.step,
+             acc, run.cfg.knn_k, run.cfg.knn_t, time.perf_counter() - started)
     return acc
 
 

@@ -14,6 +14,12 @@ so that other jobs on a shared machine do not count), the best of ``--repeats`` 
 A second table times the colour jitter alone: per-sample random op order as torchvision (what
 BatchAugment runs: three blend slots before the hue shift and three after) against one fixed
 order (brightness, contrast, saturation, hue), to show what the exact semantics cost.
+
+A third counts the kernels one training step launches for its augmentation (both views of one
+batch, as ``DeviceAugment`` runs it; a dispatch-mode counter, views and metadata ops left out):
+on a GPU each is a launch the host must issue, so the count bounds how early the next batch
+can be queued. Side by side: the uniforms drawn in one hash call for both views, against one
+call per purpose and view (5 purposes x 2 views).
 """
 from __future__ import annotations
 
@@ -23,10 +29,13 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ddp_utils import hashing  # noqa: E402
 from ddp_utils.data import batch_augment as ba  # noqa: E402
 from ddp_utils.data.batch_augment import BatchAugment  # noqa: E402
+from ddp_utils.data.loading import DeviceAugment  # noqa: E402
 from ddp_utils.data.recipes import moco_recipe  # noqa: E402
 from ddp_utils.data.transforms import view_transform  # noqa: E402
 
@@ -69,7 +78,7 @@ def jitter_order_ms(size: int, batch: int, repeats: int) -> tuple[float, float]:
     """(random order, fixed order) milliseconds of CPU time for one batch of ColorJitter(0.4, 0.4,
     0.4, 0.1) applied to every sample."""
     x = torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
-    factors, order = ba._jitter_draws(ba.uniforms(0, 0, torch.arange(batch), 0, 8), (0.4, 0.4, 0.4, 0.1))
+    factors, order = ba._jitter_draws(ba.draws(0, 0, torch.arange(batch))[:, :8], (0.4, 0.4, 0.4, 0.1))
     applied = torch.ones(batch, dtype=torch.bool)
 
     def fixed():
@@ -81,6 +90,42 @@ def jitter_order_ms(size: int, batch: int, repeats: int) -> tuple[float, float]:
     random_order, fixed_order = _best_seconds(
         [lambda: ba._color_jitter_(x.clone(), factors, order, applied), fixed], repeats)
     return 1e3 * random_order, 1e3 * fixed_order
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts the operators that run a kernel (views and metadata-only ops left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket not in (torch.ops.aten.detach, torch.ops.aten.alias):
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted(fn) -> int:
+    with KernelCounter() as counter:
+        fn()
+    return counter.kernels
+
+
+def kernels_per_step(size: int, batch: int) -> tuple[int, int, int]:
+    """(whole augmentation, its uniforms in one call, the same uniforms one call per purpose
+    and view) kernels for both views of one batch of 32x32 uint8 images."""
+    images = torch.randint(0, 256, (batch, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    index = torch.arange(batch)
+    augment = DeviceAugment(BatchAugment(moco_recipe("cifar10", size, "v2"), size), seed=0, views=2)
+    purposes = [(ba._CROP, ba._JITTER - ba._CROP), (ba._JITTER, 9), (ba._GRAY, 1), (ba._BLUR, 2), (ba._FLIP, 1)]
+    key = hashing.key(0, 0)
+
+    def per_purpose():
+        for view in (0, 1):
+            for first, count in purposes:
+                hashing.uniforms(key, index, count, view * ba.VIEW_COLUMNS + first)
+    return (counted(lambda: augment(images, 0, index)), counted(lambda: ba.draws(0, 0, index, views=2)),
+            counted(per_purpose))
 
 
 def benchmark(sizes=(16, 32), batch: int = 256, per_sample: int = 512, batched: int = 2048,
@@ -103,6 +148,11 @@ def benchmark(sizes=(16, 32), batch: int = 256, per_sample: int = 512, batched: 
     for size in sizes:
         random_order, fixed_order = jitter_order_ms(size, batch, repeats)
         print(f"{size:>5} {random_order:>13.2f} {fixed_order:>12.2f}")
+    print(f"\nkernels per training step: both views of a batch of {batch}")
+    print(f"{'size':>5} {'augmentation':>13} {'uniforms, one call':>19} {'one per purpose':>16} {'ratio':>6}")
+    for size in sizes:
+        whole, one_call, per_purpose = kernels_per_step(size, batch)
+        print(f"{size:>5} {whole:>13} {one_call:>19} {per_purpose:>16} {per_purpose / one_call:>5.1f}x")
     return rows
 
 

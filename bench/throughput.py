@@ -49,9 +49,12 @@ from ddp_utils.data.recipes import classifier_recipe, moco_recipe  # noqa: E402
 from ddp_utils.data.sets import in_memory_tensors  # noqa: E402
 from ddp_utils.data.transforms import training_augmentation  # noqa: E402
 from ddp_utils.models.moco import contrastive_loss  # noqa: E402
-from ddp_utils.runtime.dist import detect_launch  # noqa: E402
+from ddp_utils.runtime.dist import (  # noqa: E402
+    detect_launch,  # noqa: E402
+    memory_format,
+    to_device,
+)
 from ddp_utils.runtime.stopping import RunStopped  # noqa: E402
-from ddp_utils.train.fast_path import memory_format, to_device  # noqa: E402
 from ddp_utils.train.precision import autocast  # noqa: E402
 from ddp_utils.train.session import RunSession  # noqa: E402
 from ddp_utils.train.step_policy import start_training  # noqa: E402
@@ -281,6 +284,18 @@ def row(args: argparse.Namespace, r: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def brief_row(args: argparse.Namespace, r: dict) -> str:
+    """One row of bench/gpu_check.sh's table: | part | what ran | figure | detail |."""
+    cfg = r["cfg"]
+    precision = ("fp32" if cfg.amp == "none" else cfg.amp) + (" compiled" if cfg.compile else "")
+    what = (f"{describe_run(args, cfg)}, {cfg.dataset} {cfg.resolved_image_size()} px, batch {cfg.batch_size}, "
+            f"{precision}, aug on {'device' if r['on_device'] else 'loader'}")
+    detail = (f"step {r['step_s'] * 1e3:.1f} ms = {r['step_s'] / r['floor_s']:.2f} x floor; device aug "
+              f"{r['device_rate']:,.0f}/s vs loader {r['loader_rate']:,.0f}/s"
+              + ("" if r["peak_gib"] is None else f"; peak {r['peak_gib']:.1f} GiB"))
+    return f"| throughput | {what} | {r['step_rate']:,.0f} img/s | {detail} |"
+
+
 def preamble(args: argparse.Namespace, r: dict) -> list[str]:
     device = r["device"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
@@ -316,9 +331,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--aug-samples", type=int, default=0, help="samples per augmentation call; 0 = batch size")
     parser.add_argument("--aug-repeats", type=int, default=5, help="device augmentation calls per round")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
-    parser.add_argument("--table", default="full", choices=("full", "row", "header"),
-                        help="full: description, table and legend; row: the markdown row only; "
-                             "header: the table header only (nothing measured)")
+    parser.add_argument("--table", default="full", choices=("full", "row", "brief", "header"),
+                        help="full: description, table and legend; row: the markdown row only; brief: "
+                             "gpu_check.sh's row; header: the table header only (nothing measured)")
     args, extra = parser.parse_known_args(argv)
     if args.table != "header":
         if args.script is None:
@@ -347,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as stop:  # e.g. a NaN/Inf loss during the timed steps
         print(f"{Path(sys.argv[0]).name}: stopped: {stop}", file=sys.stderr)
         return stop.code
-    if args.table == "row":
-        print(row(args, result))
+    if args.table in ("row", "brief"):
+        print(row(args, result) if args.table == "row" else brief_row(args, result))
         return 0
     print("\n".join(preamble(args, result)))
     print()

@@ -37,18 +37,19 @@ def seed(*words: int) -> int:
     return (key(*words) << 32) | key(*words, 1)
 
 
-def hashes(key_: int, index: Tensor, count: int) -> Tensor:
-    """B x count 32-bit hashes (int64) of ``key_``, ``index[b]`` (any device) and the column."""
+def hashes(key_: int, index: Tensor, count: int, first: int = 0) -> Tensor:
+    """B x count 32-bit hashes (int64) of ``key_``, ``index[b]`` (any device) and the columns
+    ``first`` .. ``first + count - 1``."""
     idx = index.to(torch.int64)
     h = mix32((idx & MASK32) ^ key_)
     h = mix32(h ^ ((idx >> 32) & MASK32))
-    columns = torch.arange(count, dtype=torch.int64, device=idx.device)
+    columns = torch.arange(first, first + count, dtype=torch.int64, device=idx.device)
     return mix32(mix32(h[:, None] ^ columns))  # two rounds, so neighbouring columns decorrelate
 
 
-def uniforms(key_: int, index: Tensor, count: int) -> Tensor:
+def uniforms(key_: int, index: Tensor, count: int, first: int = 0) -> Tensor:
     """B x count float32 uniforms in [0, 1) with 24 random bits each (exact multiples of 2**-24)."""
-    return (hashes(key_, index, count) >> 8).to(torch.float32) * 2.0 ** -24
+    return (hashes(key_, index, count, first) >> 8).to(torch.float32) * 2.0 ** -24
 
 
 def ranking(key_: int, index: Tensor) -> Tensor:

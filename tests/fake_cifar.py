@@ -103,6 +103,24 @@ def write_fake_cifar10(root: Path, train_per_class: int = 30, test_per_class: in
     return {"train": len(train_idx), "test": len(test_idx)}
 
 
+def write_noise_cifar10(root: Path, train: int = 50_000, test: int = 10_000, seed: int = 0) -> None:
+    """``root/cifar-10-batches-py`` at CIFAR-10's real size, of uniform noise and random labels:
+    for timing the real recipe (crops, colour, kNN bank) where the real files cannot be fetched;
+    numpy only."""
+    rng = np.random.RandomState(seed)
+    folder = Path(root) / BASE_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = [(f"data_batch_{b + 1}", n) for b, n in enumerate(np.diff(np.linspace(0, train, NUM_TRAIN_BATCHES + 1)
+                                                                       .astype(int)))]
+    for name, n in parts + [("test_batch", test)]:
+        labels = rng.randint(0, 10, n)
+        _dump(folder / name, {"batch_label": name, "labels": [int(t) for t in labels],
+                              "data": rng.randint(0, 256, (n, 3 * 32 * 32), dtype=np.uint8),
+                              "filenames": [f"noise_{i:06d}.png" for i in range(n)]})
+    _dump(folder / "batches.meta", {"num_cases_per_batch": parts[0][1], "label_names": LABEL_NAMES,
+                                    "num_vis": 3 * 32 * 32})
+
+
 # ----------------------------------------------------------------------------- the md5 bypass
 SITECUSTOMIZE = '''\
 """Test-only (tests/fake_cifar.py): CIFAR-10 files are not compared with the real data set's md5.

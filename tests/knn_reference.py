@@ -30,7 +30,7 @@ def knn_predict(features: torch.Tensor, bank: torch.Tensor, bank_labels: torch.T
     for start in range(0, features.shape[0], chunk):
         sim = features[start:start + chunk] @ bank.T                      # c x M
         top_sim, top_idx = sim.topk(k, dim=1)                               # c x k
-        weights = (top_sim / T).exp()
+        weights = ((top_sim - top_sim[:, :1]) / T).exp()                    # no overflow for small T
         votes = torch.zeros(sim.shape[0], num_classes, device=sim.device)
         votes.scatter_add_(1, bank_labels[top_idx], weights)                # c x classes
         preds.append(votes.argmax(dim=1))

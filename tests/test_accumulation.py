@@ -145,7 +145,8 @@ def _count_allreduce(info, accum_steps: int, optimizer_steps: int):
     # 2.9 MB of gradients in 0.25 MB buckets (DDP's first bucket holds up to 1 MB): one "round"
     # over the buckets is several calls.
     model = DDP(nn.Sequential(nn.Linear(32, 600), nn.ReLU(), nn.Linear(600, 600), nn.ReLU(),
-                              nn.Linear(600, 600), nn.ReLU(), nn.Linear(600, 4)), bucket_cap_mb=0.25)
+                              nn.Linear(600, 600), nn.ReLU(), nn.Linear(600, 4)), bucket_cap_mb=0.25,
+                gradient_as_bucket_view=True)  # as wrap_network builds it
     calls = {"n": 0, "bytes": 0}
 
     def counting_hook(state, bucket):
@@ -157,10 +158,11 @@ def _count_allreduce(info, accum_steps: int, optimizer_steps: int):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     run = bare_run(model, optimizer, accum_steps=accum_steps)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    per_micro = []
+    per_micro, grad_storage = [], []
 
     def loss(net, batch):  # counts what the previous micro-step's backward sent
         per_micro.append(dict(calls))
+        grad_storage.append(tuple(None if p.grad is None else p.grad.data_ptr() for p in model.parameters()))
         return nn.functional.cross_entropy(net(batch[0]), batch[1])
 
     batches = [(torch.randn(8, 32), torch.randint(4, (8,))) for _ in range(accum_steps * optimizer_steps)]
@@ -173,7 +175,9 @@ def _count_allreduce(info, accum_steps: int, optimizer_steps: int):
         else:
             per_step.append((after["n"] - before["n"], after["bytes"] - before["bytes"]))
     params = [p.detach().clone() for p in model.parameters()]
-    return {"per_step": per_step, "grad_bytes": grad_bytes, "params": params}
+    grads_after = [None if p.grad is None else p.grad.count_nonzero().item() for p in model.parameters()]
+    return {"per_step": per_step, "grad_bytes": grad_bytes, "params": params,
+            "grads_after": grads_after, "grad_storage": grad_storage}
 
 
 def _communication(info) -> dict:
@@ -199,6 +203,19 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(communication, accum_
         assert all(b == r["grad_bytes"] for _, b in r["per_step"]), r["per_step"]
     for p0, p1 in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(p0, p1), "ranks diverged"
+
+
+def test_ddp_gradients_stay_in_the_buckets_across_steps(communication):
+    """gradient_as_bucket_view=True pays off only if the gradients are zeroed in place: set to
+    None, autograd would allocate new ones each step and DDP copy them into its buckets. After
+    the last step every gradient exists and is zero (none leaks into the next step), and once
+    DDP has rebuilt its buckets (in the second step's first forward) every micro-step sees the
+    same gradient storage."""
+    for rank in communication:
+        r = rank["allreduce"][2]
+        assert r["grads_after"] == [0] * len(r["grads_after"])
+        later = r["grad_storage"][3:]  # recorded before each forward: micro-steps 4, 5, 6
+        assert None not in later[0] and len(set(later)) == 1
 
 
 def _count_agreements(info, accum_steps: int, optimizer_steps: int):

@@ -191,3 +191,134 @@ def test_imagefolder_on_the_device_splits_the_work_and_stays_seeded(tmp_path):
     events.Reload()
     (grid,) = events.Images("data/augmented_views")
     assert (grid.step, grid.width, grid.height) == (0, 3 * 34 + 2, 8 * 34 + 2)
+
+
+def test_a_subset_of_synthetic_images_generates_only_its_samples():
+    """The augmentation preview takes 8 samples: it must not generate the whole split first."""
+    from torch.utils.data import Subset
+
+    from ddp_utils.data.sets import in_memory_tensors
+
+    class Counted(SyntheticImages):
+        calls = 0
+
+        def __getitem__(self, index):
+            Counted.calls += 1
+            return super().__getitem__(index)
+
+    images, labels = in_memory_tensors(Subset(Counted(5000, 8), [7, 4000, 12]))
+    assert Counted.calls == 3 and images.shape == (3, 3, 8, 8)
+    whole = SyntheticImages(5000, 8)
+    assert torch.equal(images[1], whole[4000][0]) and labels.tolist() == [whole[i][1] for i in (7, 4000, 12)]
+
+
+def test_fit_for_pad_crop_resizes_a_chunk_at_a_time(monkeypatch):
+    """The stored split is resized once to the output size, ``chunk`` images at a time (a whole
+    CIFAR-10 split in float at 224 px would take 30 GB), with the result of one pass."""
+    import ddp_utils.data.loading as loading
+    from ddp_utils.data.batch_augment import BatchAugment
+
+    augment = BatchAugment(classifier_recipe("cifar10", 12, augment=True), 12)
+    assert augment.recipe.pad_crop
+    images = torch.randint(0, 256, (10, 3, 8, 8), dtype=torch.uint8)
+    whole = loading.fit_for_pad_crop(images, augment)
+    sizes, interpolate = [], loading.F.interpolate
+    monkeypatch.setattr(loading.F, "interpolate", lambda x, **kw: sizes.append(len(x)) or interpolate(x, **kw))
+    chunked = loading.fit_for_pad_crop(images, augment, chunk=4)
+    assert sizes == [4, 4, 2] and chunked.dtype == torch.uint8 and chunked.shape == (10, 3, 12, 12)
+    assert torch.equal(chunked, whole)
+
+
+def test_device_batches_come_in_the_networks_memory_format(monkeypatch):
+    """Augmented on the device, a batch is written straight in the network's layout (CUDA:
+    channels_last), so nothing re-lays it before the first convolution."""
+    import ddp_utils.data.loading as loading
+    from ddp_utils.data.batch_augment import BatchAugment
+
+    augment = loading.DeviceAugment(BatchAugment(moco_recipe("cifar10", 16, "v2", 0.2), 16), seed=0, views=2)
+    images, index = torch.rand(6, 3, 16, 16), torch.arange(6)
+    plain = augment(images, 0, index)
+    monkeypatch.setattr(loading, "memory_format", lambda device: torch.channels_last)
+    nhwc = augment(images, 0, index)
+    for a, b in zip(plain, nhwc):
+        assert b.is_contiguous(memory_format=torch.channels_last) and not a.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(a, b)
+
+
+def test_device_evaluation_batches_equal_the_evaluation_loader():
+    """In-memory splits are evaluated from the copy on the device, batched there: the same
+    images, labels and order as the per-sample evaluation transform's loader, on each rank's shard."""
+    from ddp_utils.data.batch_augment import BatchAugment
+    from ddp_utils.data.loading import device_eval_batches, eval_loader
+
+    raw = DigitsDataset(train=False)
+    recipe = classifier_recipe("digits", 32, augment=False)
+    for rank in (0, 1):
+        batches = device_eval_batches(raw.images, torch.as_tensor(raw.targets), BatchAugment(recipe, 32), rank=rank,
+                                      world_size=2, batch_size=64)
+        loader = eval_loader(raw, eval_transform("digits", 32), batch_size=64, workers=0, rank=rank, world_size=2,
+                             pin_memory=False)
+        assert len(batches) == len(loader) == 3
+        for (x, y), (x_ref, y_ref) in zip(batches, loader, strict=True):
+            assert torch.equal(y, y_ref)
+            torch.testing.assert_close(x, x_ref, rtol=0, atol=1e-6)
+
+
+def test_the_knn_bank_of_in_memory_data_is_batched_from_the_training_tensor():
+    """MoCo's kNN bank (a fixed subset of the training split) comes from the images the training
+    batches already hold on the device: the loader's images, labels and order, on each rank."""
+    from ddp_utils.data.batch_augment import BatchAugment
+    from ddp_utils.data.loading import (
+        DeviceAugment,
+        DeviceEvalBatches,
+        bank_batches,
+        bank_subset,
+        eval_loader,
+    )
+
+    train, val = DigitsDataset(train=True), DigitsDataset(train=False)
+    recipe, eval_tf = moco_recipe("digits", 32, "v1", 0.2), eval_transform("digits", 32)
+    bank = bank_subset(train, 300, seed=0)
+    for rank in (0, 1):
+        options = dict(batch_size=16, workers=0, rank=rank, world_size=2, pin_memory=False)
+        loaders = make_loaders(train, val, None, eval_tf, seed=0, device_augment=DeviceAugment(BatchAugment(recipe, 32), 0, 2),
+                               device=torch.device("cpu"), **options)
+        batches = bank_batches(bank, eval_tf, loaders, **options)
+        assert isinstance(batches, DeviceEvalBatches) and isinstance(loaders.val, DeviceEvalBatches)
+        reference = eval_loader(bank, eval_tf, **{**options, "batch_size": 64})
+        assert len(batches) == len(reference) == 3
+        for (x, y), (x_ref, y_ref) in zip(batches, reference, strict=True):
+            assert torch.equal(y, y_ref)
+            torch.testing.assert_close(x, x_ref, rtol=0, atol=1e-6)
+
+
+def test_the_next_device_batch_can_be_made_early_without_changing_any_batch():
+    """The training loop asks for batch i+1's augmentation before step i's host read, so the
+    device has it queued while the host waits: the batches are those of plain iteration."""
+    from ddp_utils.data.batch_augment import BatchAugment
+    from ddp_utils.data.loading import DeviceAugment
+
+    train, val = DigitsDataset(train=True), DigitsDataset(train=False)
+    made = []
+
+    class Counted(DeviceAugment):
+        def __call__(self, images, epoch, index):
+            made.append(index[0].item())
+            return super().__call__(images, epoch, index)
+
+    augment = Counted(BatchAugment(classifier_recipe("digits", 32, augment=True), 32), 0)
+    loaders = make_loaders(train, val, None, eval_transform("digits", 32), batch_size=100, workers=0, seed=0, rank=0,
+                           world_size=1, pin_memory=False, device_augment=augment, device=torch.device("cpu"))
+    plain = list(loaders.train)
+    batches, early = iter(loaders.train), []
+    for step in range(len(plain)):
+        made.clear()
+        batches.prepare_next()
+        assert len(made) == 1  # made now, not when next() hands it out
+        batches.prepare_next()  # asking twice makes nothing more
+        early.append(next(batches))
+        assert len(made) == 1
+    batches.prepare_next()
+    assert next(batches, None) is None
+    for (x, y), (x_ref, y_ref) in zip(early, plain, strict=True):
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)

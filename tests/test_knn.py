@@ -395,3 +395,50 @@ def test_bank_subset_is_seeded_and_independent_of_world_size(two_ranks):
     # Pinned: a change of algorithm would silently change every resumed run's monitor.
     assert list(bank_subset(list(range(100)), 10, seed=0).indices) == [0, 3, 11, 12, 18, 37, 41, 65, 87, 99]
     assert torch.equal(subset[0][0], data["bank_x3"][subset.indices[0]])
+
+
+@pytest.mark.parametrize("T", [0.005, 0.01])
+def test_a_small_temperature_does_not_overflow_the_votes(T):
+    """exp(1 / T) exceeds the fp32 maximum below T = 0.0113: unshifted weights become inf and the
+    argmax falls to the lowest tied class. One query; class 0 has three keys at cosine 0.95, 0.96
+    and 0.97, class 1 one at 0.999: by a float64 computation class 1 wins."""
+    cosines = torch.tensor([0.95, 0.96, 0.97, 0.999], dtype=torch.float64)
+    labels = torch.tensor([0, 0, 0, 1])
+    query = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    bank = torch.stack([cosines, (1 - cosines**2).sqrt()], dim=1)  # unit rows: query . row = cosine
+    votes = torch.zeros(1, 2, dtype=torch.float64).scatter_add_(1, labels[None], ((query @ bank.T) / T).exp())
+    assert votes.isfinite().all() and votes.argmax().item() == 1
+    assert not (torch.tensor(1.0) / T).exp().isfinite()  # the case the shift must handle
+    preds = knn.knn_predict_sharded(query.float(), bank.float(), labels, num_classes=2, k=4, T=T)
+    assert preds.tolist() == [1]
+
+
+def test_feature_extraction_copies_without_waiting_in_the_networks_layout_under_autocast(monkeypatch):
+    """Per batch: images and labels go to the device with non_blocking copies (a blocking one
+    waits for the GPU to finish the previous batch), in the network's memory format (CUDA:
+    channels_last), and the backbone runs under the run's autocast."""
+    import ddp_utils.runtime.dist as dist_mod
+
+    copies, seen = [], []
+    to = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        if isinstance(args[0] if args else kwargs.get("device"), (torch.device, str)):  # a copy to a device
+            copies.append(kwargs.get("non_blocking", False))
+        return to(self, *args, **kwargs)
+
+    class Recorder(nn.Module):
+        def forward(self, x):
+            seen.append((x.is_contiguous(memory_format=torch.channels_last), torch.is_autocast_enabled("cpu")))
+            return nn.functional.adaptive_avg_pool2d(x, 1).flatten(1)
+
+    monkeypatch.setattr(dist_mod, "memory_format", lambda device: torch.channels_last)
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    x, y = torch.randn(10, 3, 4, 4), torch.arange(10)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    feats, labels = knn.extract_features(Recorder(), loader, torch.device("cpu"), amp="bf16")
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    assert len(seen) == 3 and all(seen_cl and autocast for seen_cl, autocast in seen)
+    assert copies == [True] * 6  # images and labels of every batch
+    assert feats.dtype == torch.float32 and torch.equal(labels, y)
+    torch.testing.assert_close(feats, F.normalize(x.mean(dim=(2, 3)), dim=1), rtol=0, atol=1e-2)  # bf16

@@ -25,7 +25,7 @@ from helpers import (
     run_cli,
     run_on_ranks,
 )
-from test_host_syncs import syncs_per_micro_step
+from host_sync_probe import count_per_micro_step
 from torch import nn
 
 import train_moco
@@ -255,5 +255,6 @@ def test_symmetric_reads_the_device_once_per_optimizer_step(monkeypatch, tmp_pat
     args = ["--device", "cpu", "--dataset", "digits", "--arch", "small_cnn", "--batch-size", "16",
             "--accum-steps", "2", "--max-steps", "3", "--log-every", "1000", "--epochs", "1", "--symmetric",
             "--moco-k", "512", "--knn-every", "0", "--out", str(tmp_path)]
-    syncs = syncs_per_micro_step(monkeypatch, train_moco.main, args)
-    assert syncs == [0, 1, 0, 1, 0]  # micro-steps 2..6 of 3 windows of 2
+    result = count_per_micro_step(train_moco.main, args, monkeypatch.setattr)
+    assert result["code"] == 0
+    assert result["per_micro_step"] == [0, 1, 0, 1, 0], result["events"]  # micro-steps 2..6 of 3 windows of 2

@@ -3,7 +3,9 @@ epoch end, onto another schedule or batch geometry), frees every graph, runs und
 detection, and counts every validation sample once."""
 from __future__ import annotations
 
+import copy
 import json
+import os
 
 import pytest
 import torch
@@ -110,6 +112,86 @@ def test_another_batch_geometry_resumes_at_a_whole_window(classifier_reference, 
     assert "step 5, in epoch 1, 12 batches into the epoch" in proc.stdout
     assert "the epoch continues near, not exactly at, the saved position" in proc.stdout
     assert load_ckpt(part / "checkpoint_last.pt")["batches_done"] == 16  # one more window of 4
+
+
+def test_a_gpu_checkpoint_resumes_on_the_cpu_with_this_devices_optimizer(classifier_reference, tmp_path, capsys):
+    """A CUDA run saves param groups that say fused=True and channels_last momentum buffers;
+    loaded as saved, the CPU would run fused SGD pairing NCHW weights with channels_last
+    buffers element by memory position. Resumed, it takes the same step as the plain checkpoint."""
+    plain = load_ckpt(classifier_reference.checkpoint(5))
+    from_gpu = copy.deepcopy(plain)
+    for group in from_gpu["optimizer"]["param_groups"]:
+        group.update(fused=True, foreach=None)
+    buffers = [s["momentum_buffer"] for s in from_gpu["optimizer"]["state"].values()]
+    for state in from_gpu["optimizer"]["state"].values():
+        if state["momentum_buffer"].dim() == 4:
+            state["momentum_buffer"] = state["momentum_buffer"].contiguous(memory_format=torch.channels_last)
+    assert sum(b.dim() == 4 and b.shape[2] * b.shape[3] > 1 for b in buffers) >= 2  # layouts really differ
+    finals = []
+    for name, ckpt in (("plain", plain), ("from_gpu", from_gpu)):
+        (tmp_path / name).mkdir()
+        torch.save(ckpt, tmp_path / name / "checkpoint_last.pt")
+        args = CLASSIFIER_REF + ["--max-steps", "7", "--resume", "auto", "--out", str(tmp_path / name)]
+        assert_ok(in_process(train_classifier.main, args, capsys))
+        finals.append(load_ckpt(tmp_path / name / "checkpoint_last.pt"))
+    assert finals[0]["step"] == 7
+    assert_same_state(finals[1], finals[0])
+    assert all(g.get("fused") in (None, False) for g in finals[1]["optimizer"]["param_groups"])
+
+
+def test_a_cpu_checkpoint_keeps_this_devices_fused_sgd():
+    """The other way round: a foreach checkpoint loaded where the optimizer was built fused (as
+    on CUDA) stays fused, with the saved momentum."""
+    from ddp_utils.train.resume import _load_optimizer_for_this_device
+
+    conv = torch.nn.Conv2d(3, 4, 3)
+    writer = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    conv(torch.randn(2, 3, 5, 5)).sum().backward()
+    writer.step()
+    reader = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9, fused=True)
+    _load_optimizer_for_this_device(reader, copy.deepcopy(writer.state_dict()))
+    assert reader.param_groups[0]["fused"] is True and not reader.param_groups[0]["foreach"]
+    assert torch.equal(reader.state[conv.weight]["momentum_buffer"], writer.state[conv.weight]["momentum_buffer"])
+
+
+def test_a_cpu_run_on_a_gpu_machine_leaves_cuda_alone(monkeypatch):
+    """--device cpu where CUDA exists: saving and restoring the RNG states must not touch CUDA
+    (asking for its RNG state creates a CUDA context on GPU 0, for nothing)."""
+    from ddp_utils.train.checkpoint import rng_states
+    from ddp_utils.train.resume import _restore_rng_states
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("a --device cpu run touched CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("get_rng_state", "set_rng_state", "init"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    states = rng_states(torch.device("cpu"))
+    assert "cuda" not in states[0]
+    _restore_rng_states([{**states[0], "cuda": torch.zeros(16, dtype=torch.uint8)}], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("tf32, deterministic", [(True, False), (False, False), (True, True)])
+def test_backend_switches_for_cuda_and_their_restore(monkeypatch, tf32, deterministic):
+    """What a CUDA run sets (the switches exist without a GPU), and that the session puts the
+    previous process-wide state back."""
+    from ddp_utils.train.fast_path import configure_backends
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    before = (torch.are_deterministic_algorithms_enabled(), matmul.allow_tf32, cudnn.allow_tf32, cudnn.benchmark,
+              cudnn.deterministic)
+    restore = configure_backends(torch.device("cuda", 0), tf32=tf32, deterministic=deterministic)
+    try:
+        fast = tf32 and not deterministic
+        assert (matmul.allow_tf32, cudnn.allow_tf32) == (fast, fast)
+        assert (cudnn.benchmark, cudnn.deterministic) == (not deterministic, deterministic)
+        assert torch.are_deterministic_algorithms_enabled() == deterministic
+        assert ("CUBLAS_WORKSPACE_CONFIG" in os.environ) == deterministic  # cuBLAS's condition for repeatability
+    finally:
+        restore()
+    assert (torch.are_deterministic_algorithms_enabled(), matmul.allow_tf32, cudnn.allow_tf32, cudnn.benchmark,
+            cudnn.deterministic) == before
 
 
 def test_no_graph_survives_a_micro_step():

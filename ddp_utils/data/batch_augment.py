@@ -8,9 +8,11 @@ random op order), flip, normalisation; they agree with torchvision to float roun
 resampling of crops (:func:`_resample_boxes`).
 
 Randomness is counter based (``ddp_utils.hashing``): each draw is a hash of (seed, epoch, sample
-index, view, purpose), so a sample gets the same pixels whatever batch, rank or position it lands
-in (tested bit for bit on CPU). Nothing reads a value back to the host: each sample keeps its own
-result through ``torch.where``, 0/1 ``lerp`` and gathers, never boolean masks or ``.item()``.
+index, column), so a sample gets the same pixels whatever batch, rank or position it lands in
+(tested bit for bit on CPU). A view takes :data:`VIEW_COLUMNS` columns, a fixed slice per
+purpose (crop, jitter, ...), and all views of a batch are drawn in one call. Nothing reads a
+value back to the host: each sample keeps its own result through ``torch.where``, 0/1 ``lerp``
+and gathers, never boolean masks or ``.item()``.
 """
 from __future__ import annotations
 
@@ -27,21 +29,26 @@ from .. import hashing
 from .recipes import AugmentRecipe
 
 _ATTEMPTS = 10  # torchvision's RandomResizedCrop tries 10 boxes before its centre-crop fallback
-_CROP, _JITTER, _GRAY, _BLUR, _FLIP = range(5)  # purposes; stream = 8 * view + purpose
+# The uniforms of one view: a fixed slice per purpose, so a step left out (photometric_only drops
+# the crop) leaves the others' draws as they are. Crop: 10 areas, 10 aspects, 2 offsets; jitter:
+# apply, 4 factors, 4 order keys; grayscale: apply; blur: apply, sigma; flip: apply.
+_CROP, _JITTER, _GRAY, _BLUR, _FLIP = 0, 2 * _ATTEMPTS + 2, 2 * _ATTEMPTS + 11, 2 * _ATTEMPTS + 12, 2 * _ATTEMPTS + 14
+VIEW_COLUMNS = 2 * _ATTEMPTS + 15
 _LUMA = (0.2989, 0.587, 0.114)  # ITU-R 601-2 luma, with torchvision's 0.2989 for red
 _HUE_RAMPS = ((3.0, 2.0, 4.0), (1.0, -1.0, -1.0), (-1.0, 2.0, 2.0))  # centre, slope, offset for R, G, B
 
 Draw = Callable[[int, int], Tensor]  # (purpose, count) -> B x count uniforms
 
 
-def uniforms(seed: int, epoch: int, index: Tensor, stream: int, count: int) -> Tensor:
-    """B x count uniforms of the samples ``index`` for one (seed, epoch, stream)."""
-    return hashing.uniforms(hashing.key(seed, epoch, stream), index, count)
+def draws(seed: int, epoch: int, index: Tensor, views: int = 1, first_view: int = 0) -> Tensor:
+    """B x (views * VIEW_COLUMNS) uniforms of the samples ``index``: views ``first_view`` ...,
+    side by side, in one call (one hash of the whole batch instead of one per purpose and view)."""
+    return hashing.uniforms(hashing.key(seed, epoch), index, views * VIEW_COLUMNS, first_view * VIEW_COLUMNS)
 
 
-def _drawer(seed: int, epoch: int, index: Tensor, view: int) -> Draw:
-    """The uniforms of one view of these samples, by purpose (crop, jitter, ...)."""
-    return lambda purpose, count: uniforms(seed, epoch, index, 8 * view + purpose, count)
+def _drawer(u: Tensor) -> Draw:
+    """One view's uniforms (B x VIEW_COLUMNS) by purpose: ``draw(purpose, count)``."""
+    return lambda purpose, count: u[:, purpose:purpose + count]
 
 
 def _uniform_ints(u: Tensor, high: Tensor | int) -> Tensor:
@@ -243,44 +250,47 @@ class BatchAugment:
     """``augment(images, seed, epoch, index, view)``: ``images`` B x C x H x W, uint8 (0-255) or
     float (0-1), C 1 or 3; ``index`` the samples' data-set indices (B, int64, same device);
     ``view`` numbers independent views of a sample (MoCo: query 0, key 1). Returns a new
-    B x 3 x out x out float32 batch; ``images`` is never modified."""
+    B x 3 x out x out float32 batch; ``images`` is never modified. ``apply(images, u)`` takes the
+    view's uniforms (B x VIEW_COLUMNS, from :func:`draws`) instead."""
 
     def __init__(self, recipe: AugmentRecipe, out_size: int):
         self.recipe, self.out_size = recipe, out_size
 
     def __call__(self, images: Tensor, seed: int, epoch: int, index: Tensor, view: int = 0) -> Tensor:
-        r, draw = self.recipe, _drawer(seed, epoch, index, view)
-        x = self._geometry(_as_float_rgb(images), index, draw)  # B x 3 x out x out
+        return self.apply(images, draws(seed, epoch, index, first_view=view))
+
+    def apply(self, images: Tensor, u: Tensor, layout: torch.memory_format = torch.contiguous_format) -> Tensor:
+        """The view of ``u``'s draws, written in memory format ``layout`` (channels_last for the
+        network on CUDA: no copy to re-lay it afterwards)."""
+        r, draw = self.recipe, _drawer(u)
+        x = self._geometry(as_float_rgb(images), draw)  # B x 3 x out x out
         if x is images:
             x = x.clone()  # the steps below work in place, on a buffer of our own
         x = self._photometric_(x, draw)
         if r.flip:
             x = _select_(x, draw(_FLIP, 1)[:, 0] < 0.5, x.flip(3))
-        if r.mean is not None:
-            mean, std = (_constant(v, x.device, x.dtype).view(1, -1, 1, 1) for v in (r.mean, r.std))
-            x = x.sub_(mean).div_(std)
-        return x
+        return normalize(x, r.mean, r.std, layout)
 
     def crop_boxes(self, height: int, width: int, seed: int, epoch: int, index: Tensor, view: int = 0) -> Tensor:
         """B x 4 int64 (top, left, height, width) of each sample's crop in input pixels; a pad
         crop's window may start above or left of the image; no crop: the whole image."""
-        return self._boxes(height, width, index, _drawer(seed, epoch, index, view))
+        return self._boxes(height, width, _drawer(draws(seed, epoch, index, first_view=view)))
 
-    def _boxes(self, height: int, width: int, index: Tensor, draw: Draw) -> Tensor:
+    def _boxes(self, height: int, width: int, draw: Draw) -> Tensor:
         r = self.recipe
         if r.crop_scale is not None:
             return _resized_crop_boxes(draw(_CROP, 2 * _ATTEMPTS + 2), height, width, r.crop_scale, r.crop_ratio)
         if r.pad_crop:
             return _pad_crop_boxes(draw(_CROP, 2), height, width, r.pad_crop, self.out_size)
-        zeros = torch.zeros_like(index, dtype=torch.int64)  # B, made on the device (no host copy)
+        zeros = torch.zeros_like(draw(_CROP, 1)[:, 0], dtype=torch.int64)  # B, on the device (no host copy)
         return torch.stack([zeros, zeros, zeros + height, zeros + width], 1)
 
-    def _geometry(self, x: Tensor, index: Tensor, draw: Draw) -> Tensor:
+    def _geometry(self, x: Tensor, draw: Draw) -> Tensor:
         """Crop (or pad-and-crop) and resample to out x out; without a crop, only resize if needed."""
         r, (height, width) = self.recipe, x.shape[-2:]
         if r.crop_scale is None and not r.pad_crop and (height, width) == (self.out_size, self.out_size):
             return x
-        boxes = self._boxes(height, width, index, draw)  # B x 4
+        boxes = self._boxes(height, width, draw)  # B x 4
         if r.pad_crop:
             return _crop_windows(x, boxes, r.pad_crop, self.out_size)
         return _resample_boxes(x, boxes, self.out_size)
@@ -308,7 +318,16 @@ class BatchAugment:
         return _select_(x, draw(_GRAY, 1)[:, 0] < self.recipe.gray_p, _gray(x).expand_as(x))
 
 
-def _as_float_rgb(images: Tensor) -> Tensor:
+def normalize(x: Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] | None,
+              layout: torch.memory_format = torch.contiguous_format) -> Tensor:
+    """``(x - mean) / std`` per channel (or ``x`` as it is without ``mean``), in memory format ``layout``."""
+    if mean is None:
+        return x.contiguous(memory_format=layout)
+    mean_, std_ = (_constant(v, x.device, x.dtype).view(1, -1, 1, 1) for v in (mean, std))
+    return torch.sub(x, mean_, out=torch.empty_like(x, memory_format=layout)).div_(std_)
+
+
+def as_float_rgb(images: Tensor) -> Tensor:
     """B x 3 x H x W float32 in [0, 1] (uint8 scaled as torchvision's ``to_dtype(scale=True)``)."""
     if images.dim() != 4 or images.shape[1] not in (1, 3):
         raise ValueError(f"BatchAugment: expected B x C x H x W images with C 1 or 3, got {tuple(images.shape)}")

@@ -19,10 +19,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 
 from .. import hashing
 from ..config import UsageError
-from .batch_augment import BatchAugment
+from ..runtime.dist import memory_format
+from .batch_augment import VIEW_COLUMNS, BatchAugment, as_float_rgb, draws, normalize
 from .sets import in_memory_tensors, num_classes_of
 
 Transform = Callable[[torch.Tensor], object]
+EVAL_BATCH_FACTOR = 4  # evaluation batches are this many training micro-batches: no activations kept
 Key = tuple[int, int]  # (epoch, sample index): what the training sampler yields
 
 
@@ -62,10 +64,35 @@ class DeviceAugment:
         self.augment, self.seed, self.views = augment, seed, views
 
     def __call__(self, images, epoch: int, index: torch.Tensor):
+        u = draws(self.seed, epoch, index, self.views)  # every view's uniforms in one call
+        layout = memory_format(index.device)  # the network's: no re-lay afterwards
         if self.views == 1:
-            return self.augment(images, self.seed, epoch, index)
+            return self.augment.apply(images, u, layout)
         sources = images if isinstance(images, (tuple, list)) else [images] * self.views
-        return tuple(self.augment(x, self.seed, epoch, index, view=v) for v, x in enumerate(sources))
+        return tuple(self.augment.apply(x, u[:, v * VIEW_COLUMNS:(v + 1) * VIEW_COLUMNS], layout)
+                     for v, x in enumerate(sources))
+
+
+class OneAhead:
+    """An iterator over batches made on the device that can make the next one early:
+    ``prepare_next()`` queues its kernels now (e.g. while the host waits for the ranks'
+    agreement), and ``next()`` then hands it out."""
+
+    def __init__(self, batches: Iterator):
+        self._batches, self._ahead = batches, None
+
+    def __iter__(self) -> OneAhead:
+        return self
+
+    def __next__(self):
+        if self._ahead is not None:
+            batch, self._ahead = self._ahead, None
+            return batch
+        return next(self._batches)
+
+    def prepare_next(self) -> None:
+        if self._ahead is None:
+            self._ahead = next(self._batches, None)  # None at the end: next() then stops
 
 
 class DeviceBatches:
@@ -81,7 +108,10 @@ class DeviceBatches:
     def __len__(self) -> int:
         return len(self.sampler) // self.batch_size    # drop_last, as the DataLoader
 
-    def __iter__(self):
+    def __iter__(self) -> OneAhead:
+        return OneAhead(self._batches())
+
+    def _batches(self):
         keys = list(self.sampler)
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             chunk = keys[start:start + self.batch_size]
@@ -104,11 +134,35 @@ class DeviceFinish:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def __iter__(self):
+    def __iter__(self) -> OneAhead:
+        return OneAhead(self._batches())
+
+    def _batches(self):
         for images, targets, epochs, index in self.loader:
             images = [x.to(self.device, non_blocking=True) for x in images] if isinstance(images, (tuple, list)) \
                 else images.to(self.device, non_blocking=True)
             yield self.augment(images, int(epochs[0]), index.to(self.device, non_blocking=True)), targets
+
+
+class DeviceEvalBatches:
+    """Evaluation batches of an in-memory split held on the device: this rank's shard (samples
+    r, r+W, r+2W, ... of ``subset``, as :class:`ShardedEvalSampler`), in order, each batch turned
+    into normalised floats there (what the per-sample evaluation transform does at the stored size)."""
+
+    def __init__(self, images: torch.Tensor, targets: torch.Tensor, *, rank: int, world_size: int,
+                 batch_size: int, mean: tuple | None, std: tuple | None, subset: torch.Tensor | None = None):
+        self.images, self.targets, self.batch_size, self.mean, self.std = images, targets, batch_size, mean, std
+        every = torch.arange(len(images), device=images.device) if subset is None else subset.to(images.device)
+        self.index = every[rank::world_size]
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.index) / self.batch_size)
+
+    def __iter__(self):
+        layout = memory_format(self.images.device)
+        for start in range(0, len(self.index), self.batch_size):
+            index = self.index[start:start + self.batch_size]
+            yield normalize(as_float_rgb(self.images[index]), self.mean, self.std, layout), self.targets[index]
 
 
 # ----------------------------------------------------------------------------- samplers
@@ -185,10 +239,14 @@ def make_loaders(train_raw: Dataset, val_raw: Dataset, train_tf: Transform | Non
     """
     sampler = ResumableDistributedSampler(train_raw, world_size, rank, seed)
     tensors = in_memory_tensors(train_raw) if device_augment is not None else None
+    val = None
     if tensors is not None:
         images, targets = (t.to(device) for t in tensors)
         train = DeviceBatches(fit_for_pad_crop(images, device_augment.augment), targets, sampler, batch_size,
                               device_augment)
+        val_images, val_targets = (t.to(device) for t in in_memory_tensors(val_raw))
+        val = device_eval_batches(val_images, val_targets, device_augment.augment, rank=rank, world_size=world_size,
+                                  batch_size=EVAL_BATCH_FACTOR * batch_size)
     else:
         train_set = SeededTransform(train_raw, train_tf, seed, with_key=device_augment is not None)
         # drop_last: every micro-batch has batch_size samples, so the 1/window loss scale is exact.
@@ -197,22 +255,57 @@ def make_loaders(train_raw: Dataset, val_raw: Dataset, train_tf: Transform | Non
                            generator=_private_generator())
         if device_augment is not None:
             train = DeviceFinish(train, device_augment, device)
-    val = eval_loader(val_raw, eval_tf, batch_size=batch_size, workers=workers, rank=rank,
-                      world_size=world_size, pin_memory=pin_memory)
+    if val is None:
+        val = eval_loader(val_raw, eval_tf, batch_size=EVAL_BATCH_FACTOR * batch_size, workers=workers, rank=rank,
+                          world_size=world_size, pin_memory=pin_memory)
     if len(train) == 0:
         raise UsageError(f"the training split has {len(train_raw)} samples: too few for "  # type: ignore[arg-type]
                          f"{world_size} rank(s) x batch {batch_size}; lower --batch-size")
     return Loaders(train, val, sampler, train_raw, num_classes_of(train_raw), device_augment is not None)
 
 
-def fit_for_pad_crop(images: torch.Tensor, augment: BatchAugment) -> torch.Tensor:
+def device_eval_batches(images: torch.Tensor, targets: torch.Tensor, augment: BatchAugment, *, rank: int,
+                        world_size: int, batch_size: int, subset: torch.Tensor | None = None
+                        ) -> DeviceEvalBatches | None:
+    """Evaluation batches of in-memory ``images`` (N x C x H x W, on the training device) made
+    there, when they have the network's input size; else None (the per-sample evaluation
+    transform resizes them)."""
+    if tuple(images.shape[-2:]) != (augment.out_size, augment.out_size):
+        return None
+    return DeviceEvalBatches(images, targets, rank=rank, world_size=world_size, batch_size=batch_size,
+                             mean=augment.recipe.mean, std=augment.recipe.std, subset=subset)
+
+
+def bank_batches(bank: Dataset, transform: Transform | None, loaders: Loaders, *, batch_size: int, workers: int,
+                 rank: int, world_size: int, pin_memory: bool) -> DeviceEvalBatches | DataLoader:
+    """The kNN memory bank's batches: the training split (or a Subset of it) as evaluated, from
+    the images the training batches already hold on the device where they do."""
+    train = loaders.train
+    # A device-batched validation split means the stored images have the network's size, so the
+    # training tensor on the device is as stored too (not resized by fit_for_pad_crop).
+    if isinstance(train, DeviceBatches) and isinstance(loaders.val, DeviceEvalBatches):
+        subset = torch.as_tensor(list(bank.indices)) if isinstance(bank, Subset) else None
+        batches = device_eval_batches(train.images, train.targets, train.augment.augment, rank=rank,
+                                      world_size=world_size, batch_size=EVAL_BATCH_FACTOR * batch_size, subset=subset)
+        if batches is not None:
+            return batches
+    return eval_loader(bank, transform, batch_size=EVAL_BATCH_FACTOR * batch_size, workers=workers, rank=rank,
+                       world_size=world_size, pin_memory=pin_memory)
+
+
+def fit_for_pad_crop(images: torch.Tensor, augment: BatchAugment, chunk: int = 1024) -> torch.Tensor:
     """A pad-and-crop view keeps the input's size: resize the stored images once to the output
-    size (as the per-sample pipeline's Resize does before its RandomCrop)."""
+    size (as the per-sample pipeline's Resize does before its RandomCrop), ``chunk`` images at a
+    time, so the float copy of a whole split (CIFAR-10 at 224 px: 30 GB) never exists at once."""
     size = augment.out_size
     if not augment.recipe.pad_crop or images.shape[-1] == size:
         return images
-    resized = F.interpolate(images.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    return resized.round().clamp(0, 255).to(torch.uint8) if images.dtype == torch.uint8 else resized
+    out = images.new_empty((len(images), images.shape[1], size, size))
+    for start in range(0, len(images), chunk):
+        part = F.interpolate(images[start:start + chunk].float(), size=(size, size), mode="bilinear",
+                             antialias=True, align_corners=False)
+        out[start:start + chunk] = part.round().clamp(0, 255) if images.dtype == torch.uint8 else part
+    return out
 
 
 def _private_generator() -> torch.Generator:

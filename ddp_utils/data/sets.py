@@ -140,6 +140,8 @@ def in_memory_tensors(ds: Dataset) -> tuple[torch.Tensor, torch.Tensor] | None:
     (float, 1 channel), CIFAR-10 (uint8), synthetic (float, generated once), or a Subset of one;
     None for data read from files (ImageFolder)."""
     if isinstance(ds, Subset):
+        if isinstance(ds.dataset, SyntheticImages):  # generated per index: only the chosen ones
+            return _generate(ds.dataset, ds.indices)
         whole = in_memory_tensors(ds.dataset)
         if whole is None:
             return None
@@ -150,9 +152,13 @@ def in_memory_tensors(ds: Dataset) -> tuple[torch.Tensor, torch.Tensor] | None:
     if isinstance(ds, datasets.CIFAR10):
         return torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets)  # uint8
     if isinstance(ds, SyntheticImages):
-        samples = [ds[i] for i in range(len(ds))]
-        return torch.stack([x for x, _ in samples]), torch.tensor([y for _, y in samples])
+        return _generate(ds, range(len(ds)))
     return None
+
+
+def _generate(ds: SyntheticImages, indices) -> tuple[torch.Tensor, torch.Tensor]:
+    samples = [ds[i] for i in indices]
+    return torch.stack([x for x, _ in samples]), torch.tensor([y for _, y in samples])
 
 
 def debug_subset(ds: Dataset, n: int) -> Dataset:

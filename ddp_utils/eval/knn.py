@@ -17,15 +17,16 @@ against ``tests/knn_reference.py``). Ties go to the lower bank position in gathe
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
 
 from ..runtime.collectives import reduce_metrics
-from ..runtime.dist import get_rank, get_world_size, is_dist
+from ..runtime.dist import get_rank, get_world_size, is_dist, to_device
+from ..train.precision import autocast
 
 _TWO32 = 1 << 32
 _NO_NEIGHBOUR = -(1 << 63)  # the smallest int64: a list slot a rank with fewer than k rows cannot fill
@@ -41,14 +42,18 @@ def default_bank_dtype(device: torch.device) -> torch.dtype:
 
 
 @torch.no_grad()
-def extract_features(backbone: nn.Module, loader: DataLoader, device: torch.device,
-                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def extract_features(backbone: nn.Module, loader: Iterable, device: torch.device,
+                     dtype: torch.dtype = torch.float32, amp: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's unit-length features (n x D, normalised in fp32, stored as ``dtype``) and
-    labels (n). A loader without samples gives 0 x 0 and 0."""
+    labels (n), the backbone run under ``--amp``'s autocast. A loader without samples gives
+    0 x 0 and 0. Batches go to the device without a host wait, in its memory format."""
     feats, labels = [], []
     for images, targets in loader:
-        feats.append(F.normalize(backbone(images.to(device)).float(), dim=1).to(dtype))
-        labels.append(targets.to(device))
+        images, targets = to_device(images, device), targets.to(device, non_blocking=True)
+        with autocast(amp, device):
+            out = backbone(images)
+        feats.append(F.normalize(out.float(), dim=1).to(dtype))
+        labels.append(targets)
     if not feats:
         return torch.empty(0, 0, dtype=dtype, device=device), torch.empty(0, dtype=torch.long, device=device)
     return torch.cat(feats), torch.cat(labels)
@@ -96,6 +101,12 @@ def _similarities(keys: torch.Tensor) -> torch.Tensor:
     """The fp32 similarities back from :func:`_rank_keys`' keys (bit for bit)."""
     high = torch.div(keys, _TWO32, rounding_mode="floor").to(torch.int32)
     return (high ^ ((high >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
+def _vote_weights(top_sim: torch.Tensor, T: float) -> torch.Tensor:
+    """exp(similarity / T) up to a positive factor per query: each query's best similarity
+    (column 0, lists are sorted) is subtracted first, so a small T cannot overflow fp32."""
+    return ((top_sim - top_sim[:, :1]) / T).exp()
 
 
 def _local_topk(queries: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor, first_pos: int,
@@ -160,7 +171,7 @@ def knn_predict_sharded(features: torch.Tensor, bank: torch.Tensor, bank_labels:
         cand_labels = lists[..., 2].reshape(per_rank, world * width)
         top_keys, pick = cand_keys.topk(k_all, dim=1)                       # sorted by similarity
         top_sim = _similarities(top_keys)
-        weights = (top_sim / T).exp()
+        weights = _vote_weights(top_sim, T)
         votes = torch.zeros(per_rank, num_classes, device=device)
         votes.scatter_add_(1, cand_labels.gather(1, pick).long(), weights)
         preds[rows] = votes.argmax(dim=1)
@@ -168,26 +179,27 @@ def knn_predict_sharded(features: torch.Tensor, bank: torch.Tensor, bank_labels:
 
 
 @torch.no_grad()
-def local_bank(backbone: nn.Module, bank_loader: DataLoader, device: torch.device,
-               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def local_bank(backbone: nn.Module, bank_loader: Iterable, device: torch.device,
+               dtype: torch.dtype | None = None, amp: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's shard of the memory bank (m_r x D in ``dtype``, default
     :func:`default_bank_dtype`) and its labels."""
-    return extract_features(backbone, bank_loader, device, dtype or default_bank_dtype(device))
+    return extract_features(backbone, bank_loader, device, dtype or default_bank_dtype(device), amp)
 
 
 @torch.no_grad()
-def knn_accuracy(backbone: nn.Module, bank_loader: DataLoader, val_loader: DataLoader,
+def knn_accuracy(backbone: nn.Module, bank_loader: Iterable, val_loader: Iterable,
                  num_classes: int, device: torch.device, k: int = 200, T: float = 0.1, *,
-                 bank_dtype: torch.dtype | None = None, queries_per_step: int = 1024,
+                 bank_dtype: torch.dtype | None = None, amp: str = "none", queries_per_step: int = 1024,
                  bank_block: int = 32768) -> float:
     """Top-1 kNN accuracy (%) over the whole validation split, each sample counted once; NaN
     when it is empty. Every rank must call it; each keeps its own shard of ``bank_loader``. Host
-    reads: the shard sizes at the start, the correct count and the final sum."""
+    reads: the shard sizes at the start, the correct count and the final sum. ``amp``: the
+    precision of the backbone's forward (similarities are fp32 whatever it is)."""
     was_training = backbone.training
     backbone.eval()
     try:
-        bank, bank_labels = local_bank(backbone, bank_loader, device, bank_dtype)
-        val, val_labels = extract_features(backbone, val_loader, device)  # this rank's shard
+        bank, bank_labels = local_bank(backbone, bank_loader, device, bank_dtype, amp)
+        val, val_labels = extract_features(backbone, val_loader, device, amp=amp)  # this rank's shard
     finally:
         backbone.train(was_training)
     preds = knn_predict_sharded(val, bank, bank_labels, num_classes, k, T, queries_per_step=queries_per_step,

@@ -157,11 +157,14 @@ def _own_rows(keys: Tensor, n: int) -> Tensor:
 
 # ----------------------------------------------------------------------------- losses
 def info_nce(q: Tensor, k: Tensor, negatives: Tensor, T: float) -> Tensor:
-    """InfoNCE logits (N x (1+K)) / T: column 0 is each query's positive q_i . k_i, the others
-    its similarities to the negatives (C x K). Only ``q`` (N x C) carries a graph."""
-    l_pos = torch.einsum("nc,nc->n", q, k).unsqueeze(-1)   # N x 1
-    l_neg = torch.einsum("nc,ck->nk", q, negatives)        # N x K
-    return torch.cat([l_pos, l_neg], dim=1) / T
+    """InfoNCE logits (N x (1+K)) / T in fp32, autocast or not (a bf16 matmul would round the
+    similarities before the division by a small T): column 0 is each query's positive q_i . k_i,
+    the others its similarities to the negatives (C x K). Only ``q`` (N x C) carries a graph."""
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, negatives = q.float(), k.float(), negatives.float()
+        l_pos = torch.einsum("nc,nc->n", q, k).unsqueeze(-1)   # N x 1
+        l_neg = torch.einsum("nc,ck->nk", q, negatives)        # N x K
+        return torch.cat([l_pos, l_neg], dim=1) / T
 
 
 def contrastive_loss(logits: Tensor) -> tuple[Tensor, Tensor]:

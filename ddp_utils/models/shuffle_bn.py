@@ -62,10 +62,11 @@ def plan_shuffle(perm: Tensor, rank: int, world: int, device: torch.device) -> S
 
 @torch.no_grad()
 def shuffle_to_ranks(x: Tensor, plan: ShufflePlan) -> Tensor:
-    """This rank's N images of the shuffled global batch (N x ...), in encoding order: one
-    all_to_all in which each rank sends each image to the rank that encodes it."""
-    received = x.new_empty(x.shape)
-    dist.all_to_all_single(received, x[plan.send_rows].contiguous(),
+    """This rank's N images of the shuffled global batch (N x ...), in encoding order and in the
+    memory format of ``x`` (channels_last stays so): one all_to_all in which each rank sends each
+    image to the rank that encodes it."""
+    received = torch.empty_like(x)
+    dist.all_to_all_single(received, x[plan.send_rows],  # indexing copies, in x's memory format
                            output_split_sizes=plan.recv_sizes, input_split_sizes=plan.send_sizes)
     shuffled = torch.empty_like(received)
     shuffled[plan.arrival_slot] = received
@@ -79,30 +80,59 @@ def gather_unshuffled(k: Tensor, plan: ShufflePlan) -> Tensor:
 
 
 class SplitBatchNorm2d(nn.BatchNorm2d):
-    """BatchNorm over ``num_splits`` interleaved groups of the batch (samples i, i+S, i+2S, ...),
-    as ``num_splits`` GPUs would normalise. Evaluation uses the running statistics, the mean of
-    the groups'. The state-dict keys are those of ``nn.BatchNorm2d``."""
+    """BatchNorm over ``num_splits`` groups of the batch (samples i, i+S, i+2S, ...), as
+    ``num_splits`` GPUs would normalise. Evaluation uses the running statistics, the mean of the
+    groups'. The state-dict keys are those of ``nn.BatchNorm2d``; the output keeps the input's
+    memory format (channels_last included)."""
 
     def __init__(self, num_features: int, num_splits: int, **kwargs):
         super().__init__(num_features, **kwargs)
         self.num_splits = num_splits
 
     def forward(self, x: Tensor) -> Tensor:
-        n, c, h, w = x.shape
+        n, c = x.shape[:2]
         s = self.num_splits
         if not self.training or s == 1:
             return super().forward(x)
         if n % s:
             raise ValueError(f"split BatchNorm: batch {n} is not a multiple of bn_splits {s}")
+        if x.is_contiguous():  # NCHW: the groups side by side as channels is a free reshape
+            return self._as_channels(x)
+        return self._in_layout(x)  # channels_last: no reshape to that shape is a view
+
+    def _as_channels(self, x: Tensor) -> Tensor:
+        """N x C x H x W -> N/S x (S*C) x H x W (channel block j: the samples with i % S == j),
+        normalised by batch_norm's fused kernel; the running statistics are the blocks' mean."""
+        n, c, h, w = x.shape
+        s = self.num_splits
         mean_split, var_split = self.running_mean.repeat(s), self.running_var.repeat(s)
-        # N x C x H x W -> N/S x (S*C) x H x W: channel block j holds the samples with i % S == j.
-        out = F.batch_norm(x.reshape(n // s, s * c, h, w), mean_split, var_split,
-                           self.weight.repeat(s), self.bias.repeat(s), True, self.momentum, self.eps)
+        weight, bias = (self.weight.repeat(s), self.bias.repeat(s)) if self.affine else (None, None)
+        out = F.batch_norm(x.reshape(n // s, s * c, h, w), mean_split, var_split, weight, bias, True,
+                           self.momentum, self.eps)
         with torch.no_grad():
             self.running_mean.copy_(mean_split.view(s, c).mean(0))
             self.running_var.copy_(var_split.view(s, c).mean(0))
             self.num_batches_tracked += 1
         return out.view(n, c, h, w)
+
+    def _in_layout(self, x: Tensor) -> Tensor:
+        """The same statistics computed on N/S x S x C x H x W, a view with the input's strides,
+        so the output keeps its memory format; in fp32, as batch_norm's kernels for bf16 input."""
+        n, c = x.shape[:2]
+        s = self.num_splits
+        groups = x.unflatten(0, (n // s, s)).float()
+        var, mean = torch.var_mean(groups, dim=(0, 3, 4), unbiased=False)  # S x C each
+        scale = torch.rsqrt(var + self.eps)
+        if self.affine:
+            scale = scale * self.weight
+        shift = -mean * scale + (self.bias if self.affine else 0)
+        out = (groups * scale[:, :, None, None] + shift[:, :, None, None]).to(x.dtype)
+        with torch.no_grad():
+            count = groups.numel() // (s * c)  # values per group and channel
+            self.running_mean.lerp_(mean.mean(0), self.momentum)
+            self.running_var.lerp_((var * count / max(count - 1, 1)).mean(0), self.momentum)  # unbiased
+            self.num_batches_tracked += 1
+        return out.flatten(0, 1)
 
 
 def split_batchnorm(module: nn.Module, num_splits: int) -> nn.Module:

@@ -233,6 +233,17 @@ def _bracket_ipv6(host: str | None) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def memory_format(device: torch.device) -> torch.memory_format:
+    """NHWC on CUDA (faster convolutions with tensor cores), NCHW on the CPU."""
+    return torch.channels_last if device.type == "cuda" else torch.contiguous_format
+
+
+def to_device(images: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch on the training device in its memory format; asynchronous from pinned memory
+    (and a no-op for a batch already there)."""
+    return images.to(device, non_blocking=True, memory_format=memory_format(device))
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The bare module under DistributedDataParallel and torch.compile (what checkpoints store)."""
     while True:

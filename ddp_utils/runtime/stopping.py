@@ -114,9 +114,9 @@ class StepGuard:
         flags = self.flags
         flags.zero_()
         if self.signals is not None and self.signals.preempt_signal is not None:
-            flags[0] = 1
+            flags[0].fill_(1)  # a fill kernel: assigning a Python 1 would copy from the host
         if self.signals is not None and self.signals.interrupted:
-            flags[1] = 1
+            flags[1].fill_(1)
         flags[2].copy_(nonfinite)
         if overflow is not None:
             flags[3].copy_(overflow)

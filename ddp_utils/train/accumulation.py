@@ -71,7 +71,10 @@ def optimizer_step(run: TrainRun, window_loss: torch.Tensor) -> StepResult:
     if applied:
         optimizer.step()  # on the unscaled gradients: GradScaler.step would read the overflow again
     scaler.update()  # fp16: lowers the scale after an overflow, raises it after enough good steps
-    optimizer.zero_grad(set_to_none=True)
+    # Under DDP the gradients are views into its all-reduce buckets (gradient_as_bucket_view):
+    # zeroed in place they stay so; set to None, autograd would allocate new ones every step and
+    # DDP copy them into its buckets. One process frees them.
+    optimizer.zero_grad(set_to_none=not run.info.is_distributed)
     state.step += 1
     return StepResult(applied, verdict, grad_norm)
 

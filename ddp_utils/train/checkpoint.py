@@ -93,7 +93,7 @@ def checkpoint_of(run: TrainRun) -> dict[str, Any]:
         "model": unwrap(run.model).state_dict(),
         "optimizer": run.optimizer.state_dict(),
         "grad_scaler": run.scaler.state_dict(),  # empty unless fp16
-        "rng": rng_states(),
+        "rng": rng_states(run.info.device),
     }
 
 
@@ -105,12 +105,13 @@ def weights_finite(model: torch.nn.Module, device: torch.device) -> bool:
     return int(all_reduce_sum(bad).item()) == 0
 
 
-def rng_states() -> list[dict[str, Any]]:
-    """Every rank's RNG states (gathered, so rank 0 can store them all)."""
+def rng_states(device: torch.device) -> list[dict[str, Any]]:
+    """Every rank's RNG states (gathered, so rank 0 can store them all); CUDA's only when
+    training on CUDA (asking creates a CUDA context, even for a --device cpu run)."""
     state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
              "python_pos": random.getstate()[2]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return all_gather_object(state)
 
 

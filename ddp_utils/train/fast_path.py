@@ -3,27 +3,36 @@ channels_last weights and inputs, fused SGD, and ``torch.compile`` with --compil
 only what changes nothing numerically applies (foreach SGD), through the same code."""
 from __future__ import annotations
 
+import os
+from typing import Callable
+
 import torch
 from torch import nn
 
-
-def configure_backends(device: torch.device) -> None:
-    """Process-wide switches for CUDA: TF32 and cuDNN's autotuner."""
-    if device.type != "cuda":
-        return
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    torch.backends.cudnn.benchmark = True
+from ..runtime.dist import memory_format
 
 
-def memory_format(device: torch.device) -> torch.memory_format:
-    """NHWC on CUDA (faster convolutions with tensor cores), NCHW on the CPU."""
-    return torch.channels_last if device.type == "cuda" else torch.contiguous_format
+def configure_backends(device: torch.device, tf32: bool = True, deterministic: bool = False) -> Callable[[], None]:
+    """Process-wide switches: on CUDA TF32 and cuDNN's autotuner (every training batch has the
+    same shape), unless ``deterministic``, which also makes PyTorch use (or demand) deterministic
+    kernels on every device. Returns a function that puts the previous switches back."""
+    cuda, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    before = (torch.are_deterministic_algorithms_enabled(), cuda.allow_tf32, cudnn.allow_tf32, cudnn.benchmark,
+              cudnn.deterministic)
 
+    def restore() -> None:
+        torch.use_deterministic_algorithms(before[0])
+        cuda.allow_tf32, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic = before[1:]
 
-def to_device(images: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch on the training device in its memory format; asynchronous from pinned memory."""
-    return images.to(device, non_blocking=True, memory_format=memory_format(device))
+    if deterministic:
+        # cuBLAS repeats its results only with a fixed workspace; read when its handle is made
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    if device.type == "cuda":
+        cuda.allow_tf32 = cudnn.allow_tf32 = tf32 and not deterministic
+        cudnn.benchmark = not deterministic
+        cudnn.deterministic = deterministic
+    return restore
 
 
 def place_model(model: nn.Module, device: torch.device) -> nn.Module:

@@ -122,13 +122,13 @@ def restore_training_state(resume: Resume, cfg: TrainConfig, *, model: nn.Module
     ckpt, path = resume.checkpoint, resume.path
     try:
         unwrap(model).load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        _load_optimizer_for_this_device(optimizer, ckpt["optimizer"])
     except (RuntimeError, ValueError, KeyError) as err:
         raise UsageError(f"--resume {path}: its model does not fit this one ({mismatch_detail(err)}); was it "
                          f"written with another --arch or --image-size?") from None
     if ckpt["grad_scaler"]:  # empty when the checkpoint's run did not use fp16
         scaler.load_state_dict(ckpt["grad_scaler"])
-    _restore_rng_states(ckpt["rng"])
+    _restore_rng_states(ckpt["rng"], info.device)
     state = RunState(ckpt["epoch"], ckpt["step"], ckpt["batches_done"], ckpt["nonfinite_skipped"])
     old_world, old_batch = ckpt["world_size"], ckpt["config"]["batch_size"]
     geometry_changed = (old_world, old_batch) != (info.world_size, cfg.batch_size)
@@ -146,7 +146,23 @@ def restore_training_state(resume: Resume, cfg: TrainConfig, *, model: nn.Module
     return state
 
 
-def _restore_rng_states(states: list[dict[str, Any]]) -> None:
+def _load_optimizer_for_this_device(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(saved)``, keeping this device's implementation (fused on CUDA,
+    foreach elsewhere: the saved param groups carry the writer's) and laying every state tensor
+    out like its parameter (a GPU checkpoint holds channels_last momentum buffers; the fused and
+    foreach kernels pair elements by memory position)."""
+    implementation = [{key: group[key] for key in ("fused", "foreach") if key in group}
+                      for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, keys in zip(optimizer.param_groups, implementation):
+        group.update(keys)
+    for param, state in optimizer.state.items():
+        for name, value in state.items():
+            if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                state[name] = torch.empty_like(param).copy_(value)
+
+
+def _restore_rng_states(states: list[dict[str, Any]], device: torch.device) -> None:
     """This rank's RNG streams as the checkpoint saved them; left as they are (with a warning)
     when the world size changed."""
     if len(states) != get_world_size():
@@ -157,5 +173,5 @@ def _restore_rng_states(states: list[dict[str, Any]]) -> None:
     mine = states[get_rank()]
     torch.set_rng_state(mine["torch"])
     random.setstate((3, tuple(mine["python"]), mine["python_pos"]))
-    if "cuda" in mine and torch.cuda.is_available():
-        torch.cuda.set_rng_state(mine["cuda"])
+    if "cuda" in mine and device.type == "cuda":
+        torch.cuda.set_rng_state(mine["cuda"], device)

@@ -65,6 +65,7 @@ class TrainRun:
     facts: dict[str, Any] = field(default_factory=dict)  # must match on resume (e.g. the class count)
     preempted: bool = False
     epoch_started: tuple[float, int] = (0.0, 0)  # when this epoch started here, at which batch
+    _batches: Iterator | None = field(default=None, init=False, repr=False)  # this epoch's batch iterator
 
     def __post_init__(self):
         # DDP_FAULT=nan:RANK:STEP (tests): a NaN from the network's forward of that step
@@ -78,9 +79,17 @@ class TrainRun:
             state.epoch, state.batches_done = state.epoch + 1, 0
         self.loaders.set_epoch(state.epoch, skip_batches=state.batches_done)
         self.epoch_started = (time.perf_counter(), state.batches_done)
-        for micro, batch in zip(plan_windows(len(self.loaders.train), self.cfg.accum_steps), self.loaders.train):
+        self._batches = iter(self.loaders.train)
+        for micro, batch in zip(plan_windows(len(self.loaders.train), self.cfg.accum_steps), self._batches):
             state.batches_done += 1
             yield micro, batch
+
+    def prepare_next_batch(self) -> None:
+        """Batches made on the device: queue the next one's augmentation now, so the device
+        works on it while the host waits (a no-op for DataLoader workers, which run ahead anyway)."""
+        prepare = getattr(self._batches, "prepare_next", None)
+        if prepare is not None:
+            prepare()
 
     def end_epoch_if_done(self) -> None:
         """After an optimizer step: once the epoch's batches are all consumed, the next epoch

@@ -65,7 +65,7 @@ class RunSession:
         try:
             self.info: DistInfo = init_distributed(cfg.device, cfg.dist_timeout)
             setup_logging(self.info.rank, cfg.debug, hold=True)  # shown once the start has succeeded
-            configure_backends(self.info.device)
+            self._closing.callback(configure_backends(self.info.device, cfg.tf32, cfg.deterministic))
             self.guard = StepGuard(self.signals, self.info.device)
         except BaseException:
             self._close()

@@ -69,7 +69,13 @@ class TrainConfig:
     warmup_steps: int = opt(0, "linear LR warm-up, in optimizer steps")
     clip_grad: float = opt(0.0, "clip the global gradient L2 norm to this value; 0 = off")
     amp: str = opt("auto", "mixed precision: auto = bf16 on CUDA and fp32 on CPU; bf16, fp16 (with a "
-                   "GradScaler) or none (fp32; TF32 matmuls on CUDA)", choices=AMP_MODES)
+                   "GradScaler) or none (fp32; TF32 matmuls on CUDA unless --no-tf32)", choices=AMP_MODES)
+    tf32: bool = opt(True, "CUDA: fp32 matmuls and convolutions on TF32 tensor cores (inputs rounded to "
+                     "10-bit mantissas); --no-tf32 computes them in full fp32")
+    deterministic: bool = opt(False, "CUDA: repeatable runs: cuDNN's deterministic algorithms without "
+                              "autotuning, no TF32, torch.use_deterministic_algorithms (slower; an operation "
+                              "without a deterministic CUDA kernel stops the run naming it). CPU runs repeat "
+                              "without it")
     compile: bool = opt(False, "torch.compile the network(s) (MoCo: query and key encoder separately); "
                         "slower start, faster steps")
     seed: int = opt(0, "seed for model init (same on every rank), data order and augmentation")
