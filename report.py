@@ -1,7 +1,7 @@
 """A one-page report of a training run: its curves, final numbers and config, from the run folder.
 
     python report.py runs/digits                          # runs/digits/report.md + report.png
-    python report.py runs/moco_digits runs/digits         # overlay both, in runs/moco_digits/
+    python report.py runs/moco_digits runs/digits         # overlay both, in reports/moco_digits_vs_digits/
     python report.py runs/a runs/b --labels base,lr2 --out reports/ab   # into reports/ab/
 
 A run folder is the ``--out`` of train_classifier.py or train_moco.py. The report reads its
@@ -12,7 +12,11 @@ report.png holds the curves against optimizer steps: training loss, learning rat
 (MoCo runs), images/s, and validation top-1/top-5 or kNN top-1 accuracy. Several run folders
 share the panels, one colour each, with a legend (the folder names, or ``--labels``).
 report.md gives, per run: the last and best value of each accuracy series, the final training
-loss, the steps, the wall time as logged, the git revision and the config, and embeds the picture.
+loss, the steps, the wall time as logged, the git revision, the config and its history (what each
+resume changed), and embeds the picture; for several runs, the config entries that differ with
+their values. A panel whose every curve is flat (a momentum that is not scheduled) is left out
+and its value said in report.md instead. One run's report goes into its folder; a comparison
+into reports/A_vs_B/ (or --out), so no run's own report is overwritten.
 
 Exit codes: 0 when report.md is written. That includes a missing matplotlib (it is a development
 tool, requirements-dev.txt, not needed to train): the text report is still useful, so it is
@@ -28,8 +32,6 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 TB_DIR = "tb"  # where the training scripts write their events (ddp_utils/train/run_folder.py)
 ACCURACY = ("val/acc1", "val/acc5", "knn/acc1")
@@ -109,7 +111,7 @@ def plot(runs: list[Run], path: Path) -> bool:
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    panels = [(title, tags) for title, tags in PANELS if any(tag in r.series for r in runs for tag in tags)]
+    panels = panels_of(runs)
     rows = (len(panels) + 1) // 2
     fig, axes = plt.subplots(rows, 2, figsize=(11, 3.2 * rows), squeeze=False)
     styles = {"val/acc5": "--"}
@@ -133,9 +135,25 @@ def plot(runs: list[Run], path: Path) -> bool:
     return True
 
 
+def panels_of(runs: list[Run]) -> list[tuple[str, tuple[str, ...]]]:
+    """The panels with a point in some run and a curve that is not flat."""
+    return [(title, tags) for title, tags in PANELS
+            if any(tag in r.series for r in runs for tag in tags) and flat(runs, tags) is None]
+
+
+def flat(runs: list[Run], tags: tuple[str, ...]) -> float | None:
+    """The one value every point of ``tags`` has in every run (a constant), else None."""
+    values = {value for run in runs for tag in tags for _, value in run.series.get(tag, ())}
+    return values.pop() if len(values) == 1 else None
+
+
 def num(value: float) -> str:
-    """A logged value as TensorBoard stores it (float32), in the fewest digits that read back exactly."""
-    return str(np.float32(value))
+    """A logged value (float32 in the events) to 4 significant digits."""
+    return f"{value:.4g}"
+
+
+def pct(value: float) -> str:
+    return f"{value:.2f}"
 
 
 def duration(seconds: float) -> str:
@@ -171,17 +189,42 @@ def run_section(run: Run) -> list[str]:
     for tag in (t for t in ACCURACY if t in run.series):
         best_step, best = max(run.series[tag], key=lambda point: point[1])  # first of equal maxima
         step, value = run.series[tag][-1]
-        lines.append(f"| `{tag}` | {num(value)} | {step} | {num(best)} | {best_step} |")
+        lines.append(f"| `{tag}` | {pct(value)} | {step} | {pct(best)} | {best_step} |")
     if not any(t in run.series for t in ACCURACY):
         lines[-2:] = ["- accuracy: none logged yet (no evaluation has run)"]
-    return lines + ["", "Config (config.json):", "", *config_table(run), ""]
+    for title, tags in PANELS:
+        constant = flat([run], tags)
+        if constant is not None and sum(len(run.series.get(tag, ())) for tag in tags) > 1:
+            lines.append(f"- {title}: {num(constant)} throughout (no panel)")
+    return lines + ["", "Config (config.json):", "", *config_table(run), "", *history(run)]
+
+
+def history(run: Run) -> list[str]:
+    """config.json's "history": each resume, when, at which step, and what it changed."""
+    entries = run.meta.get("history") or []
+    if not entries:
+        return ["History: started once, never resumed.", ""]
+    lines = ["History (config.json keeps the settings the run started with; each resume is listed):", ""]
+    for entry in entries:
+        changes = ", ".join(f"`{flag}` {json.dumps(old)} -> {json.dumps(new)}"
+                            for flag, (old, new) in entry.get("changes", {}).items()) or "no setting changed"
+        lines.append(f"- {entry.get('resumed', '?')}: resumed at step {entry.get('at_step', '?')} on "
+                     f"{entry.get('world_size', '?')} rank(s) from `{entry.get('from', '?')}`; {changes}")
+    return lines + [""]
 
 
 def differing(runs: list[Run]) -> list[str]:
-    """Config entries (and world_size) that are not the same in every run; ``out`` always differs."""
+    """A table of the config entries (and world_size) that are not the same in every run, one
+    column per run; ``out`` always differs and is left out."""
     entries = [{**r.meta.get("config", {}), "world_size": r.meta.get("world_size")} for r in runs]
     keys = sorted(set().union(*entries) - {"out"})
-    return [k for k in keys if len({json.dumps(e.get(k)) for e in entries}) > 1]
+    keys = [k for k in keys if len({json.dumps(e.get(k)) for e in entries}) > 1]
+    if not keys:
+        return ["Config entries that differ: none.", ""]
+    rows = ["Config entries that differ:", "", "| entry | " + " | ".join(r.label for r in runs) + " |",
+            "| --- |" + " --- |" * len(runs)]
+    rows += [f"| {k} | " + " | ".join(json.dumps(e.get(k)) for e in entries) + " |" for k in keys]
+    return rows + [""]
 
 
 def markdown(runs: list[Run], picture: bool) -> str:
@@ -192,7 +235,7 @@ def markdown(runs: list[Run], picture: bool) -> str:
         lines += ["*No curves: matplotlib was not installed when this report was written "
                   "(`pip install matplotlib`, then run report.py again).*", ""]
     if len(runs) > 1:
-        lines += [f"Config entries that differ: {', '.join(differing(runs)) or 'none'}.", ""]
+        lines += differing(runs)
     for run in runs:
         lines += run_section(run)
     return "\n".join(lines)
@@ -207,12 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="report.py", description=__doc__, allow_abbrev=False,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run folders (the --out of a training run)")
-    parser.add_argument("--out", type=Path, metavar="DIR", help="folder for report.md and report.png (default: the first RUN_DIR)")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="folder for report.md and report.png (default: "
+                        "the RUN_DIR itself for one run, reports/A_vs_B for several)")
     parser.add_argument("--labels", metavar="A,B", help="comma-separated legend labels, one per RUN_DIR (default: folder names)")
     args = parser.parse_args(argv)
-    out = args.out or args.runs[0]
     try:
         labels = args.labels.split(",") if args.labels else [p.resolve().name for p in args.runs]
+        out = args.out or (args.runs[0] if len(args.runs) == 1 else Path("reports") / "_vs_".join(labels))
         if len(labels) != len(args.runs):
             raise BadInput(f"--labels has {len(labels)} label(s) for {len(args.runs)} run folder(s): "
                            f"give one per folder, separated by commas")

@@ -20,7 +20,7 @@ launch/torchrun_local.sh train_classifier.py ... (torchrun --max-restarts, resum
 Exit codes: 0 done or preempted, 1 crash, 2 bad input, 3 NaN/Inf loss, 130 Ctrl-C.
 
 Linear probe of a MoCo checkpoint (frozen backbone in eval mode, a new linear classifier):
-    python train_classifier.py --pretrained runs/moco/checkpoint_last.pt --linear-probe \
+    python train_classifier.py --pretrained runs/moco/checkpoint_last.pt --linear-probe \\
         --arch small_cnn --lr 30 --weight-decay 0 --lr-schedule step --lr-milestones 60,80 --epochs 100
 Without --linear-probe the whole pretrained network is fine-tuned.
 
@@ -37,10 +37,12 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from ddp_utils.config import UsageError, opt
 from ddp_utils.data.loading import Loaders, make_loaders
 from ddp_utils.data.recipes import classifier_recipe
+from ddp_utils.data.sets import num_classes_of
 from ddp_utils.data.transforms import augment_on_device, eval_transform, training_augmentation
 from ddp_utils.models.backbones import build_model
 from ddp_utils.models.probe import LinearProbe
@@ -53,12 +55,18 @@ from ddp_utils.runtime.collectives import (
 from ddp_utils.runtime.dist import DistInfo, to_device, unwrap
 from ddp_utils.train.accumulation import no_sync, optimizer_step
 from ddp_utils.train.build import build_optimization, load_raw_splits, loader_options, preflight, wrap_network
+from ddp_utils.train.check import check_only
 from ddp_utils.train.checkpoint import save_run
 from ddp_utils.train.fast_path import place_model
 from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.precision import autocast
-from ddp_utils.train.pretrained import load_pretrained_backbone, tensors_equal
-from ddp_utils.train.resume import check_resume_fits, restore_training_state
+from ddp_utils.train.pretrained import (
+    load_pretrained_backbone,
+    pretrained_file,
+    pretrained_image_size,
+    tensors_equal,
+)
+from ddp_utils.train.resume import check_resume_fits, restore_training_state, stop_if_complete
 from ddp_utils.train.run import RunState, TrainRun
 from ddp_utils.train.run_folder import open_run_folder
 from ddp_utils.train.session import RunSession
@@ -73,27 +81,36 @@ SCRIPT = "train_classifier.py"
 class ClassifierConfig(TrainConfig):
     # What shapes the model: a checkpoint that differs in any of these cannot be resumed.
     RESUME_FIXED: ClassVar[tuple[str, ...]] = ("arch", "linear_probe", "probe_bn")
+    FLAG_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        **TrainConfig.FLAG_GROUPS, "pretrained backbone": ("pretrained", "linear_probe", "probe_bn")}
 
     out: str = opt("runs/classifier", OUT_HELP)
-    pretrained: str = opt("", "initialise the backbone from a train_moco.py checkpoint or an "
-                          "exported backbone (--export-backbone); fc starts fresh")
-    linear_probe: bool = opt(False, "with --pretrained: freeze the backbone (kept in eval mode) and "
-                             "train only a new linear classifier")
+    pretrained: str = opt("", "initialise the backbone from a train_moco.py checkpoint, its run folder "
+                          "(the newest checkpoint) or an exported backbone (--export-backbone); fc starts "
+                          "fresh; --image-size 0 then means the size it was pretrained at")
+    linear_probe: bool = opt(False, "freeze the backbone (kept in eval mode) and train only a new linear "
+                             "classifier; without --pretrained the backbone is randomly initialised (a "
+                             "baseline)")
     probe_bn: bool = opt(False, "with --linear-probe: normalise the frozen features with a "
                          "parameter-free BatchNorm before the classifier (MAE's probe; LRs near 0.1 "
                          "then work); off = MoCo's protocol (LR about 30)")
 
     def validate(self, launch) -> None:
         super().validate(launch)
-        if self.linear_probe and not self.pretrained:
-            raise UsageError("--linear-probe needs --pretrained PATH (a train_moco.py checkpoint)")
         if self.probe_bn and not self.linear_probe:
             raise UsageError("--probe-bn only applies with --linear-probe")
 
     def check_paths(self) -> None:
         super().check_paths()
-        if self.pretrained and not Path(self.pretrained).is_file():
-            raise UsageError(f"--pretrained {self.pretrained}: no such file")
+        if self.pretrained and not Path(self.pretrained).exists():
+            raise UsageError(f"--pretrained {self.pretrained}: no such file or folder")
+
+    def resolved(self) -> ClassifierConfig:
+        """Also ``--image-size 0`` with --pretrained: the size the backbone was pretrained at."""
+        cfg = super().resolved()
+        if cfg.pretrained and not cfg.image_size and Path(cfg.pretrained).exists():
+            cfg.image_size = pretrained_image_size(pretrained_file(cfg.pretrained)) or 0
+        return cfg
 
 
 @dataclass(kw_only=True)
@@ -116,12 +133,37 @@ def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn
     torch.manual_seed(cfg.seed)  # identical initial weights whatever the world size
     model = build_model(cfg.arch, num_classes, cfg.resolved_image_size())
     if cfg.pretrained:
-        load_pretrained_backbone(model, cfg.pretrained, cfg.arch)
+        path = pretrained_file(cfg.pretrained)
+        load_pretrained_backbone(model, path, cfg.arch)
         if info.is_main:
-            log.info("backbone initialised from %s", cfg.pretrained)
+            log.info("backbone initialised from %s", path)
+    if info.is_main:
+        for remark in backbone_remarks(cfg):
+            log.warning("%s", remark)
     if cfg.linear_probe:
         model = LinearProbe(model, num_classes, feature_norm=cfg.probe_bn)
     return place_model(model, info.device)
+
+
+def backbone_remarks(cfg: ClassifierConfig) -> list[str]:
+    """What a user should know about the backbone a probe starts from (said once, and by --check)."""
+    if cfg.linear_probe and not cfg.pretrained:
+        return ["--linear-probe without --pretrained: probing a randomly initialised backbone (a baseline "
+                "to compare a pretrained one with)"]
+    trained = pretrained_image_size(pretrained_file(cfg.pretrained)) if cfg.pretrained else None
+    if trained and trained != cfg.resolved_image_size():
+        return [f"--pretrained {cfg.pretrained} was trained at {trained} px, this run sees "
+                f"{cfg.resolved_image_size()} px: its features may not transfer (drop --image-size to use {trained})"]
+    return []
+
+
+def check_classifier(cfg: ClassifierConfig, train: Dataset) -> tuple[dict, list[str]]:
+    """--check's share of setup: the class count a resume must match, --pretrained fitting --arch."""
+    num_classes = num_classes_of(train)
+    if cfg.pretrained:
+        load_pretrained_backbone(build_model(cfg.arch, num_classes, cfg.resolved_image_size()),
+                                 pretrained_file(cfg.pretrained), cfg.arch)
+    return {"num_classes": num_classes}, backbone_remarks(cfg)
 
 
 def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
@@ -136,8 +178,9 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
         facts = {"num_classes": loaders.num_classes}
         state = RunState()
         if resume is not None:
-            check_resume_fits(resume, cfg, SCRIPT, facts, info)
+            check_resume_fits(resume, cfg, SCRIPT, facts, info.world_size, info.is_main)
             state = restore_training_state(resume, cfg, model=model, optimizer=optimizer, scaler=scaler, info=info)
+    stop_if_complete(cfg, state, resume)  # a finished run resumed: its last metrics, exit 0
     network = wrap_network(model, cfg, info)  # DDP: rank 0's weights on every rank
     tb = open_run_folder(cfg, session, loaders, resume, state.step)  # nothing was written before
     return ClassifierRun(
@@ -242,6 +285,10 @@ def fit(run: ClassifierRun) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(ClassifierConfig, argv, __doc__)  # bad flags: one line, exit code 2
+    if cfg.check:  # every check of setup, in this one process; launch/ runs it before the workers
+        model = f"{cfg.arch}" + (", linear probe" if cfg.linear_probe else "") + \
+            (f", from {cfg.pretrained}" if cfg.pretrained else "")
+        return check_only(cfg, SCRIPT, model, lambda train: check_classifier(cfg, train))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
         run = setup(cfg, session)
         fit(run)

@@ -51,12 +51,13 @@ from ddp_utils.runtime.collectives import all_ranks_agree, check_replicas_identi
 from ddp_utils.runtime.dist import DistInfo, LaunchEnv, barrier, to_device
 from ddp_utils.train.accumulation import no_sync, optimizer_step
 from ddp_utils.train.build import build_optimization, load_raw_splits, loader_options, preflight, wrap_network
+from ddp_utils.train.check import check_only
 from ddp_utils.train.checkpoint import save_run
 from ddp_utils.train.fast_path import place_model
 from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.precision import autocast
 from ddp_utils.train.pretrained import export_backbone
-from ddp_utils.train.resume import check_resume_fits, restore_training_state
+from ddp_utils.train.resume import check_resume_fits, restore_training_state, stop_if_complete
 from ddp_utils.train.run import RunState, TrainRun
 from ddp_utils.train.run_folder import open_run_folder
 from ddp_utils.train.schedule import LR_SCHEDULES, cosine_to_one
@@ -81,6 +82,14 @@ class MocoConfig(TrainConfig):
     PRESETS: ClassVar[dict[str, dict]] = PRESETS
     # What shapes the model and the queue: a checkpoint that differs in any of these cannot be resumed.
     RESUME_FIXED: ClassVar[tuple[str, ...]] = ("arch", "moco_dim", "moco_k", "mlp")
+    RESUME_FREE: ClassVar[tuple[str, ...]] = (*TrainConfig.RESUME_FREE, "knn_k", "knn_t", "knn_features",
+                                              "knn_every", "knn_bank_samples", "export_backbone")
+    FLAG_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        **TrainConfig.FLAG_GROUPS,
+        "MoCo": ("moco_dim", "moco_k", "moco_m", "moco_m_cos", "moco_t", "symmetric", "mlp", "aug", "crop_min",
+                 "shuffle_bn", "bn_splits", "sync_bn", "export_backbone"),
+        "kNN monitor": ("knn_k", "knn_t", "knn_features", "knn_every", "knn_bank_samples"),
+    }
 
     preset: str = opt("v2", "the defaults of the flags marked (v1: ...): v1 = linear head, T 0.07, step "
                       "LR at 60%% and 80%% of --epochs, weak augmentation; v2 = MLP head, T 0.2, cosine LR, "
@@ -122,6 +131,10 @@ class MocoConfig(TrainConfig):
 
     def validate(self, launch: LaunchEnv) -> None:
         super().validate(launch)
+        if not self.augment:
+            raise UsageError("--no-augment: MoCo learns from two differently augmented views of each image; "
+                             "identical views make its task trivial. Choose the views with --aug v1, v2 or "
+                             "v2-noblur instead")
         global_batch = launch.world_size * self.accum_steps * self.batch_size
         if self.symmetric and self.moco_k < 2 * global_batch:  # both crops' keys enter the queue
             raise UsageError(f"--moco-k {self.moco_k} is smaller than the keys one optimizer step enqueues "
@@ -198,19 +211,36 @@ def build_loaders(cfg: MocoConfig, info: DistInfo) -> tuple[Loaders, Iterable]:
     return loaders, bank_batches(bank, eval_tf, loaders, **options)
 
 
+def queue_remarks(cfg: MocoConfig, train_images: int) -> list[str]:
+    """A queue longer than the training set holds keys of the same images, several epochs old."""
+    if cfg.moco_k <= train_images:
+        return []
+    return [f"--moco-k {cfg.moco_k} is {cfg.moco_k / train_images:.1f}x the {train_images:,} training images: the "
+            f"queue holds several stale keys of each image, its own positives among the negatives; use "
+            f"--moco-k {queue_size_that_fits(train_images)} or less"]
+
+
+def queue_size_that_fits(train_images: int) -> int:
+    return 1 << (train_images.bit_length() - 1)  # the largest power of two <= the training images
+
+
 def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
     info = session.info
     resume = preflight(cfg, info)
     with all_ranks_agree():  # every check that can fail, before the first collective
         loaders, bank_loader = build_loaders(cfg, info)
+        if info.is_main:
+            for remark in queue_remarks(cfg, len(loaders.train_sampler.dataset)):
+                log.warning("%s", remark)
         moco = build_moco(cfg, info, loaders.num_classes)
         torch.manual_seed(cfg.seed + 1000 * info.rank)
         optimizer, lr_schedule, scaler, total_steps = build_optimization(
             cfg, moco.encoder_q.parameters(), loaders, info.device)  # never encoder_k
         state = RunState()
         if resume is not None:
-            check_resume_fits(resume, cfg, SCRIPT, {}, info)
+            check_resume_fits(resume, cfg, SCRIPT, {}, info.world_size, info.is_main)
             state = restore_training_state(resume, cfg, model=moco, optimizer=optimizer, scaler=scaler, info=info)
+    stop_if_complete(cfg, state, resume)  # a finished run resumed: its last metrics, exit 0
     moco.sync_state_from_rank0()
     # Only the query encoder goes into DDP: it must not broadcast the queue or encoder_k.
     query_encoder = wrap_network(moco.encoder_q, cfg, info)
@@ -318,6 +348,10 @@ def fit(run: MocoRun) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(MocoConfig, argv, __doc__)  # bad flags: one line, exit code 2
+    if cfg.check:  # every check of setup, in this one process; launch/ runs it before the workers
+        model = (f"MoCo {cfg.preset} {cfg.arch}, K {cfg.moco_k}, m {cfg.moco_m:g}, T {cfg.moco_t:g}, "
+                 f"{'MLP' if cfg.mlp else 'linear'} head, {cfg.aug} augmentation")
+        return check_only(cfg, SCRIPT, model, lambda train: ({}, queue_remarks(cfg, len(train))))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
         run = setup(cfg, session)
         fit(run)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# The README's quick start (section "Recipes"), minus --out.
+# The README's MoCo quick start (section "MoCo quick start and linear probe"), minus --out.
 QUICK_START = ["--dataset", "digits", "--device", "cpu", "--image-size", "16", "--batch-size", "32",
                "--moco-k", "128", "--moco-m", "0.99", "--lr", "0.06", "--epochs", "15", "--knn-every", "5"]
 

@@ -55,24 +55,37 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         self.quiet = quiet  # other ranks of a multi-process launch: exit 2 without a word
 
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, None if self.quiet else f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, None if self.quiet else f"{self.prog}: error: {message}{self._suggestion(message)} "
+                                             f"(see --help)\n")
+
+    def _suggestion(self, message: str) -> str:
+        """"; did you mean --epochs?" for the first unknown flag that resembles a real one."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+        for word in message.split(":", 1)[1].split():
+            close = difflib.get_close_matches(word.split("=")[0], known, n=1) if word.startswith("--") else []
+            if close:
+                return f"; did you mean {close[0]}?"
+        return ""
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)", except where there is no default to show."""
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)", except where there is no default to show; the epilog (the script's
+    launch examples) as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None:
+        if action.default is None or action.default == "":
             return action.help or ""
         return super()._get_help_string(action)
 
 
 CONFIG_HELP = ("read flags from this JSON file first: a recipe (recipes/*.json) or a run's own config.json, "
-               "which repeats that run; flags on the command line override it; --resume and --overwrite "
-               "are never taken from a file; keys starting with _ are notes")
+               "which repeats that run; flags on the command line override it; --resume, --overwrite, "
+               "--allow-changes and --check are never taken from a file; keys starting with _ are notes")
 # Decisions about this invocation, not about what to train: a file never makes a run resume or
 # delete another one.
-NOT_FROM_FILE = ("resume", "overwrite")
+NOT_FROM_FILE = ("resume", "overwrite", "allow_changes", "check")
 
 
 def _unwrap_optional(kind: Any) -> Any:
@@ -88,34 +101,58 @@ def ordered_fields(cls: type) -> list[dataclasses.Field]:
     return [f for name in first for f in fields if f.name == name] + [f for f in fields if f.name not in first]
 
 
-def build_parser(cls: type, description: str = "", quiet: bool = False) -> argparse.ArgumentParser:
+def flag_groups(cls: type) -> dict[str, list[str]]:
+    """``--help``'s sections: ``cls.FLAG_GROUPS`` (title -> field names), in order; a field in no
+    group is listed at the top, with --config."""
+    groups = getattr(cls, "FLAG_GROUPS", {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    listed = [name for members in groups.values() for name in members]
+    unknown = sorted(set(listed) - names)
+    if unknown or len(listed) != len(set(listed)):
+        raise TypeError(f"{cls.__name__}.FLAG_GROUPS: unknown or repeated fields {unknown or listed}")
+    return {title: list(members) for title, members in groups.items()}
+
+
+def build_parser(cls: type, doc: str = "", quiet: bool = False) -> argparse.ArgumentParser:
+    """The command line of ``cls``: one flag per field, in ``cls.FLAG_GROUPS``' sections; ``doc``'s
+    first line is the description, the rest (the launch examples) the epilog."""
+    description, _, epilog = doc.strip().partition("\n")
     # No abbreviated flags: "--lr-s" silently meaning --lr-schedule hides typos in recipes and scripts.
-    parser = _OneLineErrorParser(description=description, formatter_class=_HelpFormatter, quiet=quiet,
-                                 allow_abbrev=False)
+    parser = _OneLineErrorParser(description=description, epilog=epilog.strip("\n") or None,
+                                 formatter_class=_HelpFormatter, quiet=quiet, allow_abbrev=False)
     parser.add_argument("--config", metavar="FILE", default=None, help=CONFIG_HELP)
+    groups = flag_groups(cls)
+    sections = {name: parser.add_argument_group(title) for title in groups for name in groups[title]}
     hints = typing.get_type_hints(cls)
-    for f in ordered_fields(cls):
-        flag = flag_name(f.name)
+    for f in sorted(ordered_fields(cls), key=lambda f: _group_position(groups, f.name)):
+        flag, where = flag_name(f.name), sections.get(f.name, parser)
         kind = _unwrap_optional(hints[f.name])  # `float | None`: None = "set by the preset"
         meta = f.metadata
         if kind is bool:
-            parser.add_argument(flag, dest=f.name, default=f.default, help=meta["help"],
-                                action=argparse.BooleanOptionalAction)
+            where.add_argument(flag, dest=f.name, default=f.default, help=meta["help"],
+                               action=argparse.BooleanOptionalAction)
             continue
         if kind not in (int, float, str):
             raise TypeError(f"config field {f.name} has unsupported type {kind}")
-        parser.add_argument(flag, dest=f.name, type=finite_float if kind is float else kind,
-                            default=f.default, help=meta["help"], choices=meta.get("choices"),
-                            metavar=None if meta.get("choices") else f.name.upper())
+        where.add_argument(flag, dest=f.name, type=finite_float if kind is float else kind,
+                           default=f.default, help=meta["help"], choices=meta.get("choices"),
+                           metavar=None if meta.get("choices") else f.name.upper())
     return parser
 
 
-def parse_config(cls: type[T], argv: Sequence[str] | None = None, description: str = "",
+def _group_position(groups: dict[str, list[str]], name: str) -> tuple[int, int]:
+    for i, members in enumerate(groups.values()):
+        if name in members:
+            return i + 1, members.index(name)
+    return 0, 0  # ungrouped: first, in ordered_fields' order (sorted() is stable)
+
+
+def parse_config(cls: type[T], argv: Sequence[str] | None = None, doc: str = "",
                  quiet: bool = False) -> T:
     """Parse the command line into ``cls`` over the preset and ``--config FILE``; argparse errors
     exit 2 with one line (none if quiet), a bad file raises :class:`UsageError`."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(cls, description, quiet)
+    parser = build_parser(cls, doc, quiet)
     first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     first.add_argument("--config", default=None)
     first.add_argument("--preset", default=None)
@@ -172,6 +209,18 @@ def read_config_file(cls: type, path: str) -> dict[str, Any]:
     return values
 
 
+def recorded_run(argv: Sequence[str]) -> tuple[str, dict[str, Any]] | None:
+    """(path, contents) when ``--config`` names a run's own config.json (it records the world size
+    beside the flags); None for a recipe or no --config."""
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    first.add_argument("--config", default=None)
+    path = first.parse_known_args(argv)[0].config
+    if not path:
+        return None
+    data = json.loads(Path(path).read_text())  # parse_config has read it already
+    return (path, data) if isinstance(data, dict) and "world_size" in data and "config" in data else None
+
+
 def _checked_value(path: str, key: str, value: Any, kind: type, field: dataclasses.Field) -> Any:
     ok = (isinstance(value, bool) if kind is bool else
           isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -199,14 +248,23 @@ def config_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def save_config(cfg: Any, out_dir: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
-    """Write the resolved config (plus run facts such as world size) to ``out_dir/config.json``."""
-    path = Path(out_dir) / "config.json"
-    payload = {"config": config_dict(cfg), "git_revision": git_revision(),
-               "command": [Path(sys.argv[0]).name, *sys.argv[1:]], **(extra or {})}
+def command_line() -> list[str]:
+    """This process's command: the script's name and its arguments."""
+    return [Path(sys.argv[0]).name, *sys.argv[1:]]
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Replace ``path`` atomically: a crash leaves the old file or the new one, never half of one."""
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+def save_config(cfg: Any, out_dir: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+    """Write the resolved config (plus run facts such as world size) to ``out_dir/config.json``."""
+    path = Path(out_dir) / "config.json"
+    write_json(path, {"config": config_dict(cfg), "git_revision": git_revision(), "command": command_line(),
+                      **(extra or {})})
     return path
 
 

@@ -12,8 +12,10 @@
 #   node); each worker reads SLURM_PROCID/SLURM_NTASKS (ddp_utils.runtime.dist.init_distributed). No
 #   restarts within the job: a failed task fails the job.
 #
-# Always adds --resume auto (unless ARGS has --resume or --overwrite) and, without --out in ARGS,
-# an --out that is stable across requeues: runs/JOBNAME_JOBID. Relative paths are taken from the
+# Runs SCRIPT --check once first (bad input: one line in the job log, exit 2, no srun). Adds
+# --resume if-restarted (unless ARGS has --resume or --overwrite): a requeued attempt continues
+# from the newest checkpoint, a first attempt into a used --out is refused; and, without --out in
+# ARGS, an --out that is stable across requeues: runs/JOBNAME_JOBID. Relative paths are taken from the
 # directory sbatch was called in. Preemption: SLURM's USR1 (#SBATCH --signal) or
 # `scancel --signal=USR1 JOBID` makes every worker finish its optimizer step; rank 0 checkpoints
 # and writes OUT/PREEMPTED; this script then requeues the job, which resumes where it stopped.
@@ -41,8 +43,7 @@ if [[ -z "$out" ]]; then
     out="runs/${SLURM_JOB_NAME:-job}_${SLURM_JOB_ID}"
     args+=(--out "$out")
 fi
-source "$repo/launch/restarts.sh"  # MAX_RESTARTS (torchrun mode)
-add_resume_auto  # a requeued job must continue, restarts or not
+source "$repo/launch/restarts.sh"  # MAX_RESTARTS (torchrun mode), --resume if-restarted
 
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 port=$((15000 + SLURM_JOB_ID % 15000))  # same rule as init_distributed's srun branch
@@ -53,6 +54,10 @@ if [[ -z "$nproc" ]]; then
     if [[ "$gpus" -gt 0 ]]; then nproc=$gpus; else nproc=${SLURM_CPUS_ON_NODE:-1}; fi
 fi
 mode=${LAUNCH_MODE:-torchrun}
+if [[ $mode != torchrun && $mode != srun ]]; then
+    echo "LAUNCH_MODE must be torchrun or srun, got '$mode'" >&2
+    exit 2
+fi
 python_bin=${PYTHON:-python}
 # srun no longer inherits --cpus-per-task from sbatch (Slurm >= 22.05): pass it on explicitly.
 cpus=()
@@ -61,6 +66,13 @@ if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then cpus=(--cpus-per-task="$SLURM_CPUS_
 rm -f "$out/PREEMPTED"
 
 say "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $nnodes node(s): $SLURM_JOB_NODELIST; mode $mode; out $out"
+if [[ ${SLURM_RESTART_COUNT:-0} -gt 0 ]]; then
+    :  # a requeue repeats arguments its first attempt checked; the workers check the checkpoint
+elif [[ $mode == srun ]]; then
+    check_before_launch "${SLURM_NTASKS:-1}" "${SLURM_NTASKS_PER_NODE:-${SLURM_NTASKS:-1}}"
+else
+    check_before_launch "$((nnodes * nproc))" "$nproc"
+fi
 case "$mode" in
     torchrun)
         # torchrun's agent must survive USR1 (by default it dies of it): `trap '' USR1` makes the
@@ -75,10 +87,6 @@ case "$mode" in
         cmd=("$python_bin" "$script" "${args[@]}")
         say "+ MASTER_ADDR=$head_node MASTER_PORT=$port srun ${cpus[*]} ${cmd[*]}"
         MASTER_ADDR=$head_node MASTER_PORT=$port srun "${cpus[@]}" "${cmd[@]}"
-        ;;
-    *)
-        echo "LAUNCH_MODE must be torchrun or srun, got '$mode'" >&2
-        exit 2
         ;;
 esac
 rc=$?

@@ -9,6 +9,7 @@
 # NPROC (default: GPUs on this node, or 1 on a CPU-only node) workers per node; RDZV_ID (default
 # "ddp-image-training") must be the same on every node of one job and differ between jobs that
 # share an endpoint. The port must be free on the first node and open between the nodes.
+# The script's --check runs first on each node: bad input is one line and exit 2, no worker started.
 # MAX_RESTARTS (default 3): restarts of the whole job after a worker dies, each continuing from the
 # newest checkpoint (see launch/torchrun_local.sh); MAX_RESTARTS=0 turns them off.
 set -euo pipefail
@@ -22,6 +23,7 @@ script=$1; shift
 args=("$@")
 source "$here/restarts.sh"
 nproc=${NPROC:-$(${PYTHON:-python} -c 'import torch; print(torch.cuda.device_count() or 1)')}
+check_before_launch "$((NNODES * nproc))" "$nproc"
 if [[ -n "${NODE_RANK:-}" ]]; then
     : "${MASTER_ADDR:?set MASTER_ADDR with NODE_RANK}" "${MASTER_PORT:?set MASTER_PORT with NODE_RANK}"
     rendezvous=(--node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT")

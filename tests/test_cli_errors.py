@@ -1,5 +1,6 @@
 """Every user mistake: exit code 2, one line naming the fix, no traceback, nothing written into
---out, printed once (by rank 0) under torchrun. The README's "Bad input" table lists the same."""
+--out, printed once (by rank 0) under torchrun. The "Bad input" table of docs/bad-input.md lists the
+same (tests/test_docs.py keeps it equal to CASES)."""
 from __future__ import annotations
 
 import subprocess
@@ -103,11 +104,18 @@ CASES = [
     ("classifier", ["--overwrite", "--resume", "auto"], "--overwrite starts over and --resume continues"),
     ("classifier", ["--device", "cuda"], "--device cuda: CUDA is not available"),
     ("classifier", ["--device", "gpu"], "argument --device: invalid choice: 'gpu'"),
-    ("classifier", ["--linear-probe"], "--linear-probe needs --pretrained PATH"),
+    ("classifier", ["--epoch", "3"], "unrecognized arguments: --epoch 3; did you mean --epochs?"),
+    ("classifier", ["--allow-changes"], "--allow-changes only applies with --resume"),
+    ("classifier", ["--resume", "{no_train}"], "a folder without checkpoints; give a run's --out folder"),
+    ("classifier", ["--resume", "{cls}", "--arch", "lenet", "--image-size", "16", "--batch-size", "16", "--lr", "0.5"],
+     "its run had other settings (--lr 0.1 -> 0.5), so this would be another experiment"),
+    ("classifier", ["--pretrained", "{no_train}"], "a folder without checkpoints; give a run's --out folder or a "
+                                                   "checkpoint_*.pt file"),
     ("classifier", ["--probe-bn"], "--probe-bn only applies with --linear-probe"),
     ("classifier", ["--pretrained", "/nonexistent/backbone.pt"], "--pretrained /nonexistent/backbone.pt: no such file"),
     ("classifier", ["--pretrained", "{moco}", "--arch", "lenet"], "a small_cnn backbone, but this run has --arch lenet"),
     ("classifier", ["--pretrained", "{corrupt}"], "truncated or not a PyTorch checkpoint"),
+    ("moco", ["--no-augment"], "--no-augment: MoCo learns from two differently augmented views"),
     ("moco", ["--moco-k", "16", "--batch-size", "32"], "--moco-k 16 is smaller than the global batch"),
     ("moco", ["--moco-k", "48", "--batch-size", "32", "--accum-steps", "2"], "accum steps 2 x batch 32 = 64"),
     ("moco", ["--symmetric", "--moco-k", "48", "--batch-size", "32"],
@@ -134,12 +142,11 @@ CASES = [
      "--arch: checkpoint small_cnn, now resnet18"),
 ]
 IDS = [f"{script} {' '.join(args)}" for script, args, _ in CASES]
-# One case of each mechanism (argparse, flag checks, file checks agreed by the ranks, checkpoint
-# checks, data checks) also goes through a real interpreter, as a user types it.
+# One case of each mechanism (argparse, checkpoint checks, data checks) also goes through a real
+# interpreter, as a user types it.
 THROUGH_CLI = [IDS.index(i) for i in (
-    "classifier --lr nan", "classifier --batch-size 0", "classifier --out {cls_dir}", "classifier --resume {evil}",
-    "classifier --dataset imagefolder --data-dir {no_train}",
-)]
+    "classifier --lr nan", "classifier --resume {evil}", "classifier --dataset imagefolder --data-dir {no_train}",
+)]  # a used --out and a typo: through the launchers, in test_user_path.py
 
 
 def _argv(args: list[str], files: dict[str, Path], script: str, out: Path) -> list[str]:
@@ -197,6 +204,7 @@ def test_a_subset_through_the_real_cli(tmp_path, files):
     assert not files["marker"].exists()
 
 
+@pytest.mark.slow  # two torchrun jobs; in-process, every case above is checked in the fast tier
 @pytest.mark.parametrize("args, message", [
     (["--batch-size", "0"], "--batch-size must be positive"),           # a flag check, before the group forms
     (["--resume", "{corrupt}"], "truncated or not a PyTorch checkpoint"),  # a file check, agreed by the ranks

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_ok, load_ckpt, run_cli
+from helpers import CLASSIFIER_REF, assert_ok, load_ckpt, run_cli
 
 import train_moco
 
@@ -26,13 +26,13 @@ def _max_difference(a: dict, b: dict) -> float:
                if x.is_floating_point())
 
 
-def test_compiled_classifier_on_two_ranks_matches_eager(tmp_path):
-    args = STEPS + ["--arch", "small_cnn"]
-    for mode in ("eager", "compiled"):
-        extra = ["--compile"] if mode == "compiled" else []
-        proc = run_cli("train_classifier.py", args + extra + ["--out", str(tmp_path / mode)], nproc=2)
-        assert_ok(proc)
-    eager, compiled = (load_ckpt(tmp_path / m / "checkpoint_last.pt") for m in ("eager", "compiled"))
+def test_compiled_classifier_on_two_ranks_matches_eager(classifier_reference, tmp_path):
+    """The reference run's first 3 steps (2 ranks, accumulation, eager), compiled."""
+    proc = run_cli("train_classifier.py", CLASSIFIER_REF + ["--max-steps", "3", "--compile",
+                                                            "--out", str(tmp_path / "compiled")], nproc=2)
+    assert_ok(proc)
+    eager = load_ckpt(classifier_reference.checkpoint(3))
+    compiled = load_ckpt(tmp_path / "compiled/checkpoint_last.pt")
     assert compiled["step"] == eager["step"] == 3
     assert "compiled" in proc.stdout  # the start line says so
     assert _max_difference(eager["model"], compiled["model"]) < 1e-4

@@ -1,6 +1,7 @@
 """Data sets and transforms: the embedded digits, an ImageFolder tree, synthetic tensors."""
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import assert_ok, in_process, load_ckpt, run_cli, run_on_ranks, write_image_folder
 
@@ -183,14 +184,38 @@ def test_imagefolder_on_the_device_splits_the_work_and_stays_seeded(tmp_path):
                                      "--moco-k", "64", "--max-steps", "2", "--knn-every", "0", "--out", str(out)])
     assert_ok(proc)
     assert load_ckpt(out / "checkpoint_last.pt")["step"] == 2
-    # TensorBoard's images tab: 8 training images, each beside its query and key view (32 px,
-    # make_grid's 2 px padding): 3 columns x 8 rows, written once, at step 0
+    # TensorBoard's images tab: 8 training images, each beside its query and key view (32 px
+    # enlarged to 64, make_grid's 2 px padding): a 14 px header, 3 columns x 8 rows, written once
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(out / "tb"), size_guidance={"images": 0})
     events.Reload()
     (grid,) = events.Images("data/augmented_views")
-    assert (grid.step, grid.width, grid.height) == (0, 3 * 34 + 2, 8 * 34 + 2)
+    assert (grid.step, grid.width, grid.height) == (0, 3 * 66 + 2, 14 + 8 * 66 + 2)
+
+
+@pytest.mark.parametrize("size, views, tile", [(16, 2, 64), (32, 1, 64), (96, 2, 96)])
+def test_the_preview_enlarges_small_images_and_names_its_columns(size, views, tile, monkeypatch):
+    from ddp_utils.data import preview
+
+    class Train:  # what augmentation_grid reads of the loaders: 8 samples and their views
+        train_set = torch.utils.data.TensorDataset(torch.rand(8, 1, size, size), torch.zeros(8))
+
+    ramp = torch.linspace(0, 1, size).expand(8, 3, size, size)
+    monkeypatch.setattr(preview, "_views", lambda loaders, index: [ramp] * views)
+    monkeypatch.setattr(preview, "_originals", lambda raw, index, size: list(ramp))
+    grid = preview.augmentation_grid(Train(), "synthetic", size)
+    columns = 1 + views
+    assert grid.shape == (3, 14 + 8 * (tile + 2) + 2, columns * (tile + 2) + 2)
+    header = grid[:, :14]
+    for column in range(columns):  # each column's label: dark pixels in its own third of the header
+        left = 2 + column * (tile + 2)
+        assert (header[:, :, left:left + tile] < 0.5).any(), column
+    assert (header[:, :, :2] == 1).all()  # the padding column stays white
+    # nearest-neighbour enlargement: every source pixel becomes a tile/size square of one value
+    first = grid[:, 16:16 + tile, 2:2 + tile]
+    scale = tile // size
+    assert torch.equal(first, ramp[0].repeat_interleave(scale, 1).repeat_interleave(scale, 2))
 
 
 def test_a_subset_of_synthetic_images_generates_only_its_samples():

@@ -1,6 +1,10 @@
-"""The README documents every flag and every bad input the tests try, and each entry script opens
-with its copy-paste commands."""
+"""The docs are generated where they can be and cannot drift: docs/flags.md lists every flag,
+docs/bad-input.md every bad input the tests try, the README the exit codes and every test file;
+the README stays short, every relative link in it and in docs/ resolves, and each entry script
+opens with its copy-paste commands."""
 from __future__ import annotations
+
+import re
 
 import pytest
 from helpers import REPO
@@ -12,22 +16,28 @@ from ddp_utils.config import markdown_flag_table
 
 SCRIPTS = {"train_classifier.py": train_classifier.ClassifierConfig, "train_moco.py": train_moco.MocoConfig}
 README = (REPO / "README.md").read_text()
+README_MAX_LINES = 360
+REGENERATE = "out of date: `PYTHONPATH=. python tests/test_docs.py` rewrites the generated tables in docs/"
 
 
-def _section(title: str) -> str:
-    return README.split(f"## {title}")[1].split("\n## ")[0]
+def _section(title: str, doc: str = "README.md") -> str:
+    """The text under the heading "## TITLE" of ``doc`` (a path from the repository root), up to
+    the next "## " heading."""
+    text = (REPO / doc).read_text()
+    assert f"## {title}" in text, f"{doc} has no section '## {title}'"
+    return text.split(f"## {title}")[1].split("\n## ")[0]
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_readme_flag_table_is_the_configs(script):
-    """Generated from the config dataclass (ddp_utils.config.markdown_flag_table): every flag,
-    its default and its help, in --help's order."""
-    assert markdown_flag_table(SCRIPTS[script]) in _section(f"Every flag of {script}")
+def test_flag_table_is_the_configs(script):
+    """docs/flags.md, generated from the config dataclass (ddp_utils.config.markdown_flag_table):
+    every flag, its default and its help, in --help's order."""
+    assert markdown_flag_table(SCRIPTS[script]) in _section(f"Every flag of {script}", "docs/flags.md"), REGENERATE
 
 
-def test_readme_bad_input_table_lists_every_tested_mistake():
+def test_bad_input_table_lists_every_tested_mistake():
     assert len(CASES) >= 30
-    assert "\n".join(readme_rows()) in _section("Bad input")
+    assert "\n".join(readme_rows()) in _section("Bad input", "docs/bad-input.md"), REGENERATE
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
@@ -58,4 +68,108 @@ def exit_code_table() -> str:
 
 
 def test_readme_exit_codes_are_the_codes_table():
-    assert exit_code_table() in README
+    assert exit_code_table() in _section("Run folders, resume and exit codes")
+
+
+def test_readme_stays_short():
+    """Reference material lives in docs/; the README is the way in."""
+    lines = README.count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move reference material to docs/"
+
+
+# ----------------------------------------------------------------------------- links between the docs
+_FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.S | re.M)
+_CODE_SPAN = re.compile(r"`[^`]*`")
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*([^)\s]+)(?:\s+\"[^\"]*\")?\s*\)")
+_HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.M)
+
+
+def _without_code(text: str) -> str:
+    return _CODE_SPAN.sub("", _FENCE.sub("", text))
+
+
+def github_anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: its text (links as their text), lowercase, every character
+    but letters, digits, spaces, '-' and '_' dropped, spaces made '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = re.sub(r"[^\w\- ]", "", text.lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path) -> set[str]:
+    """Every heading anchor of a markdown file; a repeated one also as -1, -2, ... as on GitHub."""
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in _HEADING.findall(_FENCE.sub("", path.read_text())):
+        anchor = github_anchor(heading)
+        found.add(anchor if anchor not in seen else f"{anchor}-{seen[anchor]}")
+        seen[anchor] = seen.get(anchor, 0) + 1
+    return found
+
+
+def relative_links(path) -> list[str]:
+    """The targets of the markdown links and images in ``path`` that stay inside the repository."""
+    return [target for target in _LINK.findall(_without_code(path.read_text()))
+            if not re.match(r"[a-z][a-z0-9+.-]*:", target, re.I)]
+
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def test_github_anchor_rules():
+    assert github_anchor("What a run writes (`--out DIR`)") == "what-a-run-writes---out-dir"
+    assert github_anchor("How a run ends: exit codes") == "how-a-run-ends-exit-codes"
+    assert github_anchor("Every flag of train_moco.py") == "every-flag-of-train_mocopy"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(doc):
+    """Each relative link names a file that exists and, with a #anchor, a heading in it."""
+    links = relative_links(doc)
+    assert links or doc.name != "README.md"
+    broken = []
+    for target in links:
+        file_part, _, anchor = target.partition("#")
+        linked = (doc.parent / file_part).resolve() if file_part else doc
+        if not linked.exists():
+            broken.append(f"{target}: no file {linked}")
+        elif anchor and (linked.suffix != ".md" or anchor not in anchors(linked)):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {linked.name}")
+    assert not broken, f"{doc.name}: " + "; ".join(broken)
+
+
+def test_readme_links_to_every_doc():
+    linked = {(REPO / target.partition("#")[0]).resolve() for target in relative_links(REPO / "README.md")}
+    assert not [doc.name for doc in DOCS[1:] if doc.resolve() not in linked]
+
+
+def test_readme_tests_table_lists_every_test_file():
+    """One row per tests/test_*.py, none for a file that is gone."""
+    rows = re.findall(r"^\| `(test_\w+\.py)` \|", _section("Tests"), re.M)
+    assert len(rows) == len(set(rows)), "a test file has two rows"
+    assert sorted(rows) == sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
+
+
+# ----------------------------------------------------------------------------- regenerating the tables
+def _replace_table(doc: str, heading: str, table: str) -> None:
+    """Put ``table`` in place of the first table under ``heading`` in ``doc``."""
+    path = REPO / doc
+    head, rest = path.read_text().split(heading + "\n", 1)
+    lines = rest.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("| "))
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    lines[start:end] = table.split("\n")
+    path.write_text(head + heading + "\n" + "\n".join(lines))
+
+
+def regenerate() -> None:
+    """Rewrite the generated tables: the flags (docs/flags.md) and the bad inputs (docs/bad-input.md)."""
+    for script, cls in SCRIPTS.items():
+        _replace_table("docs/flags.md", f"## Every flag of {script}", markdown_flag_table(cls))
+    _replace_table("docs/bad-input.md", "## Bad input", "\n".join(readme_rows()))
+
+
+if __name__ == "__main__":  # PYTHONPATH=. python tests/test_docs.py
+    regenerate()

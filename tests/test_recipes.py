@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 import torch
-from helpers import REPO, load_ckpt
+from helpers import REPO, in_process, load_ckpt
 
 import train_classifier
 import train_moco
@@ -22,6 +22,7 @@ RECIPES = {
     "moco_cifar10_demo_symmetric": ("train_moco.py", 1, []),
     "moco_v1_imagenet": ("train_moco.py", 8, []),
     "moco_v2_imagenet": ("train_moco.py", 8, []),
+    "probe_digits": ("train_classifier.py", 2, []),
     "linear_probe_imagenet": ("train_classifier.py", 8, ["--pretrained", "runs/mocov2_in1k/checkpoint_last.pt"]),
 }
 CONFIGS = {"train_classifier.py": train_classifier.ClassifierConfig, "train_moco.py": train_moco.MocoConfig}
@@ -79,6 +80,15 @@ def test_the_demo_recipes_are_the_demos_code():
     for name, symmetric in (("moco_cifar10_demo", False), ("moco_cifar10_demo_symmetric", True)):
         cfg = parse_config(train_moco.MocoConfig, ["--config", str(REPO / "recipes" / f"{name}.json")])
         assert {k: getattr(cfg, k) for k in demo} == demo and cfg.symmetric is symmetric
+
+
+def test_the_digits_probe_takes_its_image_size_from_the_pretraining_run(trained_moco, tmp_path, capsys):
+    """recipes/probe_digits.json on a MoCo run folder (16 px) probes at 16 px: --check says so."""
+    proc = in_process(train_classifier.main, ["--config", str(REPO / "recipes/probe_digits.json"), "--pretrained",
+                                              str(trained_moco / "run"), "--out", str(tmp_path / "p"), "--check"],
+                      capsys)
+    assert proc.returncode == 0 and "data: digits 16 px" in proc.stdout and "warning" not in proc.stdout
+    assert f"model: small_cnn, linear probe, from {trained_moco / 'run'}" in proc.stdout
 
 
 def test_command_line_overrides_the_file_and_the_file_overrides_the_preset(tmp_path):

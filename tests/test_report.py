@@ -8,7 +8,6 @@ import struct
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from helpers import assert_ok, read_scalars, run_cli
 
@@ -41,12 +40,12 @@ def check_numbers(text: str, run: Path, accuracy_tags: tuple[str, ...]) -> None:
     for tag in accuracy_tags:
         final, final_step, best, best_step = _row(text, tag)
         (last_step, last), (top_step, top) = scalars[tag][-1], max(scalars[tag], key=lambda p: p[1])
-        assert np.float32(final) == np.float32(last) and int(final_step) == last_step
-        assert np.float32(best) == np.float32(top) and int(best_step) == top_step
+        assert final == f"{last:.2f}" and int(final_step) == last_step
+        assert best == f"{top:.2f}" and int(best_step) == top_step
     steps = max(step for points in scalars.values() for step, _ in points)
     assert steps == 8 and f"- steps: {steps} " in text
     loss_step, loss = scalars["train/loss"][-1]
-    assert f"- final training loss: {str(np.float32(loss))} at step {loss_step} " in text
+    assert f"- final training loss: {loss:.4g} at step {loss_step} " in text
     meta = json.loads((run / "config.json").read_text())
     assert meta["git_revision"] and f"`{meta['git_revision']}`" in text
     assert "training time as logged" in text
@@ -89,6 +88,37 @@ def test_two_runs_overlay_in_one_report(runs, tmp_path):
     check_numbers(text.split("## supervised")[0], runs["moco"], ("knn/acc1",))
     check_numbers(text.split("## supervised")[1], runs["cls"], ("val/acc1", "val/acc5"))
     check_png(out / "report.png")
+
+
+def test_a_comparison_goes_to_its_own_folder_with_the_values_that_differ(runs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    own = {name: sorted(p.name for p in folder.iterdir()) for name, folder in runs.items()}
+    assert report.main([str(runs["moco"]), str(runs["cls"])]) == 0
+    text = (tmp_path / "reports/moco_vs_cls/report.md").read_text()
+    assert {name: sorted(p.name for p in folder.iterdir()) for name, folder in runs.items()} == own
+    differ = text.split("Config entries that differ:")[1].split("## moco")[0]
+    assert "| entry | moco | cls |" in differ and "| lr | 0.03 | 0.1 |" in differ and "| moco_k | 32 | null |" in differ
+    assert "| out |" not in differ
+
+
+def test_a_flat_curve_gets_a_line_instead_of_a_panel(runs):
+    moco = report.load_run(runs["moco"], "moco")
+    assert "MoCo momentum" not in [title for title, _ in report.panels_of([moco])]  # --moco-m 0.999, unscheduled
+    assert "- MoCo momentum: 0.999 throughout (no panel)" in report.run_section(moco)
+    assert "learning rate" in [title for title, _ in report.panels_of([moco])]  # a cosine: not flat
+
+
+def test_the_report_lists_what_each_resume_changed(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs["cls"], run, ignore=shutil.ignore_patterns("*.pt", "report.*"))
+    meta = json.loads((run / "config.json").read_text())
+    meta["history"] = [{"resumed": "2026-12-01T10:00:00+00:00", "at_step": 8, "world_size": 2,
+                        "from": "runs/x/checkpoint_last.pt", "changes": {"--epochs": [2, 3], "--lr": [0.1, 0.05]}}]
+    (run / "config.json").write_text(json.dumps(meta))
+    text = "\n".join(report.run_section(report.load_run(run, "x")))
+    assert ("- 2026-12-01T10:00:00+00:00: resumed at step 8 on 2 rank(s) from `runs/x/checkpoint_last.pt`; "
+            "`--epochs` 2 -> 3, `--lr` 0.1 -> 0.05") in text
+    assert "History: started once, never resumed." in "\n".join(report.run_section(report.load_run(runs["cls"], "c")))
 
 
 def test_missing_matplotlib_still_writes_the_text(runs, tmp_path, monkeypatch, capsys):

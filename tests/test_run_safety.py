@@ -135,7 +135,7 @@ def test_a_restarted_attempt_continues_instead_of_overwriting_again(tmp_path, ca
     assert train_classifier.main(LENET + ["--max-steps", "2", "--out", str(out)]) == 0
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # as torchrun sets it in a restarted group
     assert train_classifier.main(LENET + ["--max-steps", "3", "--overwrite", "--out", str(out)]) == 0
-    assert "continuing from its checkpoint" in capsys.readouterr().out
+    assert "restarted attempt: continuing from the newest checkpoint" in capsys.readouterr().out
     assert load_ckpt(out / "checkpoint_last.pt")["step"] == 3
     assert _steps(out / "tb") == [1, 2, 3]
 
@@ -168,7 +168,9 @@ def test_elastic_restart_resumes_and_ends_like_an_uninterrupted_run(classifier_r
                           env=cli_env({"NPROC": "2", "MAX_RESTARTS": "1", "PYTHON": sys.executable,
                                        "DDP_FAULT": "kill:1:7"}))
     assert_ok(proc)
-    assert "--max-restarts=1" in proc.stderr and "--resume auto" in proc.stderr  # the printed command
+    assert "--check: ok" in proc.stdout  # the launcher's check, before any worker started
+    for part in ("--standalone", "--nproc-per-node=2", "--max-restarts=1", "--resume if-restarted"):
+        assert part in proc.stderr, part  # the printed command
     assert "lost contact with another rank" in proc.stdout  # rank 0, in the first attempt
     resumed = [line for line in proc.stdout.splitlines() if "resumed from" in line]
     assert len(resumed) == 1 and "checkpoint_last.pt: step 6, in epoch 1" in resumed[0], proc.stdout

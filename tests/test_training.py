@@ -105,7 +105,7 @@ def test_another_batch_geometry_resumes_at_a_whole_window(classifier_reference, 
     resumed on one process with batch 24 and 4 micro-steps per window: 320 / 24 = 13.3
     micro-batches, rounded down to a whole window: 12."""
     part = resume_folder(classifier_reference.checkpoint(5), tmp_path / "part")
-    args = CLASSIFIER_REF + ["--batch-size", "24", "--accum-steps", "4", "--max-steps", "6", "--resume", "auto",
+    args = CLASSIFIER_REF + ["--batch-size", "24", "--accum-steps", "4", "--max-steps", "6", "--resume", "auto", "--allow-changes",
                              "--out", str(part)]
     proc = in_process(train_classifier.main, args, capsys)
     assert_ok(proc)

@@ -8,6 +8,7 @@ re-sharded run applies exactly the crops and flips of an uninterrupted one.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from .batch_augment import VIEW_COLUMNS, BatchAugment, as_float_rgb, draws, norm
 from .sets import in_memory_tensors, num_classes_of
 
 Transform = Callable[[torch.Tensor], object]
+log = logging.getLogger("train")
 EVAL_BATCH_FACTOR = 4  # evaluation batches are this many training micro-batches: no activations kept
 Key = tuple[int, int]  # (epoch, sample index): what the training sampler yields
 
@@ -261,6 +263,10 @@ def make_loaders(train_raw: Dataset, val_raw: Dataset, train_tf: Transform | Non
     if len(train) == 0:
         raise UsageError(f"the training split has {len(train_raw)} samples: too few for "  # type: ignore[arg-type]
                          f"{world_size} rank(s) x batch {batch_size}; lower --batch-size")
+    if rank == 0:
+        log.info("data: %s", f"the training split held on {device}, batches made there" + (
+            f" (--workers {workers} unused)" if workers else "") if tensors is not None else
+            f"{workers} DataLoader worker process(es) per rank")
     return Loaders(train, val, sampler, train_raw, num_classes_of(train_raw), device_augment is not None)
 
 

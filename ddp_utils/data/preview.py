@@ -11,17 +11,38 @@ from torchvision.utils import make_grid
 from .loading import DeviceBatches, DeviceFinish, Loaders
 from .sets import in_memory_tensors, normalization_stats
 
+COLUMNS = {1: ("image", "augmented"), 2: ("image", "query", "key")}  # by the number of views
+MIN_TILE = 64  # px on screen: small images are enlarged (nearest neighbour, pixels kept sharp)
+PADDING, HEADER = 2, 14  # px
+
 
 @torch.no_grad()
 def augmentation_grid(loaders: Loaders, dataset: str, size: int, count: int = 8,
                       normalization: str = "auto") -> torch.Tensor:
-    """3 x H x W in [0, 1]: one row per sample (indices 0..count-1, epoch 0): original, views."""
+    """3 x H x W in [0, 1]: a header naming the columns, then one row per sample (indices
+    0..count-1, epoch 0): the image, then its view(s); tiles of at least MIN_TILE px."""
     index = list(range(min(count, len(loaders.train_set))))  # type: ignore[arg-type]
     views = _views(loaders, index)
     originals = _originals(loaders.train_set, index, size)
     rows = [torch.stack([originals[i], *(_unnormalize(v[i].float().cpu(), dataset, normalization) for v in views)])
             for i in range(len(index))]
-    return make_grid(torch.cat(rows), nrow=1 + len(views), padding=2, pad_value=1.0)
+    scale = -(-MIN_TILE // size)  # ceil
+    tiles = torch.nn.functional.interpolate(torch.cat(rows), scale_factor=scale, mode="nearest") if scale > 1 \
+        else torch.cat(rows)
+    grid = make_grid(tiles, nrow=1 + len(views), padding=PADDING, pad_value=1.0)
+    return torch.cat([_header(COLUMNS[len(views)], grid.shape[2], size * scale), grid], dim=1)
+
+
+def _header(labels: tuple[str, ...], width: int, tile: int) -> torch.Tensor:
+    """3 x HEADER x width: each label centred over its column, black on white."""
+    from PIL import Image, ImageDraw
+
+    strip = Image.new("RGB", (width, HEADER), "white")
+    draw = ImageDraw.Draw(strip)
+    for column, label in enumerate(labels):
+        centre = PADDING + column * (tile + PADDING) + tile / 2
+        draw.text((centre - draw.textlength(label) / 2, 1), label, fill="black")
+    return torch.frombuffer(bytearray(strip.tobytes()), dtype=torch.uint8).view(HEADER, width, 3).permute(2, 0, 1) / 255
 
 
 def _views(loaders: Loaders, index: list[int]) -> list[torch.Tensor]:

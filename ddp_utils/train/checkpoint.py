@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config import config_dict
+from ..config import UsageError, config_dict
 from ..runtime.collectives import all_gather_object, all_reduce_sum, broadcast_object
 from ..runtime.dist import get_rank, unwrap
 from ..runtime.stopping import EXIT_FAILURE, EXIT_NONFINITE, RunStopped
@@ -64,6 +64,15 @@ def checkpoint_files(out_dir: str | os.PathLike) -> list[Path]:
         return []
     previous = sorted((int(m.group(1)), p) for p in out.iterdir() if (m := _PREVIOUS.fullmatch(p.name)))
     return ([out / LAST] if (out / LAST).is_file() else []) + [p for _, p in previous]
+
+
+def newest_checkpoint_in(folder: str | Path, flag: str) -> Path:
+    """A run folder given where a checkpoint is expected means its newest checkpoint."""
+    found = checkpoint_files(folder)
+    if not found:
+        raise UsageError(f"{flag} {folder}: a folder without checkpoints; give a run's --out folder or a "
+                         f"checkpoint_*.pt file")
+    return found[0]
 
 
 # ----------------------------------------------------------------------------- writing

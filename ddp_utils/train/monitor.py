@@ -41,6 +41,21 @@ class TensorBoard:
             self.writer = None
 
 
+def last_accuracies(log_dir: str | Path) -> str:
+    """"val/acc1 97.77% at step 308, ..." from a run's TensorBoard events: the last point of each
+    accuracy series (empty if there is none)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not Path(log_dir).is_dir():
+        return ""
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its INFO chatter about event files
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    found = [(tag, events.Scalars(tag)[-1]) for tag in ("val/acc1", "val/acc5", "knn/acc1")
+             if tag in events.Tags()["scalars"]]
+    return ", ".join(f"{tag} {point.value:.2f}% at step {point.step}" for tag, point in found)
+
+
 def format_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from ..config import UsageError
-from .checkpoint import UnreadableCheckpoint, load_data, mismatch_detail
+from ..data.sets import NATIVE_SIZE
+from .checkpoint import UnreadableCheckpoint, load_data, mismatch_detail, newest_checkpoint_in
 
 QUERY_BACKBONE = "encoder_q.backbone."
 
@@ -33,6 +34,20 @@ def read_pretrained(path: str | os.PathLike) -> dict:
     if not isinstance(source, dict):
         raise UsageError(f"--pretrained {path}: not a checkpoint or an exported backbone")
     return source
+
+
+def pretrained_file(path: str | os.PathLike) -> Path:
+    """``--pretrained``: a file as given; a run folder means its newest checkpoint."""
+    return newest_checkpoint_in(path, "--pretrained") if Path(path).is_dir() else Path(path)
+
+
+def pretrained_image_size(path: str | os.PathLike) -> int | None:
+    """The image side the backbone was trained at, from the checkpoint's config (None for an
+    exported backbone, which records none)."""
+    config = read_pretrained(path).get("config")
+    if not isinstance(config, dict) or "dataset" not in config:
+        return None
+    return config.get("image_size") or NATIVE_SIZE.get(config["dataset"])
 
 
 def load_pretrained_backbone(model: nn.Module, path: str | os.PathLike, arch: str) -> None:

@@ -17,13 +17,22 @@ from torch import nn
 
 from ..config import UsageError, config_dict, flag_name
 from ..runtime.dist import DistInfo, get_rank, get_world_size, restart_count, unwrap
-from .checkpoint import UnreadableCheckpoint, checkpoint_files, mismatch_detail, read_checkpoint
+from ..runtime.stopping import EXIT_OK, RunStopped
+from .checkpoint import (
+    UnreadableCheckpoint,
+    checkpoint_files,
+    mismatch_detail,
+    newest_checkpoint_in,
+    read_checkpoint,
+)
+from .monitor import last_accuracies
 from .run import RunState, describe_position
-from .train_config import TrainConfig
+from .run_folder import TB_DIR
+from .train_config import RESUME_IF_RESTARTED, TrainConfig
 
 log = logging.getLogger("train")
 # Config fields that name this invocation, not the training: they may differ without a word.
-RUN_ONLY_FIELDS = ("out", "resume", "overwrite")
+RUN_ONLY_FIELDS = ("out", "resume", "overwrite", "allow_changes", "check")
 
 
 @dataclass(frozen=True)
@@ -49,12 +58,14 @@ def choose_resume(resume: str, out: str, overwrite: bool, announce: bool) -> Res
     checkpoint in ``out`` that reads; unreadable newer ones are reported and passed over. No
     ``--resume``: a folder that already holds a checkpoint is refused unless ``--overwrite``.
     """
-    if overwrite and restart_count() > 0:
-        # A restarted attempt (torchrun --max-restarts, SLURM requeue) must not wipe what its own
-        # first attempt wrote: it continues instead.
-        resume = "auto"
+    if restart_count() > 0 and (overwrite or resume == RESUME_IF_RESTARTED):
+        # A restarted attempt (torchrun --max-restarts, SLURM requeue) continues what its own first
+        # attempt wrote (and --overwrite must not wipe it).
         if announce:
-            log.info("restarted attempt: --overwrite already cleared %s; continuing from its checkpoint", out)
+            log.info("restarted attempt: continuing from the newest checkpoint in %s", out)
+        resume = "auto"
+    elif resume == RESUME_IF_RESTARTED:  # a first attempt: a fresh run
+        resume = ""
     found = checkpoint_files(out)
     if not resume:
         if found and not overwrite:
@@ -62,6 +73,7 @@ def choose_resume(resume: str, out: str, overwrite: bool, announce: bool) -> Res
                              f"--resume auto, start over with --overwrite, or choose another --out")
         return None
     if resume != "auto":
+        resume = str(newest_checkpoint_in(resume, "--resume")) if Path(resume).is_dir() else resume
         if found and Path(resume).resolve() not in [p.resolve() for p in found]:
             raise UsageError(f"--out {out} holds another run ({_summary(found[0])}): continue {resume} "
                              f"into a new --out")
@@ -89,25 +101,38 @@ def choose_resume(resume: str, out: str, overwrite: bool, announce: bool) -> Res
     return None
 
 
-def check_resume_fits(resume: Resume, cfg: TrainConfig, script: str, facts: dict[str, Any], info: DistInfo) -> None:
+def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[Any]]:
+    """{field: [checkpoint's value, this run's value]} for every setting that differs, this
+    invocation's own choices (--out, --resume, ...) left out."""
+    return {name: [saved[name], value] for name, value in config_dict(cfg).items()
+            if name in saved and saved[name] != value and name not in RUN_ONLY_FIELDS}
+
+
+def check_resume_fits(resume: Resume, cfg: TrainConfig, script: str, facts: dict[str, Any], world_size: int,
+                      announce: bool) -> None:
     """Refuse (one line, every difference listed) a checkpoint of the other script or of another
-    model (``cfg.RESUME_FIXED``; ``facts`` such as the class count); log the settings that changed."""
+    model (``cfg.RESUME_FIXED``; ``facts`` such as the class count), and one whose run had other
+    settings outside ``cfg.RESUME_FREE`` unless --allow-changes; log the settings that changed."""
     ckpt, path = resume.checkpoint, resume.path
     if ckpt["script"] != script:
         hint = "; to start a classifier from it use --pretrained" if ckpt["script"] == "train_moco.py" else ""
         raise UsageError(f"--resume {path}: a checkpoint of {ckpt['script']}, not of {script}{hint}")
-    config = config_dict(cfg)
-    saved, now = {**ckpt["config"], **ckpt["facts"]}, {**config, **facts}
+    saved, now = {**ckpt["config"], **ckpt["facts"]}, {**config_dict(cfg), **facts}
     differences = [f"{_label(name)}: checkpoint {saved[name]}, now {now[name]}"
                    for name in (*cfg.RESUME_FIXED, *facts) if name in saved and saved[name] != now[name]]
     if differences:
         raise UsageError(f"--resume {path} does not fit this run ({'; '.join(differences)}); resume with "
                          f"the checkpoint's settings, or start a new run in another --out")
-    changed = [f"{_label(name)} {saved[name]} -> {value}" for name, value in config.items()
-               if name in saved and saved[name] != value and name not in RUN_ONLY_FIELDS]
-    if ckpt["world_size"] != info.world_size:
-        changed.append(f"world size {ckpt['world_size']} -> {info.world_size}")
-    if changed and info.is_main:
+    changes = config_changes(ckpt["config"], cfg)
+    changed = [f"{_label(name)} {old} -> {new}" for name, (old, new) in changes.items()]
+    another_experiment = [text for name, text in zip(changes, changed) if name not in cfg.RESUME_FREE]
+    if another_experiment and not cfg.allow_changes:
+        raise UsageError(f"--resume {path}: its run had other settings ({', '.join(another_experiment)}), so this "
+                         f"would be another experiment; resume with its settings, add --allow-changes to "
+                         f"continue anyway (recorded in config.json), or start a new run in another --out")
+    if ckpt["world_size"] != world_size:
+        changed.append(f"world size {ckpt['world_size']} -> {world_size}")
+    if changed and announce:
         log.info("resuming with changed settings: %s", ", ".join(changed))
 
 
@@ -144,6 +169,16 @@ def restore_training_state(resume: Resume, cfg: TrainConfig, *, model: nn.Module
     if info.is_main:
         log.info("resumed from %s: %s, %d batches into the epoch", path, state.describe(), state.batches_done)
     return state
+
+
+def stop_if_complete(cfg: TrainConfig, state: RunState, resume: Resume | None) -> None:
+    """A resumed run that has nothing left to train ends here, exit 0, naming its last metrics."""
+    if resume is None or not (state.epoch >= cfg.epochs or (cfg.max_steps and state.step >= cfg.max_steps)):
+        return
+    last = last_accuracies(resume.path.parent / TB_DIR)
+    raise RunStopped(f"{resume.path} is complete ({state.describe()}, --epochs {cfg.epochs}"
+                     f"{f', --max-steps {cfg.max_steps}' if cfg.max_steps else ''}): nothing to train"
+                     f"{f'; last logged: {last}' if last else ''}. Raise --epochs to train longer", EXIT_OK)
 
 
 def _load_optimizer_for_this_device(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:

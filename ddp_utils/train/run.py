@@ -100,8 +100,8 @@ class TrainRun:
         started, first_batch = self.epoch_started
         seconds = time.perf_counter() - started
         images = (state.batches_done - first_batch) * self.cfg.batch_size * self.info.world_size
-        log.info("epoch %d trained in %.1f s (%s%.0f img/s)", state.epoch_number, seconds,
-                 "resumed part way, " if first_batch else "", images / max(seconds, 1e-9))
+        log.info("epoch %d trained in %.1f s (%s%s img/s)", state.epoch_number, seconds,
+                 "resumed part way, " if first_batch else "", f"{images / max(seconds, 1e-9):,.0f}")
         state.epoch, state.batches_done = state.epoch + 1, 0
 
     def finished(self) -> bool:

@@ -2,14 +2,16 @@
 ``resume.choose_resume``), cleared only on ``--overwrite``, opened once every check has passed."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import UsageError, save_config
+from ..config import UsageError, command_line, flag_name, git_revision, save_config, write_json
 from ..data.loading import Loaders
 from ..data.preview import augmentation_grid
 from ..runtime.dist import barrier
@@ -65,6 +67,30 @@ def prepare_run_folder(out: str, overwrite: bool, resuming: bool) -> None:
                     ", ".join(p.name for p in old), out)
 
 
+def write_run_record(cfg: TrainConfig, world_size: int, resume: Resume | None, step: int) -> None:
+    """OUT/config.json: the run's resolved config as it started (``--config`` on this file repeats
+    that run), its world size, command and git revision; every resume appends to its "history"
+    when, where from, with which command and what it changed (flag: [old, new])."""
+    from .resume import config_changes  # resume imports this module
+
+    path = Path(cfg.out) / "config.json"
+    entry = None
+    if resume is not None:
+        changes = config_changes(resume.checkpoint["config"], cfg)
+        entry = {"resumed": datetime.now(timezone.utc).isoformat(timespec="seconds"), "at_step": step,
+                 "from": str(resume.path), "world_size": world_size, "command": command_line(),
+                 "git_revision": git_revision(), "changes": {flag_name(k): v for k, v in changes.items()}}
+        try:
+            record = json.loads(path.read_text()) if resume.path.parent.resolve() == path.parent.resolve() else None
+        except (OSError, json.JSONDecodeError):
+            record = None  # a folder without a readable record: start one, from this resume
+        if isinstance(record, dict) and isinstance(record.get("history", []), list):
+            record["history"] = [*record.get("history", []), entry]
+            write_json(path, record)
+            return
+    save_config(cfg, cfg.out, {"world_size": world_size, "history": [entry] if entry else []})
+
+
 def open_run_folder(cfg: TrainConfig, session: RunSession, loaders: Loaders, resume: Resume | None,
                     step: int) -> TensorBoard:
     """Rank 0, once every check has passed: the folder (an old run cleared on --overwrite), its
@@ -76,7 +102,7 @@ def open_run_folder(cfg: TrainConfig, session: RunSession, loaders: Loaders, res
         session.saved.step, session.saved.path = step, resume.path
     if session.info.is_main:
         prepare_run_folder(cfg.out, cfg.overwrite, resuming=resume is not None)
-        save_config(cfg, cfg.out, {"world_size": session.info.world_size})
+        write_run_record(cfg, session.info.world_size, resume, step)
         session.signals.clear_marker()
         tb = session.close_at_exit(TensorBoard(Path(cfg.out) / TB_DIR, purge_step=step + 1 if resume else None))
         if resume is None:  # what the augmentation does, once per run

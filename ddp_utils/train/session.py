@@ -102,7 +102,7 @@ class RunSession:
             return True
         if isinstance(err, RunStopped):
             if self.reporter:
-                (log.warning if err.code == EXIT_INTERRUPTED else log.error)("%s", err)
+                {EXIT_OK: log.info, EXIT_INTERRUPTED: log.warning}.get(err.code, log.error)("%s", err)
             self.exit_code = err.code
             return True
         if isinstance(err, KeyboardInterrupt):

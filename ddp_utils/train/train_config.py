@@ -10,7 +10,7 @@ from typing import ClassVar, Sequence, TypeVar
 
 import torch
 
-from ..config import UsageError, flag_name, opt, parse_config
+from ..config import UsageError, flag_name, opt, parse_config, recorded_run
 from ..data.sets import DATASETS, NATIVE_SIZE, NORMALIZATIONS, check_data_dir
 from ..data.transforms import AUG_ON
 from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
@@ -22,6 +22,8 @@ from .run_folder import check_out_dir
 from .schedule import LR_SCHEDULES, parse_milestones
 
 C = TypeVar("C", bound="TrainConfig")
+RESUME_IF_RESTARTED = "if-restarted"
+DATA_FLAG_USERS = {"data_dir": "cifar10 and imagefolder", "download": "cifar10", "synthetic_samples": "synthetic"}
 
 OUT_HELP = ("run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a fresh run refuses a folder "
             "that already holds a checkpoint")
@@ -31,6 +33,24 @@ OUT_HELP = ("run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a f
 class TrainConfig:
     # What shapes the model: a checkpoint that differs in any of these cannot be resumed.
     RESUME_FIXED: ClassVar[tuple[str, ...]] = ("arch",)
+    # How long and how a run goes, not what it learns: a resume may change these without
+    # --allow-changes (a changed LR, batch or data set makes it another experiment).
+    RESUME_FREE: ClassVar[tuple[str, ...]] = (
+        "epochs", "max_steps", "data_dir", "download", "aug_on", "workers", "amp", "tf32", "deterministic",
+        "compile", "device", "dist_timeout", "out", "resume", "overwrite", "allow_changes", "check",
+        "ckpt_every", "keep_checkpoints", "skip_nonfinite", "log_every")
+    # --help's sections (ddp_utils.config.flag_groups)
+    FLAG_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "data": ("dataset", "data_dir", "download", "image_size", "synthetic_samples", "augment",
+                 "normalization", "aug_on", "workers"),
+        "model and optimisation": ("arch", "batch_size", "accum_steps", "epochs", "max_steps", "lr", "momentum",
+                                   "weight_decay", "lr_schedule", "lr_milestones", "warmup_steps", "clip_grad",
+                                   "seed"),
+        "precision and speed": ("amp", "tf32", "deterministic", "compile"),
+        "run folder and checkpoints": ("out", "resume", "overwrite", "allow_changes", "check", "ckpt_every",
+                                       "keep_checkpoints", "skip_nonfinite", "log_every", "debug"),
+        "distributed": ("device", "dist_timeout"),
+    }
 
     # data
     dataset: str = opt("digits", "data set: digits (ships with scikit-learn, no download), cifar10, "
@@ -40,7 +60,8 @@ class TrainConfig:
     download: bool = opt(False, "download cifar10 into --data-dir if it is not there (once per node, by its local rank 0)")
     image_size: int = opt(0, "input side in pixels; 0 = the data set's own (32, or 224 for imagefolder)")
     synthetic_samples: int = opt(2048, "training samples of the synthetic data set (val: a quarter)")
-    augment: bool = opt(True, "random crop (+ flip) on training images; off = deterministic pipeline")
+    augment: bool = opt(True, "random crop (+ flip) on training images; off = deterministic pipeline "
+                        "(train_moco.py refuses it: its two views must differ)")
     normalization: str = opt("auto", "input mean/std: auto = the data set's own; cifar10-demo = the MoCo "
                              "authors' CIFAR-10 demo's (std 0.2023, 0.1994, 0.2010 instead of 0.2470, 0.2435, "
                              "0.2616)", choices=NORMALIZATIONS)
@@ -85,9 +106,17 @@ class TrainConfig:
     dist_timeout: float = opt(600.0, "seconds a collective may wait for a peer before the job fails")
     out: str = opt("runs/run", OUT_HELP)
     resume: str = opt("", "'auto' = continue from the newest readable checkpoint in OUT (start fresh if "
-                      "there is none); or a checkpoint path; empty = start fresh")
+                      "there is none); a checkpoint file, or a run folder (its newest checkpoint); "
+                      "'if-restarted' = start fresh, but 'auto' in a restarted attempt (torchrun "
+                      "--max-restarts, SLURM requeue: what launch/ adds); empty = start fresh")
     overwrite: bool = opt(False, "start over in an OUT that holds a run: its checkpoints, TensorBoard "
                           "events and config are deleted first")
+    allow_changes: bool = opt(False, "with --resume: continue although the checkpoint's run had other "
+                              "settings that make it another experiment (data set, LR, batch, ...); the "
+                              "changes are recorded in OUT/config.json's history")
+    check: bool = opt(False, "check only: flags, paths, data and the checkpoint to resume; print the run "
+                      "that would start and exit 0 (or 2, naming the problem); no process group, nothing "
+                      "written (launch/ scripts run it before starting the workers)")
     ckpt_every: int = opt(0, "also checkpoint every this many optimizer steps (0 = at epoch ends only)")
     keep_checkpoints: int = opt(2, "checkpoints kept in OUT: checkpoint_last.pt and N-1 older ones "
                                 "(checkpoint_prev1.pt, ...); the oldest goes only once a new one is on disk")
@@ -116,8 +145,10 @@ class TrainConfig:
             raise UsageError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.dist_timeout <= 0:
             raise UsageError(f"--dist-timeout must be positive seconds, got {self.dist_timeout}")
-        if self.overwrite and self.resume:
+        if self.overwrite and self.resume and self.resume != RESUME_IF_RESTARTED:
             raise UsageError("--overwrite starts over and --resume continues: give only one of them")
+        if self.allow_changes and not self.resume:
+            raise UsageError("--allow-changes only applies with --resume")
         size, smallest = self.resolved_image_size(), MIN_IMAGE_SIZE[self.arch]
         if size < smallest:
             raise UsageError(f"--image-size {size} is too small for --arch {self.arch}: give at least "
@@ -129,6 +160,10 @@ class TrainConfig:
                              f"percentages of --epochs, e.g. 120,160 or 60%,80%") from None
         if self.lr_schedule == "step" and not milestones:
             raise UsageError("--lr-schedule step needs --lr-milestones, e.g. --lr-milestones 120,160")
+        if self.lr_schedule != "step" and milestones:
+            raise UsageError(f"--lr-milestones {self.lr_milestones} applies to --lr-schedule step only, not "
+                             f"{self.lr_schedule}; drop it (a preset's: --lr-milestones '')")
+        self.check_data_flags()
         if self.workers < -1:
             raise UsageError(f"--workers must be -1 (auto) or >= 0, got {self.workers}")
         if self.normalization == "cifar10-demo" and self.dataset != "cifar10":
@@ -139,12 +174,26 @@ class TrainConfig:
         check_device(self.device, launch)
         FaultPlan.from_env()  # DDP_FAULT, the tests' fault injection
 
+    def check_data_flags(self) -> None:
+        """Data flags that the chosen data set would silently ignore are refused."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        unused = {"data_dir": self.dataset in ("digits", "synthetic"), "download": self.dataset != "cifar10",
+                  "synthetic_samples": self.dataset != "synthetic"}
+        for name, ignored in unused.items():
+            if ignored and getattr(self, name) != defaults[name]:
+                raise UsageError(f"{flag_name(name)} does nothing with --dataset {self.dataset}; drop it (it "
+                                 f"applies to {DATA_FLAG_USERS[name]})")
+
     def check_paths(self) -> None:
         """Checks that read the file system (run on every rank inside an agreement)."""
         check_out_dir(self.out)
         problem = check_data_dir(self.dataset, self.data_dir, self.download)
         if problem:
             raise UsageError(problem)
+
+    def resolved(self: C) -> C:
+        """The config with what "auto" means on this machine filled in (``--amp auto``)."""
+        return dataclasses.replace(self, amp=resolve_amp(self.amp, torch.device(device_type(self.device))))
 
     def milestone_steps(self, steps_per_epoch: int) -> list[int]:
         return [epoch * steps_per_epoch for epoch in parse_milestones(self.lr_milestones, self.epochs)]
@@ -159,11 +208,26 @@ def parse_args(cls: type[C], argv: Sequence[str] | None, doc: str) -> C:
     requeue would repeat the same flags) and exit code 2."""
     launch = detect_launch()
     says = launch.rank == 0 and restart_count() == 0
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = parse_config(cls, argv, doc.split("\n")[0], quiet=not says)  # argparse exits 2 itself
+        cfg = parse_config(cls, argv, doc, quiet=not says).resolved()  # argparse exits 2 itself
         cfg.validate(launch)
+        recorded = recorded_run(argv)
     except UsageError as err:
         if says:
             print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USAGE) from None
-    return dataclasses.replace(cfg, amp=resolve_amp(cfg.amp, torch.device(device_type(cfg.device))))
+    if recorded and says:
+        warn_if_launch_differs(cfg, launch, *recorded)
+    return cfg
+
+
+def warn_if_launch_differs(cfg: TrainConfig, launch: LaunchEnv, path: str, recorded: dict) -> None:
+    """``--config RUN/config.json`` repeats that run's flags, not its launch: one line on stderr
+    when the world size or the global batch differ from the recorded ones."""
+    then = recorded["world_size"] * recorded["config"]["accum_steps"] * recorded["config"]["batch_size"]
+    now = launch.world_size * cfg.accum_steps * cfg.batch_size
+    if recorded["world_size"] != launch.world_size or then != now:
+        print(f"{Path(sys.argv[0]).name}: warning: {path} ran on {recorded['world_size']} rank(s), global batch "
+              f"{then}; this launch: {launch.world_size} rank(s), global batch {now} (launch as many ranks, or "
+              f"scale --batch-size or --lr)", file=sys.stderr, flush=True)

@@ -1,0 +1,85 @@
+"""``--check``: the checks a launch makes before its first collective, in one plain process (no
+process group, nothing written), and the run that would start, in a few lines. The launch/
+scripts run it once before starting workers, so a mistake is one line and exit 2, never a
+restarted group or a launcher's traceback."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from torch.utils.data import Dataset
+
+from ..config import UsageError
+from ..data.loading import ResumableDistributedSampler, steps_per_epoch
+from ..data.sets import check_data_dir
+from ..data.transforms import augment_on_device
+from ..runtime.dist import detect_launch, device_type
+from ..runtime.stopping import EXIT_OK, EXIT_USAGE
+from .build import load_raw_splits
+from .resume import check_resume_fits, choose_resume
+from .run import describe_position
+from .train_config import RESUME_IF_RESTARTED, TrainConfig
+
+ScriptCheck = Callable[[Dataset], tuple[dict[str, Any], list[str]]]
+
+
+def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck) -> int:
+    """Run every check of a launch; print the run (rank 0) or the one-line problem; return the exit
+    code. ``script_check(train_split)`` returns the script's facts that a resume must match (e.g.
+    the class count) and lines to add (warnings), or raises UsageError."""
+    launch = detect_launch()
+    says = launch.rank == 0  # a requeued job's check speaks too: its log is where a user looks
+    try:
+        lines = _checked_run(cfg, script, model, script_check, launch.world_size)
+    except UsageError as err:
+        if says:
+            print(f"{script}: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    if says:
+        print(f"{script} --check: ok, nothing written; the run:", *(f"  {line}" for line in lines), sep="\n",
+              flush=True)
+    return EXIT_OK
+
+
+def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck, world_size: int) -> list[str]:
+    cfg.check_paths()
+    resume = choose_resume(cfg.resume, cfg.out, cfg.overwrite, announce=False)
+    device = device_type(cfg.device)
+    size = cfg.resolved_image_size()
+    where = "device" if augment_on_device(cfg.aug_on, cfg.dataset, device) else "loader"
+    global_batch = world_size * cfg.accum_steps * cfg.batch_size
+    lines = [f"launch: world size {world_size}, {device}, precision {'fp32' if cfg.amp == 'none' else cfg.amp}"]
+    if cfg.dataset == "cifar10" and cfg.download and check_data_dir(cfg.dataset, cfg.data_dir, False):
+        lines.append(f"data: cifar10 {size} px, downloaded into {cfg.data_dir} at start; augmentation on {where}")
+        facts, extra = {}, []
+    else:
+        train, val = load_raw_splits(cfg)
+        facts, extra = script_check(train)
+        batches = ResumableDistributedSampler(train, world_size, 0, cfg.seed).num_samples // cfg.batch_size
+        if batches == 0:
+            raise UsageError(f"--batch-size {cfg.batch_size}: larger than the {len(train)} training images "
+                             f"per rank ({world_size} ranks); lower it")
+        steps = steps_per_epoch(batches, cfg.accum_steps)
+        lines.append(f"data: {cfg.dataset} {size} px, {len(train):,} training and {len(val):,} validation "
+                     f"images; augmentation on {where}")
+        lines.append(f"steps: {steps:,} per epoch, {steps * cfg.epochs:,} in {_count(cfg.epochs, 'epoch')}"
+                     + (f" (stopping at --max-steps {cfg.max_steps})" if cfg.max_steps else ""))
+    lines.append(f"model: {model}")
+    lines.append(f"optimisation: global batch {global_batch} = {_count(world_size, 'rank')} x "
+                 f"{_count(cfg.accum_steps, 'micro-step')} x {cfg.batch_size}; lr {cfg.lr:g}, {cfg.lr_schedule}"
+                 + (f", {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else ""))
+    if resume is not None:
+        check_resume_fits(resume, cfg, script, facts, world_size, announce=False)
+        ckpt = resume.checkpoint
+        lines.append(f"run folder: {cfg.out}, continuing {resume.path} at "
+                     f"{describe_position(ckpt['step'], ckpt['epoch'], ckpt['batches_done'])}")
+    else:
+        fresh = "started over (--overwrite)" if cfg.overwrite and Path(cfg.out).exists() else "a new run"
+        later = ", continued by restarted attempts" if cfg.resume == RESUME_IF_RESTARTED else ""
+        lines.append(f"run folder: {cfg.out}, {fresh}{later}")
+    return lines + [f"warning: {text}" for text in extra]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
