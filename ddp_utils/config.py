@@ -122,7 +122,10 @@ def build_parser(cls: type, doc: str = "", quiet: bool = False) -> argparse.Argu
                                  formatter_class=_HelpFormatter, quiet=quiet, allow_abbrev=False)
     parser.add_argument("--config", metavar="FILE", default=None, help=CONFIG_HELP)
     groups = flag_groups(cls)
-    sections = {name: parser.add_argument_group(title) for title in groups for name in groups[title]}
+    sections = {}
+    for title, members in groups.items():
+        section = parser.add_argument_group(title)
+        sections.update(dict.fromkeys(members, section))
     hints = typing.get_type_hints(cls)
     for f in sorted(ordered_fields(cls), key=lambda f: _group_position(groups, f.name)):
         flag, where = flag_name(f.name), sections.get(f.name, parser)

@@ -170,7 +170,8 @@ def test_help_is_in_sections_with_the_launch_examples(cls):
                                       "train_classifier.py")).read_text().split('"""')[1]).format_help()
     titles = ["data:", "model and optimisation:", "precision and speed:", "run folder and checkpoints:",
               "distributed:"] + (["MoCo:", "kNN monitor:"] if cls is train_moco.MocoConfig else ["pretrained backbone:"])
-    assert all(f"\n{title}\n" in text for title in titles), text
+    assert [line for line in text.splitlines() if line in ("options:", *titles)] == ["options:", *titles], \
+        text  # each section once, in this order
     assert "(default: )" not in text and "(default: None)" not in text
     assert "torchrun --nnodes=2" in text and "sbatch" in text  # the docstring's launches, as the epilog
     grouped = {name for members in flag_groups(cls).values() for name in members}
