@@ -57,7 +57,7 @@ from ddp_utils.train.fast_path import place_model
 from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.precision import autocast
 from ddp_utils.train.pretrained import export_backbone
-from ddp_utils.train.resume import check_resume_fits, restore_training_state, stop_if_complete
+from ddp_utils.train.resume import check_resume_fits, is_complete, restore_training_state, stop_if_complete
 from ddp_utils.train.run import RunState, TrainRun
 from ddp_utils.train.run_folder import open_run_folder
 from ddp_utils.train.schedule import LR_SCHEDULES, cosine_to_one
@@ -240,6 +240,8 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
         if resume is not None:
             check_resume_fits(resume, cfg, SCRIPT, {}, info.world_size, info.is_main)
             state = restore_training_state(resume, cfg, model=moco, optimizer=optimizer, scaler=scaler, info=info)
+    if resume is not None and is_complete(cfg, state) and cfg.export_backbone and info.is_main:
+        export_finished_backbone(moco, cfg.export_backbone)  # a finished run's backbone, as asked
     stop_if_complete(cfg, state, resume)  # a finished run resumed: its last metrics, exit 0
     moco.sync_state_from_rank0()
     # Only the query encoder goes into DDP: it must not broadcast the queue or encoder_k.
@@ -337,13 +339,16 @@ def fit(run: MocoRun) -> None:
         log.info("encoders, queue and pointer identical on all %d ranks (sha256 %s)",
                  run.info.world_size, digest[:16])
     if cfg.export_backbone and run.info.is_main:
-        path = export_backbone(run.moco.encoder_q.backbone, cfg.export_backbone)
-        log.info("exported the query backbone to %s", path)
+        export_finished_backbone(moco, cfg.export_backbone)
     barrier()
     if knn is not None:
         log.info("final kNN acc1 %.2f%% at step %d", knn, state.step)
     else:
         log.info("finished at step %d", state.step)
+
+
+def export_finished_backbone(moco: MoCo, path: str) -> None:
+    log.info("exported the query backbone to %s", export_backbone(moco.encoder_q.backbone, path))
 
 
 def main(argv: list[str] | None = None) -> int:

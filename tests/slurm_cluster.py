@@ -1,8 +1,12 @@
-"""A throw-away one-node SLURM cluster for the tests (Debian's slurmctld, slurmd and munge).
+"""A throw-away SLURM cluster of two nodes on this one machine, for the tests (Debian's
+slurmctld, two slurmd and munge).
 
-Nothing is installed here (``.ci/run`` installs the packages); the daemons run from a generated
-slurm.conf under a temporary folder and are stopped by their PIDs. Where SLURM is not installed
-the tests that need it are skipped, except in CI (``CI=true``), where that is a failure.
+Each node is a slurmd of its own (`slurmd -N NAME`, its own port): the machine's host name and
+`localhost`, names that resolve, so a job script can take its head node from the node list.
+Single-node jobs land on either. Nothing is installed here (``.ci/run`` installs the packages);
+the daemons run from a generated slurm.conf under a temporary folder, on ports of their own, and
+are stopped by their PIDs. Where SLURM is not installed the tests that need it are skipped, except
+in CI (``CI=true``), where that is a failure.
 """
 from __future__ import annotations
 
@@ -20,9 +24,8 @@ DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "scancel", "sq
 
 CONF = """\
 ClusterName=ci
-SlurmctldHost={host}
+SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -30,11 +33,11 @@ CredType=cred/munge
 AuthInfo=cred_expire=10
 MailProg=/bin/true
 StateSaveLocation={base}/state
-SlurmdSpoolDir={base}/spool
+SlurmdSpoolDir={base}/spool/%n
 SlurmctldPidFile={base}/run/slurmctld.pid
-SlurmdPidFile={base}/run/slurmd.pid
+SlurmdPidFile={base}/run/slurmd-%n.pid
 SlurmctldLogFile={base}/log/slurmctld.log
-SlurmdLogFile={base}/log/slurmd.log
+SlurmdLogFile={base}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -47,19 +50,35 @@ ReturnToService=2
 JobRequeue=1
 MinJobAge=5
 KillWait=30
-NodeName={host} CPUs={cpus} RealMemory=1000 State=UNKNOWN
+SlurmdTimeout=10
+{nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
+# The node named like the machine comes first: listed after `localhost`, slurmd stops with
+# "Duplicated NodeHostName". Both declare the machine's CPUs.
+NODE = "NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} RealMemory=1000 State=UNKNOWN"
 
 
 @dataclass
 class SlurmCluster:
     base: Path
     env: dict[str, str]
+    nodes: list[str]
 
     def run(self, *args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(list(args), env={**os.environ, **self.env}, capture_output=True,
                               text=True, timeout=timeout, **kwargs)
+
+    def start_node(self, name: str) -> int:
+        """Start the slurmd of node ``name`` (again); its PID."""
+        pid_file = self.base / f"run/slurmd-{name}.pid"
+        pid_file.unlink(missing_ok=True)
+        subprocess.run(["slurmd", "-N", name], env={**os.environ, **self.env}, check=True, timeout=30)
+        return _read_pid(pid_file)
+
+    def idle_nodes(self) -> int:
+        states = self.run("sinfo", "-h", "-N", "-o", "%t").stdout.split()
+        return sum(state in ("idle", "mix", "alloc") for state in states)
 
 
 def missing_tools() -> list[str]:
@@ -95,29 +114,29 @@ def _read_pid(path: Path, timeout: float = 15) -> int:
 def start_cluster(base: Path) -> tuple[SlurmCluster, list[int]]:
     host = socket.gethostname().split(".")[0]
     cpus = os.cpu_count() or 2
-    for sub in ("state", "spool", "run", "log"):
+    names = [host, "localhost"]
+    for sub in ("state", "run", "log", *(f"spool/{name}" for name in names)):
         (base / sub).mkdir(parents=True, exist_ok=True)
+    nodes = "\n".join(NODE.format(name=name, host=host, port=_free_port(), cpus=cpus) for name in names)
     conf = base / "slurm.conf"
-    conf.write_text(CONF.format(host=host, base=base, cpus=cpus, ctld_port=_free_port(),
-                                slurmd_port=_free_port()))
+    conf.write_text(CONF.format(host=host, base=base, ctld_port=_free_port(), nodes=nodes))
     env = {"SLURM_CONF": str(conf)}
     munged = _ensure_munged()
     full_env = {**os.environ, **env}
     pids = [munged] if munged else []  # stopped last, after the SLURM daemons
     subprocess.run(["slurmctld"], env=full_env, check=True, timeout=30)
     pids.append(_read_pid(base / "run/slurmctld.pid"))
-    subprocess.run(["slurmd"], env=full_env, check=True, timeout=30)
-    pids.append(_read_pid(base / "run/slurmd.pid"))
-    cluster = SlurmCluster(base, env)
+    cluster = SlurmCluster(base, env, names)
+    for name in names:
+        pids.append(cluster.start_node(name))
     deadline = time.time() + 60
-    while time.time() < deadline:  # wait until the node can take jobs
-        state = cluster.run("sinfo", "-h", "-o", "%t").stdout.strip()
-        if state in ("idle", "mix", "alloc"):
+    while time.time() < deadline:  # wait until both nodes can take jobs
+        if cluster.idle_nodes() == len(names):
             return cluster, pids
         time.sleep(0.5)
     logs = "\n".join(p.read_text()[-2000:] for p in (base / "log").glob("*.log"))
     stop_cluster(pids)
-    raise RuntimeError(f"SLURM node never became idle (state {state!r}); logs:\n{logs}")
+    raise RuntimeError(f"the SLURM nodes never became idle ({cluster.run('sinfo').stdout}); logs:\n{logs}")
 
 
 def _alive(pid: int) -> bool:

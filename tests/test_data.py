@@ -347,3 +347,32 @@ def test_the_next_device_batch_can_be_made_early_without_changing_any_batch():
     assert next(batches, None) is None
     for (x, y), (x_ref, y_ref) in zip(early, plain, strict=True):
         assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+
+
+def test_auto_workers_count_the_cpus_this_process_may_use(tmp_path, monkeypatch, caplog):
+    """--workers -1 sizes the pools from the CPUs this process may run on (SLURM's cpuset,
+    taskset), shared by the ranks that share them, not from every core of the machine."""
+    import logging
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    from ddp_utils.data import loading
+    from ddp_utils.runtime.dist import DistInfo
+    from ddp_utils.train.build import loader_options
+
+    pinned = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", "from ddp_utils.data.loading import "
+                             "usable_cpus, default_workers; print(usable_cpus(), default_workers('imagefolder', 1))"],
+                            env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert pinned.stdout.split() == ["1", "1"], pinned.stderr  # one CPU: one worker, not the machine's
+    monkeypatch.setattr(loading.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert [loading.default_workers("imagefolder", n) for n in (1, 2, 4, 8)] == [8, 7, 3, 1]
+    assert loading.default_workers("digits", 1) == 0  # in-memory data needs none
+    cfg = train_classifier.ClassifierConfig(dataset="imagefolder", workers=-1)
+    for launcher, per_rank in (("torchrun", 7), ("slurm", 8)):  # torchrun's 2 workers share the CPUs
+        info = DistInfo(rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("cpu"),
+                        backend="gloo", launcher=launcher)
+        with caplog.at_level(logging.INFO, logger="train"):
+            assert loader_options(cfg, info)["workers"] == per_rank
+    assert "--workers -1: 7 DataLoader workers per rank, for 16 usable CPUs shared by 2 rank(s)" in caplog.text

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import REPO, cli_env, load_ckpt, read_scalars
 
 from ddp_utils.runtime.spawn import free_port
@@ -71,24 +72,6 @@ def test_sbatch_classifier_with_torchrun_from_another_directory(slurm, tmp_path)
     assert re.search(r"^\d\d:\d\d:\d\d \[job\] training exited with code 0$", text, re.M), text
 
 
-@pytest.mark.slow
-@pytest.mark.slurm
-def test_sbatch_moco_in_srun_mode(slurm, tmp_path):
-    """One task per rank, no torchrun (torchrun mode: the preemption test below)."""
-    out, log = tmp_path / "run", tmp_path / "job.log"
-    proc = submit(slurm, "slurm_moco.sbatch", ["--ntasks-per-node=2", "--cpus-per-task=1", "--time=10"],
-                  DIGITS_CPU + ["--image-size", "16", "--batch-size", "16", "--moco-k", "64", "--max-steps", "4",
-                                "--knn-every", "0", "--out", str(out)], log, LAUNCH_MODE="srun")
-    text = log.read_text()
-    assert proc.returncode == 0, proc.stderr + text
-    assert "slurm launch: world size 2" in text  # init_distributed's SLURM branch
-    # the command it printed is the one it ran, --cpus-per-task included
-    assert re.search(r"\[job\] \+ MASTER_ADDR=\S+ MASTER_PORT=\d+ srun --cpus-per-task=1 \S*python \S*/train_moco.py", text)
-    assert "encoders, queue and pointer identical on all 2 ranks" in text
-    assert load_ckpt(out / "checkpoint_last.pt")["step"] == 4
-    assert read_scalars(out / "tb")["train/loss"]
-
-
 def _wait_for(path: Path, pattern: str, timeout: float) -> re.Match:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -99,35 +82,110 @@ def _wait_for(path: Path, pattern: str, timeout: float) -> re.Match:
     raise AssertionError(f"{pattern!r} never appeared in {path}:\n{path.read_text() if path.exists() else ''}")
 
 
+# ----------------------------------------------------------------------------- two nodes
+# MoCo (shuffle BN across the nodes' ranks): 120 steps, about 3 epochs, a step logged each time.
+MOCO_JOB = DIGITS_CPU + ["--image-size", "16", "--batch-size", "16", "--moco-k", "64", "--epochs", "5",
+                         "--max-steps", "120", "--knn-every", "0"]
+TWO_NODES = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10"]  # torchrun: one agent per node
+
+
+def _placement(text: str) -> dict[str, list[int]]:
+    """The job log's "ranks by node: a: 0; b: 1" line, as {node: [ranks]}."""
+    line = _wait_for_text(text, r"ranks by node: (.*)$").group(1)
+    return {node: [int(r) for r in ranks.split(", ")] for node, ranks in
+            (part.split(": ") for part in line.split("; "))}
+
+
+def _wait_for_text(text: str, pattern: str) -> re.Match:
+    match = re.search(pattern, text, re.M)
+    assert match, f"{pattern!r} not in the log:\n{text}"
+    return match
+
+
+def _one_rank_per_node(slurm, text: str) -> None:
+    placement = _placement(text)
+    assert sorted(placement) == sorted(slurm.nodes) and sorted(placement.values()) == [[0], [1]], placement
+
+
+@pytest.fixture(scope="module")
+def two_node_moco(slurm, tmp_path_factory) -> tuple[Path, str]:
+    """The uninterrupted two-node job in torchrun mode (its run folder and job log)."""
+    root = tmp_path_factory.mktemp("two_nodes")
+    proc = submit(slurm, "slurm_moco.sbatch", TWO_NODES, MOCO_JOB + ["--out", str(root / "run")], root / "job.log",
+                  NPROC_PER_NODE="1")
+    text = (root / "job.log").read_text()
+    assert proc.returncode == 0, proc.stderr + text
+    return root / "run", text
+
+
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_preempted_moco_job_checkpoints_requeues_and_resumes(slurm, tmp_path):
+def test_two_node_moco_job_with_torchrun(slurm, two_node_moco):
+    """One torchrun agent per node, meeting by c10d at the head node: world size 2 across the
+    nodes, shuffle BN across them, identical replicas, one run folder written by rank 0."""
+    out, text = two_node_moco
+    assert re.search(r"\[job\] job \d+ \(restart 0\) on 2 node\(s\)", text), text
+    assert re.search(r"--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=\S+:\d+", text), text
+    assert "torchrun launch: world size 2" in text and "shuffle BN: key batches are shuffled across 2 ranks" in text
+    _one_rank_per_node(slurm, text)
+    assert "encoders, queue and pointer identical on all 2 ranks" in text
+    assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 1  # rank 0's writer only
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint_last.pt", "checkpoint_prev1.pt", "config.json", "tb"]
+    assert load_ckpt(out / "checkpoint_last.pt")["step"] == 120
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_two_node_moco_job_with_srun(slurm, tmp_path):
+    """One task per node, no torchrun: ranks from SLURM_PROCID across the two nodes."""
     out, log = tmp_path / "run", tmp_path / "job.log"
-    max_steps = 120  # about 3 epochs: the signal lands with ~100 steps to go, never after the end
-    job = submit(slurm, "slurm_moco.sbatch", ["--cpus-per-task=2", "--time=10"],
-                 DIGITS_CPU + ["--image-size", "16", "--batch-size", "16", "--moco-k", "64", "--epochs", "5",
-                               "--max-steps", str(max_steps), "--knn-every", "0", "--out", str(out)],
-                 log, wait=False)
+    proc = submit(slurm, "slurm_moco.sbatch", TWO_NODES, MOCO_JOB + ["--max-steps", "4", "--out", str(out)], log,
+                  LAUNCH_MODE="srun")
+    text = log.read_text()
+    assert proc.returncode == 0, proc.stderr + text
+    assert "slurm launch: world size 2" in text  # init_distributed's SLURM branch
+    # the command it printed is the one it ran, --cpus-per-task included
+    assert re.search(r"\[job\] \+ MASTER_ADDR=\S+ MASTER_PORT=\d+ srun --cpus-per-task=1 \S*python \S*/train_moco.py", text)
+    _one_rank_per_node(slurm, text)
+    assert "encoders, queue and pointer identical on all 2 ranks" in text
+    assert load_ckpt(out / "checkpoint_last.pt")["step"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_preempted_two_node_job_requeues_and_ends_as_if_never_stopped(slurm, two_node_moco, tmp_path):
+    """USR1 mid-run: every rank stops after the same step, rank 0 checkpoints, the job requeues
+    itself, both nodes resume at that step, and the run ends bit for bit as the uninterrupted job;
+    every step is in TensorBoard once."""
+    out, log = tmp_path / "run", tmp_path / "job.log"
+    job = submit(slurm, "slurm_moco.sbatch", TWO_NODES, MOCO_JOB + ["--out", str(out)], log, wait=False,
+                 NPROC_PER_NODE="1")
     job_id = job.stdout.readline().strip()  # --parsable: the job id, printed at submission
     assert job_id.isdigit(), job.stderr.read() if job.poll() is not None else job_id
-    _wait_for(log, rf"step (1[0-9])/{max_steps}", timeout=180)  # mid-run
+    _wait_for(log, r"step (1[0-9])/120", timeout=180)  # mid-run
     signal = slurm.run("scancel", "--signal=USR1", job_id)
     assert signal.returncode == 0, signal.stderr
     job.wait(timeout=400)
     text = log.read_text()
     assert job.returncode == 0, job.stderr.read() + text
-    stopped = int(_wait_for(log, r"preempted \(SIGUSR1\): checkpoint written at step (\d+)", 1).group(1))
-    assert 10 <= stopped < max_steps
-    assert f"requeueing job {job_id}" in text
-    assert "(restart 1)" in text and "torchrun launch: world size 2" in text
-    assert "encoders, queue and pointer identical on all 2 ranks" in text
-    resumed = int(_wait_for(log, r"resumed from .*: step (\d+)", 1).group(1))
+    stopped = int(_wait_for_text(text, r"preempted \(SIGUSR1\): checkpoint written at step (\d+)").group(1))
+    assert 10 <= stopped < 120
+    assert f"requeueing job {job_id}" in text and re.search(r"\(restart 1\) on 2 node\(s\)", text)
+    resumed = int(_wait_for_text(text, r"resumed from .*: step (\d+)").group(1))
     assert resumed == stopped  # from the preemption checkpoint, not from zero
-    final = load_ckpt(out / "checkpoint_last.pt")
-    assert final["step"] == max_steps
+    assert "encoders, queue and pointer identical on all 2 ranks" in text
     assert not (out / "PREEMPTED").exists()
-    steps = [s for s, _ in read_scalars(out / "tb")["train/loss"]]
-    assert steps[-1] == max_steps and stopped + 1 in steps
+    assert_same_moco(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(two_node_moco[0] / "checkpoint_last.pt"))
+    assert [s for s, _ in read_scalars(out / "tb")["train/loss"]] == list(range(1, 121))
+
+
+def assert_same_moco(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"] == 120
+    assert a["model"].keys() == b["model"].keys()
+    for name, tensor in a["model"].items():  # both encoders, the queue and its pointer
+        assert torch.equal(tensor, b["model"][name]), name
+    for key, state in a["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"]), key
 
 
 @pytest.mark.slow

@@ -177,3 +177,19 @@ def test_help_is_in_sections_with_the_launch_examples(cls):
     grouped = {name for members in flag_groups(cls).values() for name in members}
     import dataclasses
     assert {f.name for f in dataclasses.fields(cls)} - grouped <= {"preset"}  # the preset heads the list
+
+
+def test_a_finished_moco_run_can_still_export_its_backbone(trained_moco, tmp_path, capsys):
+    """train_moco.py's docstring: --resume auto --export-backbone PATH on a finished run writes the
+    backbone it ended with, then says the run is complete."""
+    import torch
+
+    args = ["--device", "cpu", "--image-size", "16", "--batch-size", "32", "--moco-k", "256", "--max-steps", "5",
+            "--knn-every", "0", "--resume", "auto", "--out", str(trained_moco / "run"),
+            "--export-backbone", str(tmp_path / "backbone.pt")]
+    proc = in_process(train_moco.main, args, capsys)
+    assert proc.returncode == 0 and "is complete (step 5" in proc.stdout
+    exported = torch.load(tmp_path / "backbone.pt", weights_only=True)
+    at_the_end = torch.load(trained_moco / "backbone.pt", weights_only=True)  # exported when it finished
+    assert exported.keys() == at_the_end.keys()
+    assert all(torch.equal(exported[k], at_the_end[k]) for k in exported)

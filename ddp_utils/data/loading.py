@@ -223,10 +223,20 @@ class Loaders:
         self.train_sampler.set_epoch(epoch, skip=skip_batches * self.train.batch_size)
 
 
-def default_workers(dataset: str, local_world_size: int) -> int:
+def default_workers(dataset: str, sharing: int) -> int:
+    """``--workers -1``: DataLoader workers per rank, from the CPUs this process may run on (its
+    affinity: SLURM's cpuset, taskset), shared by ``sharing`` ranks, one CPU kept for the rank."""
     if dataset in ("digits", "synthetic"):
         return 0  # in-memory tensors: worker processes only add start-up time
-    return max(1, min(8, (os.cpu_count() or 2) // max(1, local_world_size) - 1))
+    return max(1, min(8, usable_cpus() // max(1, sharing) - 1))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (not the machine's: a job on a shared node owns fewer)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API (macOS)
+        return os.cpu_count() or 2
 
 
 def make_loaders(train_raw: Dataset, val_raw: Dataset, train_tf: Transform | None,

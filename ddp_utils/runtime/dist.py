@@ -126,6 +126,12 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(launcher="single", rank=0, local_rank=0, world_size=1, local_world_size=1)
 
 
+def node_name() -> str:
+    """The node this process runs on: SLURM's name for it inside a job (two slurmd on one machine
+    are two nodes of one host name), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def restart_count(env: Mapping[str, str] | None = None) -> int:
     """How many times this job was restarted: by torchrun (--max-restarts) or by a SLURM requeue."""
     env = os.environ if env is None else env

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
 from ..config import UsageError
-from ..data.loading import Loaders, default_workers, steps_per_epoch
+from ..data.loading import Loaders, default_workers, steps_per_epoch, usable_cpus
 from ..data.sets import (
     DEBUG_TRAIN_SAMPLES,
     DEBUG_VAL_SAMPLES,
@@ -69,7 +69,12 @@ def load_raw_splits(cfg: TrainConfig) -> tuple[Dataset, Dataset]:
 
 def loader_options(cfg: TrainConfig, info: DistInfo) -> dict:
     """Keyword arguments for make_loaders / eval_loader: batch, workers, sharding, pinning."""
-    workers = cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, info.local_world_size)
+    # torchrun's workers share the agent's CPUs; srun gives each task its own (--cpus-per-task)
+    sharing = 1 if info.launcher == "slurm" else info.local_world_size
+    workers = cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing)
+    if cfg.workers < 0 and workers and info.is_main:
+        log.info("--workers -1: %d DataLoader workers per rank, for %d usable CPUs shared by %d rank(s)", workers,
+                 usable_cpus(), sharing)
     return dict(batch_size=cfg.batch_size, workers=workers, rank=info.rank, world_size=info.world_size,
                 pin_memory=info.device.type == "cuda")
 

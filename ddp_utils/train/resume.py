@@ -171,9 +171,14 @@ def restore_training_state(resume: Resume, cfg: TrainConfig, *, model: nn.Module
     return state
 
 
+def is_complete(cfg: TrainConfig, state: RunState) -> bool:
+    """Nothing left to train: every epoch done, or --max-steps reached."""
+    return state.epoch >= cfg.epochs or bool(cfg.max_steps and state.step >= cfg.max_steps)
+
+
 def stop_if_complete(cfg: TrainConfig, state: RunState, resume: Resume | None) -> None:
     """A resumed run that has nothing left to train ends here, exit 0, naming its last metrics."""
-    if resume is None or not (state.epoch >= cfg.epochs or (cfg.max_steps and state.step >= cfg.max_steps)):
+    if resume is None or not is_complete(cfg, state):
         return
     last = last_accuracies(resume.path.parent / TB_DIR)
     raise RunStopped(f"{resume.path} is complete ({state.describe()}, --epochs {cfg.epochs}"

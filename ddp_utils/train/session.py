@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import UsageError
-from ..runtime.dist import DistInfo, cleanup_distributed, detect_launch, init_distributed
+from ..runtime.collectives import all_gather_object
+from ..runtime.dist import DistInfo, cleanup_distributed, detect_launch, init_distributed, node_name
 from ..runtime.faults import FaultPlan
 from ..runtime.logs import release_held_logs, setup_logging
 from ..runtime.stopping import (
@@ -73,6 +74,8 @@ class RunSession:
         log.info("%s launch: world size %d, backend %s, device %s, precision %s%s", self.info.launcher,
                  self.info.world_size, self.info.backend or "none", self.info.device,
                  cfg.amp if cfg.amp != "none" else "fp32", ", compiled" if cfg.compile else "")
+        if self.info.is_distributed:
+            log_placement(self.info)
         warn_if_restarts_can_hang(self.info)
         torch.autograd.set_detect_anomaly(cfg.debug)
         if cfg.debug:
@@ -143,6 +146,16 @@ def lost_a_peer(err: BaseException) -> bool:
     """Whether a collective failed because another rank died or stopped answering."""
     lost = tuple(getattr(dist, name) for name in ("DistNetworkError", "DistStoreError") if hasattr(dist, name))
     return isinstance(err, lost) or bool(_PEER_LOST.search(str(err)))
+
+
+def log_placement(info: DistInfo) -> None:
+    """One line on rank 0: which node runs which ranks (every rank calls: one all_gather)."""
+    nodes = all_gather_object(node_name())
+    ranks: dict[str, list[str]] = {}
+    for rank, node in enumerate(nodes):
+        ranks.setdefault(node, []).append(str(rank))
+    if info.is_main:
+        log.info("ranks by node: %s", "; ".join(f"{node}: {', '.join(r)}" for node, r in ranks.items()))
 
 
 def warn_if_restarts_can_hang(info: DistInfo) -> None:
