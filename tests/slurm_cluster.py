@@ -17,7 +17,7 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "scancel", "squeue")
@@ -69,16 +69,68 @@ class SlurmCluster:
         return subprocess.run(list(args), env={**os.environ, **self.env}, capture_output=True,
                               text=True, timeout=timeout, **kwargs)
 
+    pids: list[int] = field(default_factory=list)  # every daemon started, for stop_cluster
+
     def start_node(self, name: str) -> int:
         """Start the slurmd of node ``name`` (again); its PID."""
         pid_file = self.base / f"run/slurmd-{name}.pid"
         pid_file.unlink(missing_ok=True)
         subprocess.run(["slurmd", "-N", name], env={**os.environ, **self.env}, check=True, timeout=30)
-        return _read_pid(pid_file)
+        self.pids.append(_read_pid(pid_file))
+        return self.pids[-1]
+
+    def lose_node(self, name: str, job_id: str) -> list[int]:
+        """Node ``name`` dies: SIGKILL to its slurmd and to the job steps it runs for ``job_id``
+        (their slurmstepd and everything below it); the PIDs killed."""
+        tasks = [pid for pid in _pids() if _environ(pid).get("SLURMD_NODENAME") == name
+                 and _environ(pid).get("SLURM_JOB_ID") == job_id]
+        stepds = {_daemon_above(pid) for pid in tasks}
+        victims = [int((self.base / f"run/slurmd-{name}.pid").read_text())]
+        victims += [pid for stepd in stepds for pid in (stepd, *descendants(stepd))]
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return victims
 
     def idle_nodes(self) -> int:
         states = self.run("sinfo", "-h", "-N", "-o", "%t").stdout.split()
         return sum(state in ("idle", "mix", "alloc") for state in states)
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    except OSError:  # gone, or not ours to read
+        return {}
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _daemon_above(pid: int) -> int:
+    """The ancestor of ``pid`` whose parent is init: the slurmstepd that started it."""
+    while _parent(pid) != 1:
+        pid = _parent(pid)
+    return pid
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first, then theirs)."""
+    children = [p for p in _pids() if _safe_parent(p) == pid]
+    return [q for child in children for q in (child, *descendants(child))]
+
+
+def _safe_parent(pid: int) -> int | None:
+    try:
+        return _parent(pid)
+    except OSError:
+        return None
 
 
 def missing_tools() -> list[str]:
@@ -126,9 +178,9 @@ def start_cluster(base: Path) -> tuple[SlurmCluster, list[int]]:
     pids = [munged] if munged else []  # stopped last, after the SLURM daemons
     subprocess.run(["slurmctld"], env=full_env, check=True, timeout=30)
     pids.append(_read_pid(base / "run/slurmctld.pid"))
-    cluster = SlurmCluster(base, env, names)
+    cluster = SlurmCluster(base, env, names, pids)  # start_node adds to pids: a restarted node is stopped too
     for name in names:
-        pids.append(cluster.start_node(name))
+        cluster.start_node(name)
     deadline = time.time() + 60
     while time.time() < deadline:  # wait until both nodes can take jobs
         if cluster.idle_nodes() == len(names):

@@ -2,7 +2,10 @@
 (the `slurm` fixture in conftest.py), including preemption by USR1 and requeue."""
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -10,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, cli_env, load_ckpt, read_scalars
+from helpers import CLASSIFIER_REF, REPO, assert_same_state, cli_env, load_ckpt, read_scalars
+from slurm_cluster import descendants
 
 from ddp_utils.runtime.spawn import free_port
 
@@ -18,21 +22,61 @@ DIGITS_CPU = ["--device", "cpu", "--dataset", "digits", "--log-every", "1"]
 
 
 @pytest.mark.slow
-def test_two_torchrun_nodes_train_together(tmp_path):
-    """Two torchrun agents, one worker each, meet by c10d rendezvous on 127.0.0.1 like two nodes."""
-    env = cli_env({"NNODES": "2", "NPROC": "1", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
-                   "RDZV_ID": "test-two-nodes", "PYTHON": sys.executable})
-    args = DIGITS_CPU + ["--arch", "lenet", "--batch-size", "16", "--max-steps", "5", "--out", str(tmp_path / "r")]
-    nodes = [subprocess.Popen(["bash", str(REPO / "launch/torchrun_multinode.sh"), "train_classifier.py", *args],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
-    assert all("--nnodes=2" in out and "--rdzv-backend=c10d" in out for out in outputs)  # printed command
-    main_log = next(out for out in outputs if "world size 2" in out)
-    # init_distributed saw 2 ranks; the end-of-run check compared every weight across the nodes.
-    assert "weights identical on all 2 ranks" in main_log
-    assert load_ckpt(tmp_path / "r/checkpoint_last.pt")["step"] == 5
+def test_two_torchrun_nodes_lose_one_and_resume_when_it_is_back(classifier_reference, tmp_path):
+    """launch/torchrun_multinode.sh on two "nodes" (one agent and worker each, c10d on 127.0.0.1),
+    restarts on. The node that does not hold the rendezvous store (the endpoint's host: losing
+    that one ends the job) dies mid-run (its launcher, agent and worker, SIGKILL); the other's
+    worker stops and its agent waits at the rendezvous; the node is started again, the group forms
+    anew and resumes from the last checkpoint, ending bit for bit as the reference."""
+    port = free_port()
+    env = cli_env({"NNODES": "2", "NPROC": "1", "RDZV_ENDPOINT": f"127.0.0.1:{port}",
+                   "RDZV_ID": "test-two-nodes", "MAX_RESTARTS": "1", "PYTHON": sys.executable})
+    out = tmp_path / "r"
+    args = CLASSIFIER_REF + ["--ckpt-every", "5", "--out", str(out)]
+
+    def node(name: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+        log = tmp_path / f"{name}.log"
+        with log.open("w") as sink:
+            proc = subprocess.Popen(["bash", str(REPO / "launch/torchrun_multinode.sh"), "train_classifier.py", *args,
+                                     *extra], cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        return proc, log
+
+    nodes = {"a": node("a"), "b": node("b")}
+    try:
+        _lose_a_node_and_bring_it_back(nodes, node, port, classifier_reference, out)
+    finally:  # nothing left behind, whatever failed
+        for proc, _ in nodes.values():
+            _kill_tree(proc.pid)
+
+
+def _kill_tree(pid: int) -> None:
+    for victim in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+
+
+def _lose_a_node_and_bring_it_back(nodes: dict, node, port: int, classifier_reference, out: Path) -> None:
+    deadline = time.time() + 120
+    while not any(re.search(r"step 1\d/44", log.read_text()) for _, log in nodes.values()):
+        assert time.time() < deadline, [log.read_text()[-2000:] for _, log in nodes.values()]
+        time.sleep(0.1)
+    listening = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True).stdout
+    store = {int(pid) for pid in re.findall(r"pid=(\d+)", listening)}
+    lost = next(name for name, (proc, _) in nodes.items() if not store & {proc.pid, *descendants(proc.pid)})
+    survivor = "b" if lost == "a" else "a"
+    _kill_tree(nodes[lost][0].pid)
+    _wait_for(nodes[survivor][1], r"rank \d stops: lost contact with another rank", timeout=30)
+    # The lost node comes back: the same command plus --resume auto (its launcher is a first
+    # attempt: without it, its check would refuse the used --out).
+    nodes["again"] = node("again", "--resume", "auto")
+    for name in (survivor, "again"):
+        assert nodes[name][0].wait(timeout=300) == 0, nodes[name][1].read_text()[-3000:]
+    text = nodes[survivor][1].read_text() + nodes["again"][1].read_text()
+    assert "--nnodes=2" in text and "--rdzv-backend=c10d" in text and "--max-restarts=1" in text  # printed command
+    resumed = int(_wait_for_text(text, r"resumed from .*: step (\d+)").group(1))
+    assert resumed % 5 == 0 and resumed >= 10  # the last checkpoint before the loss
+    assert "weights identical on all 2 ranks" in text
+    assert_same_state(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(classifier_reference.checkpoint(44)))
 
 
 # ----------------------------------------------------------------------------- SLURM
@@ -177,6 +221,40 @@ def test_a_preempted_two_node_job_requeues_and_ends_as_if_never_stopped(slurm, t
     assert not (out / "PREEMPTED").exists()
     assert_same_moco(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(two_node_moco[0] / "checkpoint_last.pt"))
     assert [s for s, _ in read_scalars(out / "tb")["train/loss"]] == list(range(1, 121))
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_lost_node_stops_the_survivor_and_the_requeued_job_ends_as_if_never_stopped(slurm, two_node_moco, tmp_path):
+    """The node without the batch script dies mid-run (its slurmd, its torchrun agent and worker,
+    SIGKILL): the surviving rank stops at once, well within --dist-timeout; SLURM declares the node
+    down (SlurmdTimeout) and requeues the job (--requeue), which waits for the node to come back,
+    resumes from the last checkpoint and ends bit for bit as the uninterrupted job."""
+    out, log = tmp_path / "run", tmp_path / "job.log"
+    job = submit(slurm, "slurm_moco.sbatch", TWO_NODES,
+                 MOCO_JOB + ["--ckpt-every", "10", "--dist-timeout", "30", "--out", str(out)], log, wait=False,
+                 NPROC_PER_NODE="1")
+    job_id = job.stdout.readline().strip()
+    assert job_id.isdigit(), job.stderr.read() if job.poll() is not None else job_id
+    _wait_for(log, r"step (2[0-9])/120", timeout=180)
+    batch_host = re.search(r"BatchHost=(\S+)", slurm.run("scontrol", "show", "job", job_id).stdout).group(1)
+    lost = next(node for node in slurm.nodes if node != batch_host)
+    slurm.lose_node(lost, job_id)
+    lost_at = time.time()
+    _wait_for(log, r"rank \d stops: lost contact with another rank", timeout=30)  # --dist-timeout
+    assert time.time() - lost_at < 30
+    _wait_for(log, rf"JOB {job_id} ON \S+ CANCELLED AT \S+ DUE TO NODE FAILURE", timeout=120)
+    saved = load_ckpt(out / "checkpoint_last.pt")  # intact: it loads, and is a whole number of saves
+    assert saved["step"] % 10 == 0 and 10 <= saved["step"] < 120
+    slurm.start_node(lost)  # the node comes back; the requeued job runs again on both nodes
+    job.wait(timeout=400)
+    text = log.read_text()
+    assert job.returncode == 0, job.stderr.read() + text
+    assert re.search(r"\(restart 1\) on 2 node\(s\)", text)
+    resumed = int(_wait_for_text(text, r"resumed from .*: step (\d+)").group(1))
+    assert resumed == saved["step"]
+    assert_same_moco(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(two_node_moco[0] / "checkpoint_last.pt"))
+    assert [s for s, _ in read_scalars(out / "tb")["train/loss"]] == list(range(1, 121))  # the lost steps once
 
 
 def assert_same_moco(a: dict, b: dict) -> None:

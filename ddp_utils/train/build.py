@@ -20,7 +20,7 @@ from ..data.sets import (
     num_classes_of,
 )
 from ..runtime.collectives import all_gather_object, all_ranks_agree
-from ..runtime.dist import DistInfo, gpu_identity, shared_gpu_problem
+from ..runtime.dist import DistInfo, gpu_identity, restart_count, shared_gpu_problem
 from .fast_path import maybe_compile, sgd
 from .precision import grad_scaler
 from .resume import Resume, choose_resume
@@ -34,9 +34,12 @@ def preflight(cfg: TrainConfig, info: DistInfo) -> Resume | None:
     """The checks every rank must pass before anything is built (folders, data, the checkpoint
     to resume, GPUs not shared), agreed by all ranks so that all stop together, and the CIFAR-10
     download. Returns the checkpoint to resume, or None. Nothing is written into --out."""
+    # A node that comes back joins with a fresh torchrun agent (restart count 0) while the others'
+    # count restarts: the job is restarted if any rank says so.
+    restarted = any(all_gather_object(restart_count() > 0))
     with all_ranks_agree():
         cfg.check_paths()
-        resume = choose_resume(cfg.resume, cfg.out, cfg.overwrite, info.is_main)
+        resume = choose_resume(cfg.resume, cfg.out, cfg.overwrite, info.is_main, restarted)
     download_once_per_node(cfg, info)
     if info.device.type == "cuda" and info.is_distributed:
         problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))

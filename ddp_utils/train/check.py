@@ -14,7 +14,7 @@ from ..config import UsageError
 from ..data.loading import ResumableDistributedSampler, steps_per_epoch
 from ..data.sets import check_data_dir
 from ..data.transforms import augment_on_device
-from ..runtime.dist import detect_launch, device_type
+from ..runtime.dist import detect_launch, device_type, restart_count
 from ..runtime.stopping import EXIT_OK, EXIT_USAGE
 from .build import load_raw_splits
 from .resume import check_resume_fits, choose_resume
@@ -44,7 +44,7 @@ def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCh
 
 def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck, world_size: int) -> list[str]:
     cfg.check_paths()
-    resume = choose_resume(cfg.resume, cfg.out, cfg.overwrite, announce=False)
+    resume = choose_resume(cfg.resume, cfg.out, cfg.overwrite, announce=False, restarted=restart_count() > 0)
     device = device_type(cfg.device)
     size = cfg.resolved_image_size()
     where = "device" if augment_on_device(cfg.aug_on, cfg.dataset, device) else "loader"

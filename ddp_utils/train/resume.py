@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config import UsageError, config_dict, flag_name
-from ..runtime.dist import DistInfo, get_rank, get_world_size, restart_count, unwrap
+from ..runtime.dist import DistInfo, get_rank, get_world_size, unwrap
 from ..runtime.stopping import EXIT_OK, RunStopped
 from .checkpoint import (
     UnreadableCheckpoint,
@@ -51,14 +51,15 @@ def _summary(path: Path) -> str:
     return f"{path.name} at {describe_position(ckpt['step'], ckpt['epoch'], ckpt['batches_done'])}"
 
 
-def choose_resume(resume: str, out: str, overwrite: bool, announce: bool) -> Resume | None:
+def choose_resume(resume: str, out: str, overwrite: bool, announce: bool, restarted: bool) -> Resume | None:
     """The checkpoint this run continues from, or None to start from scratch.
 
-    ``--resume PATH``: that file, or exit 2 if it cannot be read. ``--resume auto``: the newest
+    ``restarted``: this is a restarted attempt of the job (on any rank). ``--resume PATH``: that
+    file (a folder: its newest checkpoint), or exit 2 if it cannot be read. ``--resume auto``: the newest
     checkpoint in ``out`` that reads; unreadable newer ones are reported and passed over. No
     ``--resume``: a folder that already holds a checkpoint is refused unless ``--overwrite``.
     """
-    if restart_count() > 0 and (overwrite or resume == RESUME_IF_RESTARTED):
+    if restarted and (overwrite or resume == RESUME_IF_RESTARTED):
         # A restarted attempt (torchrun --max-restarts, SLURM requeue) continues what its own first
         # attempt wrote (and --overwrite must not wipe it).
         if announce:
