@@ -53,6 +53,7 @@ def check_config(out, aug_on: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the md5 bypass
+@pytest.mark.slow  # two runs; the bypass itself is checked in the fast tier below
 def test_fake_cifar_needs_the_bypass_and_then_trains_in_one_process(tmp_path, cifar):
     # the per-sample loader path: PIL images through torchvision's transforms in the DataLoader
     args = cifar_args(cifar, tmp_path / "run", "--batch-size", "32", "--epochs", "1", "--aug-on", "loader")

@@ -315,6 +315,7 @@ def test_resume_restores_queue_pointer_and_key_encoder_exactly(moco_reference, t
     assert sorted(res_m) == list(range(10, 31)) and all(res_m[step] == m for step, m in ref_m if step > 9)
 
 
+@pytest.mark.slow  # a 2-rank job; test_linear_probe_with_mocos_protocol keeps the probe in the fast tier
 def test_linear_probe_from_moco_checkpoint_keeps_backbone(trained_moco, tmp_path):
     probe_out = tmp_path / "probe"
     proc = run_cli("train_classifier.py", ["--device", "cpu", "--image-size", "16", "--pretrained",
