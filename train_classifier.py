@@ -132,25 +132,26 @@ def build_loaders(cfg: ClassifierConfig, info: DistInfo) -> Loaders:
 def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn.Module:
     torch.manual_seed(cfg.seed)  # identical initial weights whatever the world size
     model = build_model(cfg.arch, num_classes, cfg.resolved_image_size())
+    trained_size = None
     if cfg.pretrained:
         path = pretrained_file(cfg.pretrained)
-        load_pretrained_backbone(model, path, cfg.arch)
+        trained_size = load_pretrained_backbone(model, path, cfg.arch)
         if info.is_main:
             log.info("backbone initialised from %s", path)
     if info.is_main:
-        for remark in backbone_remarks(cfg):
+        for remark in backbone_remarks(cfg, trained_size):
             log.warning("%s", remark)
     if cfg.linear_probe:
         model = LinearProbe(model, num_classes, feature_norm=cfg.probe_bn)
     return place_model(model, info.device)
 
 
-def backbone_remarks(cfg: ClassifierConfig) -> list[str]:
-    """What a user should know about the backbone a probe starts from (said once, and by --check)."""
+def backbone_remarks(cfg: ClassifierConfig, trained: int | None) -> list[str]:
+    """What a user should know about the backbone a probe starts from (said once, and by --check);
+    ``trained``: the image side --pretrained was trained at, if known."""
     if cfg.linear_probe and not cfg.pretrained:
         return ["--linear-probe without --pretrained: probing a randomly initialised backbone (a baseline "
                 "to compare a pretrained one with)"]
-    trained = pretrained_image_size(pretrained_file(cfg.pretrained)) if cfg.pretrained else None
     if trained and trained != cfg.resolved_image_size():
         return [f"--pretrained {cfg.pretrained} was trained at {trained} px, this run sees "
                 f"{cfg.resolved_image_size()} px: its features may not transfer (drop --image-size to use {trained})"]
@@ -160,10 +161,9 @@ def backbone_remarks(cfg: ClassifierConfig) -> list[str]:
 def check_classifier(cfg: ClassifierConfig, train: Dataset) -> tuple[dict, list[str]]:
     """--check's share of setup: the class count a resume must match, --pretrained fitting --arch."""
     num_classes = num_classes_of(train)
-    if cfg.pretrained:
-        load_pretrained_backbone(build_model(cfg.arch, num_classes, cfg.resolved_image_size()),
-                                 pretrained_file(cfg.pretrained), cfg.arch)
-    return {"num_classes": num_classes}, backbone_remarks(cfg)
+    trained_size = load_pretrained_backbone(build_model(cfg.arch, num_classes, cfg.resolved_image_size()),
+                                            pretrained_file(cfg.pretrained), cfg.arch) if cfg.pretrained else None
+    return {"num_classes": num_classes}, backbone_remarks(cfg, trained_size)
 
 
 def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:

@@ -57,8 +57,8 @@ from ddp_utils.train.fast_path import place_model
 from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.precision import autocast
 from ddp_utils.train.pretrained import export_backbone
-from ddp_utils.train.resume import check_resume_fits, is_complete, restore_training_state, stop_if_complete
-from ddp_utils.train.run import RunState, TrainRun
+from ddp_utils.train.resume import check_resume_fits, restore_training_state, stop_if_complete
+from ddp_utils.train.run import RunState, TrainRun, is_complete
 from ddp_utils.train.run_folder import open_run_folder
 from ddp_utils.train.schedule import LR_SCHEDULES, cosine_to_one
 from ddp_utils.train.session import RunSession

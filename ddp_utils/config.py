@@ -156,10 +156,7 @@ def parse_config(cls: type[T], argv: Sequence[str] | None = None, doc: str = "",
     exit 2 with one line (none if quiet), a bad file raises :class:`UsageError`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(cls, doc, quiet)
-    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    first.add_argument("--config", default=None)
-    first.add_argument("--preset", default=None)
-    given, _ = first.parse_known_args(argv)
+    given = _config_and_preset(argv)
     from_file = read_config_file(cls, given.config) if given.config else {}
     presets = getattr(cls, "PRESETS", None) or {}
     chosen = given.preset if given.preset in presets else None  # an unknown name: argparse says so below
@@ -212,12 +209,18 @@ def read_config_file(cls: type, path: str) -> dict[str, Any]:
     return values
 
 
+def _config_and_preset(argv: Sequence[str]) -> argparse.Namespace:
+    """``--config`` and ``--preset`` alone, read before the full parse (they set its defaults)."""
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    first.add_argument("--config", default=None)
+    first.add_argument("--preset", default=None)
+    return first.parse_known_args(argv)[0]
+
+
 def recorded_run(argv: Sequence[str]) -> tuple[str, dict[str, Any]] | None:
     """(path, contents) when ``--config`` names a run's own config.json (it records the world size
     beside the flags); None for a recipe or no --config."""
-    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    first.add_argument("--config", default=None)
-    path = first.parse_known_args(argv)[0].config
+    path = _config_and_preset(argv).config
     if not path:
         return None
     data = json.loads(Path(path).read_text())  # parse_config has read it already

@@ -270,14 +270,20 @@ def make_loaders(train_raw: Dataset, val_raw: Dataset, train_tf: Transform | Non
     if val is None:
         val = eval_loader(val_raw, eval_tf, batch_size=EVAL_BATCH_FACTOR * batch_size, workers=workers, rank=rank,
                           world_size=world_size, pin_memory=pin_memory)
-    if len(train) == 0:
-        raise UsageError(f"the training split has {len(train_raw)} samples: too few for "  # type: ignore[arg-type]
-                         f"{world_size} rank(s) x batch {batch_size}; lower --batch-size")
+    require_a_batch(len(train), len(train_raw), world_size, batch_size)  # type: ignore[arg-type]
     if rank == 0:
         log.info("data: %s", f"the training split held on {device}, batches made there" + (
             f" (--workers {workers} unused)" if workers else "") if tensors is not None else
             f"{workers} DataLoader worker process(es) per rank")
     return Loaders(train, val, sampler, train_raw, num_classes_of(train_raw), device_augment is not None)
+
+
+def require_a_batch(batches: int, samples: int, world_size: int, batch_size: int) -> int:
+    """``batches``, the training micro-batches per rank in an epoch; bad input when there are none."""
+    if batches == 0:
+        raise UsageError(f"the training split has {samples} samples: too few for {world_size} rank(s) x batch "
+                         f"{batch_size}; lower --batch-size")
+    return batches
 
 
 def device_eval_batches(images: torch.Tensor, targets: torch.Tensor, augment: BatchAugment, *, rank: int,

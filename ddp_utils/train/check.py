@@ -11,7 +11,7 @@ from typing import Any, Callable
 from torch.utils.data import Dataset
 
 from ..config import UsageError
-from ..data.loading import ResumableDistributedSampler, steps_per_epoch
+from ..data.loading import ResumableDistributedSampler, require_a_batch, steps_per_epoch
 from ..data.sets import check_data_dir
 from ..data.transforms import augment_on_device
 from ..runtime.dist import detect_launch, device_type, restart_count
@@ -56,10 +56,8 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
     else:
         train, val = load_raw_splits(cfg)
         facts, extra = script_check(train)
-        batches = ResumableDistributedSampler(train, world_size, 0, cfg.seed).num_samples // cfg.batch_size
-        if batches == 0:
-            raise UsageError(f"--batch-size {cfg.batch_size}: larger than the {len(train)} training images "
-                             f"per rank ({world_size} ranks); lower it")
+        samples_per_rank = ResumableDistributedSampler(train, world_size, 0, cfg.seed).num_samples
+        batches = require_a_batch(samples_per_rank // cfg.batch_size, len(train), world_size, cfg.batch_size)
         steps = steps_per_epoch(batches, cfg.accum_steps)
         lines.append(f"data: {cfg.dataset} {size} px, {len(train):,} training and {len(val):,} validation "
                      f"images; augmentation on {where}")

@@ -42,16 +42,20 @@ def pretrained_file(path: str | os.PathLike) -> Path:
 
 
 def pretrained_image_size(path: str | os.PathLike) -> int | None:
-    """The image side the backbone was trained at, from the checkpoint's config (None for an
-    exported backbone, which records none)."""
-    config = read_pretrained(path).get("config")
+    """The image side the backbone was trained at (None for an exported backbone)."""
+    return _trained_image_size(read_pretrained(path))
+
+
+def _trained_image_size(source: dict) -> int | None:
+    config = source.get("config")  # a checkpoint's; an exported backbone records none
     if not isinstance(config, dict) or "dataset" not in config:
         return None
     return config.get("image_size") or NATIVE_SIZE.get(config["dataset"])
 
 
-def load_pretrained_backbone(model: nn.Module, path: str | os.PathLike, arch: str) -> None:
-    """Load every weight but ``fc`` into ``model``; anything else missing or extra is an error."""
+def load_pretrained_backbone(model: nn.Module, path: str | os.PathLike, arch: str) -> int | None:
+    """Load every weight but ``fc`` into ``model``; anything else missing or extra is an error.
+    Returns the image side the backbone was trained at (None for an exported backbone)."""
     source = read_pretrained(path)
     config = source.get("config")
     trained_arch = config.get("arch") if isinstance(config, dict) else None  # exported backbones have none
@@ -67,6 +71,7 @@ def load_pretrained_backbone(model: nn.Module, path: str | os.PathLike, arch: st
     if unexpected or set(missing) != {"fc.weight", "fc.bias"}:
         raise UsageError(f"--pretrained {path} does not match --arch: missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]}")
+    return _trained_image_size(source)
 
 
 def export_backbone(backbone: nn.Module, path: str | os.PathLike) -> Path:

@@ -26,7 +26,7 @@ from .checkpoint import (
     read_checkpoint,
 )
 from .monitor import last_accuracies
-from .run import RunState, describe_position
+from .run import RunState, describe_position, is_complete
 from .run_folder import TB_DIR
 from .train_config import RESUME_IF_RESTARTED, TrainConfig
 
@@ -170,11 +170,6 @@ def restore_training_state(resume: Resume, cfg: TrainConfig, *, model: nn.Module
     if info.is_main:
         log.info("resumed from %s: %s, %d batches into the epoch", path, state.describe(), state.batches_done)
     return state
-
-
-def is_complete(cfg: TrainConfig, state: RunState) -> bool:
-    """Nothing left to train: every epoch done, or --max-steps reached."""
-    return state.epoch >= cfg.epochs or bool(cfg.max_steps and state.step >= cfg.max_steps)
 
 
 def stop_if_complete(cfg: TrainConfig, state: RunState, resume: Resume | None) -> None:

@@ -38,6 +38,11 @@ class RunState:
         return describe_position(self.step, self.epoch, self.batches_done)
 
 
+def is_complete(cfg: TrainConfig, state: RunState) -> bool:
+    """Nothing left to train: every epoch done, or --max-steps reached."""
+    return state.epoch >= cfg.epochs or bool(cfg.max_steps and state.step >= cfg.max_steps)
+
+
 def describe_position(step: int, epoch: int, batches_done: int) -> str:
     if batches_done == 0:
         return f"step {step}, end of epoch {epoch}" if epoch else f"step {step}"
@@ -106,5 +111,4 @@ class TrainRun:
 
     def finished(self) -> bool:
         """All epochs done, --max-steps reached, or stopped by a preemption signal."""
-        cfg, state = self.cfg, self.state
-        return self.preempted or state.epoch >= cfg.epochs or bool(cfg.max_steps and state.step >= cfg.max_steps)
+        return self.preempted or is_complete(self.cfg, self.state)
