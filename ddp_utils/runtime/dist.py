@@ -11,6 +11,7 @@ unchanged in a debugger.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -262,7 +263,14 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def cleanup_distributed() -> None:
+    """Leave the process group together. A gloo rank that closes its connections while a peer is
+    still tearing its own down can abort that peer ("terminate called without an active
+    exception", exit -6); the ranks first meet in a barrier, bounded so that a peer already gone
+    delays the exit by 30 s at most."""
     if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            with contextlib.suppress(RuntimeError):  # a missing peer: leave anyway
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
         dist.destroy_process_group()
 
 
