@@ -38,7 +38,7 @@ ACCURACY = ("val/acc1", "val/acc5", "knn/acc1")
 # (panel title, series drawn in it); a panel no run has a point for is left out
 PANELS = (("training loss", ("train/loss",)), ("learning rate", ("train/lr",)),
           ("MoCo momentum", ("train/moco_m",)), ("images/s", ("train/images_per_sec",)),
-          ("accuracy (%)", ACCURACY))
+          ("waiting for data (% of time)", ("train/data_wait_percent",)), ("accuracy (%)", ACCURACY))
 INSTALL_HINT = ("report.py: matplotlib is not installed, so report.md has no curves; "
                 "add them with: pip install matplotlib (or pip install -r requirements-dev.txt)")
 

@@ -40,10 +40,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_utils.config import UsageError, opt
-from ddp_utils.data.loading import Loaders, make_loaders
+from ddp_utils.data.loading import Loaders
+from ddp_utils.data.pipeline import build_data
 from ddp_utils.data.recipes import classifier_recipe
 from ddp_utils.data.sets import num_classes_of
-from ddp_utils.data.transforms import augment_on_device, eval_transform, training_augmentation
 from ddp_utils.models.backbones import build_model
 from ddp_utils.models.probe import LinearProbe
 from ddp_utils.runtime.collectives import (
@@ -54,7 +54,14 @@ from ddp_utils.runtime.collectives import (
 )
 from ddp_utils.runtime.dist import DistInfo, to_device, unwrap
 from ddp_utils.train.accumulation import no_sync, optimizer_step
-from ddp_utils.train.build import build_optimization, load_raw_splits, loader_options, preflight, wrap_network
+from ddp_utils.train.build import (
+    build_optimization,
+    data_plan,
+    describe_settings,
+    preflight,
+    resolved_settings,
+    wrap_network,
+)
 from ddp_utils.train.check import check_only
 from ddp_utils.train.checkpoint import save_run
 from ddp_utils.train.fast_path import place_model
@@ -68,9 +75,9 @@ from ddp_utils.train.pretrained import (
 )
 from ddp_utils.train.resume import check_resume_fits, restore_training_state, stop_if_complete
 from ddp_utils.train.run import RunState, TrainRun
-from ddp_utils.train.run_folder import open_run_folder
+from ddp_utils.train.run_folder import augmentation_preview, open_run_folder
 from ddp_utils.train.session import RunSession
-from ddp_utils.train.step_policy import after_optimizer_step, start_training
+from ddp_utils.train.step_policy import after_optimizer_step, start_training, stop_if_files_unreadable
 from ddp_utils.train.train_config import OUT_HELP, TrainConfig, parse_args
 
 log = logging.getLogger("train")
@@ -119,14 +126,10 @@ class ClassifierRun(TrainRun):
 
 
 # ----------------------------------------------------------------------------- building
-def build_loaders(cfg: ClassifierConfig, info: DistInfo) -> Loaders:
-    train_raw, val_raw = load_raw_splits(cfg)
-    size = cfg.resolved_image_size()
-    recipe = classifier_recipe(cfg.dataset, size, cfg.augment, cfg.normalization)
-    train_tf, device_augment = training_augmentation(recipe, cfg.dataset, size, cfg.seed, views=1,
-                                                     on_device=augment_on_device(cfg.aug_on, cfg.dataset, info.device))
-    return make_loaders(train_raw, val_raw, train_tf, eval_transform(cfg.dataset, size, cfg.normalization),
-                        seed=cfg.seed, device_augment=device_augment, device=info.device, **loader_options(cfg, info))
+def build_loaders(cfg: ClassifierConfig, info: DistInfo, resolved: dict) -> Loaders:
+    recipe = classifier_recipe(cfg.dataset, resolved["image_size"], cfg.augment, cfg.normalization)
+    return build_data(data_plan(cfg, resolved, recipe, views=1), rank=info.rank, world_size=info.world_size,
+                      device=info.device)
 
 
 def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn.Module:
@@ -169,8 +172,12 @@ def check_classifier(cfg: ClassifierConfig, train: Dataset) -> tuple[dict, list[
 def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
     info = session.info
     resume = preflight(cfg, info)
+    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
+    if info.is_main:
+        log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size))
     with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
-        loaders = build_loaders(cfg, info)
+        loaders = build_loaders(cfg, info, resolved)
+        preview = augmentation_preview(cfg, loaders, info.is_main, resume)
         model = build_network(cfg, info, loaders.num_classes)
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -182,10 +189,10 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
             state = restore_training_state(resume, cfg, model=model, optimizer=optimizer, scaler=scaler, info=info)
     stop_if_complete(cfg, state, resume)  # a finished run resumed: its last metrics, exit 0
     network = wrap_network(model, cfg, info)  # DDP: rank 0's weights on every rank
-    tb = open_run_folder(cfg, session, loaders, resume, state.step)  # nothing was written before
+    tb = open_run_folder(cfg, session, resume, state.step, resolved, preview)  # nothing was written before
     return ClassifierRun(
         cfg=cfg, info=info, session=session, loaders=loaders, model=model, network=network, optimizer=optimizer,
-        lr_schedule=lr_schedule, scaler=scaler, total_steps=total_steps, state=state, tb=tb, script=SCRIPT,
+        lr_schedule=lr_schedule, scaler=scaler, total_steps=total_steps, state=state, tb=tb, script=SCRIPT, resolved=resolved,
         facts=facts, frozen_backbone=model.backbone_snapshot() if cfg.linear_probe else None)
 
 
@@ -267,6 +274,7 @@ def fit(run: ClassifierRun) -> dict[str, float]:
             return metrics
         save_run(run)  # before evaluating: a preemption during evaluation loses nothing
         metrics = evaluate(run.model, run.loaders.val, run.info, cfg.amp)
+        stop_if_files_unreadable(run, f"epoch {state.epoch_number}'s validation")
         run.tb.scalars(state.step, val__loss=metrics["loss"], val__acc1=metrics["acc1"], val__acc5=metrics["acc5"])
         log.info("epoch %d step %d: val loss %.4f, val acc1 %.2f%%, acc5 %.2f%% (%d images)", state.epoch_number,
                  state.step, metrics["loss"], metrics["acc1"], metrics["acc5"], metrics["count"])
@@ -285,7 +293,7 @@ def fit(run: ClassifierRun) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(ClassifierConfig, argv, __doc__)  # bad flags: one line, exit code 2
-    if cfg.check:  # every check of setup, in this one process; launch/ runs it before the workers
+    if cfg.check or cfg.check_data:  # every check of setup, in this one process; launch/ runs it first
         model = f"{cfg.arch}" + (", linear probe" if cfg.linear_probe else "") + \
             (f", from {cfg.pretrained}" if cfg.pretrained else "")
         return check_only(cfg, SCRIPT, model, lambda train: check_classifier(cfg, train))

@@ -34,15 +34,15 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import ClassVar, Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from ddp_utils.config import UsageError, flag_name, opt
-from ddp_utils.data.loading import Loaders, bank_batches, bank_subset, make_loaders
+from ddp_utils.data.loading import Loaders
+from ddp_utils.data.pipeline import build_data
 from ddp_utils.data.recipes import MOCO_AUGS, moco_recipe
-from ddp_utils.data.transforms import augment_on_device, eval_transform, training_augmentation
 from ddp_utils.eval.knn import knn_accuracy
 from ddp_utils.models.backbones import build_model, feature_dim
 from ddp_utils.models.moco import Encoder, MoCo, contrastive_loss, symmetric_contrastive_loss
@@ -50,7 +50,14 @@ from ddp_utils.models.shuffle_bn import split_batchnorm
 from ddp_utils.runtime.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
 from ddp_utils.runtime.dist import DistInfo, LaunchEnv, barrier, to_device
 from ddp_utils.train.accumulation import no_sync, optimizer_step
-from ddp_utils.train.build import build_optimization, load_raw_splits, loader_options, preflight, wrap_network
+from ddp_utils.train.build import (
+    build_optimization,
+    data_plan,
+    describe_settings,
+    preflight,
+    resolved_settings,
+    wrap_network,
+)
 from ddp_utils.train.check import check_only
 from ddp_utils.train.checkpoint import save_run
 from ddp_utils.train.fast_path import place_model
@@ -59,10 +66,10 @@ from ddp_utils.train.precision import autocast
 from ddp_utils.train.pretrained import export_backbone
 from ddp_utils.train.resume import check_resume_fits, restore_training_state, stop_if_complete
 from ddp_utils.train.run import RunState, TrainRun, is_complete
-from ddp_utils.train.run_folder import open_run_folder
+from ddp_utils.train.run_folder import augmentation_preview, open_run_folder
 from ddp_utils.train.schedule import LR_SCHEDULES, cosine_to_one
 from ddp_utils.train.session import RunSession
-from ddp_utils.train.step_policy import after_optimizer_step, start_training
+from ddp_utils.train.step_policy import after_optimizer_step, start_training, stop_if_files_unreadable
 from ddp_utils.train.train_config import OUT_HELP, TrainConfig, parse_args
 
 log = logging.getLogger("train")
@@ -169,7 +176,6 @@ class MocoConfig(TrainConfig):
 @dataclass(kw_only=True)
 class MocoRun(TrainRun):
     moco: MoCo  # both encoders and the queue; ``network`` is encoder_q, DDP-wrapped when distributed
-    bank_loader: Iterable  # the un-augmented train split (or --knn-bank-samples of it) for the kNN monitor
 
 
 # ----------------------------------------------------------------------------- building
@@ -197,18 +203,12 @@ def build_moco(cfg: MocoConfig, info: DistInfo, num_classes: int) -> MoCo:
                            shuffle_seed=cfg.seed), info.device)
 
 
-def build_loaders(cfg: MocoConfig, info: DistInfo) -> tuple[Loaders, Iterable]:
-    """Two-view training batches, validation loader, and the un-augmented train split for kNN."""
-    train_raw, val_raw = load_raw_splits(cfg)
-    size = cfg.resolved_image_size()
-    eval_tf, options = eval_transform(cfg.dataset, size, cfg.normalization), loader_options(cfg, info)
-    recipe = moco_recipe(cfg.dataset, size, cfg.aug, cfg.crop_min, cfg.normalization)
-    train_tf, device_augment = training_augmentation(recipe, cfg.dataset, size, cfg.seed, views=2,
-                                                     on_device=augment_on_device(cfg.aug_on, cfg.dataset, info.device))
-    loaders = make_loaders(train_raw, val_raw, train_tf, eval_tf, seed=cfg.seed, device_augment=device_augment,
-                           device=info.device, **options)
-    bank = bank_subset(train_raw, cfg.knn_bank_samples, cfg.seed) if cfg.knn_bank_samples else train_raw
-    return loaders, bank_batches(bank, eval_tf, loaders, **options)
+def build_loaders(cfg: MocoConfig, info: DistInfo, resolved: dict) -> Loaders:
+    """Two-view training batches, validation batches, and the un-augmented train split (or
+    --knn-bank-samples of it) as the kNN monitor's bank."""
+    recipe = moco_recipe(cfg.dataset, resolved["image_size"], cfg.aug, cfg.crop_min, cfg.normalization)
+    return build_data(data_plan(cfg, resolved, recipe, views=2, bank_samples=cfg.knn_bank_samples),
+                      rank=info.rank, world_size=info.world_size, device=info.device)
 
 
 def queue_remarks(cfg: MocoConfig, train_images: int) -> list[str]:
@@ -227,8 +227,12 @@ def queue_size_that_fits(train_images: int) -> int:
 def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
     info = session.info
     resume = preflight(cfg, info)
+    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
+    if info.is_main:
+        log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size))
     with all_ranks_agree():  # every check that can fail, before the first collective
-        loaders, bank_loader = build_loaders(cfg, info)
+        loaders = build_loaders(cfg, info, resolved)
+        preview = augmentation_preview(cfg, loaders, info.is_main, resume)
         if info.is_main:
             for remark in queue_remarks(cfg, len(loaders.train_sampler.dataset)):
                 log.warning("%s", remark)
@@ -248,11 +252,11 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
     query_encoder = wrap_network(moco.encoder_q, cfg, info)
     if cfg.compile:
         moco.compile_key_encoder()
-    tb = open_run_folder(cfg, session, loaders, resume, state.step)  # nothing was written before
+    tb = open_run_folder(cfg, session, resume, state.step, resolved, preview)  # nothing was written before
     return MocoRun(
         cfg=cfg, info=info, session=session, loaders=loaders, model=moco, network=query_encoder,
         optimizer=optimizer, lr_schedule=lr_schedule, scaler=scaler, total_steps=total_steps, state=state,
-        tb=tb, script=SCRIPT, moco=moco, bank_loader=bank_loader)
+        tb=tb, script=SCRIPT, resolved=resolved, moco=moco)
 
 
 # ----------------------------------------------------------------------------- training
@@ -306,8 +310,9 @@ def knn_monitor(run: MocoRun) -> float:
     # backbone: the features a linear probe sees; head: the whole query encoder's output (the demo's)
     features = run.moco.encoder_q if run.cfg.knn_features == "head" else run.moco.encoder_q.backbone
     started = time.perf_counter()
-    acc = knn_accuracy(features, run.bank_loader, run.loaders.val, run.loaders.num_classes, run.info.device,
+    acc = knn_accuracy(features, run.loaders.bank, run.loaders.val, run.loaders.num_classes, run.info.device,
                        k=run.cfg.knn_k, T=run.cfg.knn_t, amp=run.cfg.amp)
+    stop_if_files_unreadable(run, f"the kNN monitor at step {run.state.step}")
     run.tb.scalars(run.state.step, knn__acc1=acc)
     log.info("epoch %d step %d: kNN acc1 %.2f%% (k=%d, T=%g) in %.1f s", run.state.epoch_number, run.state.step,
              acc, run.cfg.knn_k, run.cfg.knn_t, time.perf_counter() - started)
@@ -353,7 +358,7 @@ def export_finished_backbone(moco: MoCo, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(MocoConfig, argv, __doc__)  # bad flags: one line, exit code 2
-    if cfg.check:  # every check of setup, in this one process; launch/ runs it before the workers
+    if cfg.check or cfg.check_data:  # every check of setup, in this one process; launch/ runs it first
         model = (f"MoCo {cfg.preset} {cfg.arch}, K {cfg.moco_k}, m {cfg.moco_m:g}, T {cfg.moco_t:g}, "
                  f"{'MLP' if cfg.mlp else 'linear'} head, {cfg.aug} augmentation")
         return check_only(cfg, SCRIPT, model, lambda train: ({}, queue_remarks(cfg, len(train))))

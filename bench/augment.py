@@ -85,7 +85,7 @@ def jitter_order_ms(size: int, batch: int, repeats: int) -> tuple[float, float]:
         y = x.clone()
         for op in range(3):
             y = ba._blend_step_(y, torch.full((batch,), op), factors[:, op])
-        return ba._select_(y, applied, ba._shift_hue(y, factors[:, 3]))
+        return ba._select_(y, applied, ba.shift_hue(y, factors[:, 3]))
 
     random_order, fixed_order = _best_seconds(
         [lambda: ba._color_jitter_(x.clone(), factors, order, applied), fixed], repeats)

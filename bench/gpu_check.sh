@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared check of the GPU path, under 5 minutes on one GPU; installs nothing.
+# One prepared check of the GPU path, under 9 minutes on one GPU; installs nothing.
 #
 #   bash bench/gpu_check.sh                 # from anywhere; python3 as found
 #   PYTHON=/path/to/python bash bench/gpu_check.sh
@@ -20,18 +20,21 @@
 #   trained in X s" line (training only: no checkpoint, no kNN), one kNN pass (bank 50,000,
 #   10,000 queries) from its own log line, and the CUDA syncs per optimizer step after 10 warm-up
 #   steps (torch.cuda.set_sync_debug_mode("warn"), bench/cuda_syncs.py).
+# - the JPEG path: ResNet-50 MoCo v2 and the linear probe at 224 px on an ImageNet-like folder of
+#   JPEGs (bench/imagenet_like.py, 2,560 + 80 images), --aug-on device, decoded by the workers and
+#   by the GPU (--decode-on device): img/s and the share of time spent waiting for data.
 # - smoke runs of the paths the figures above leave out: the classifier with --compile, fp16,
 #   --clip-grad and --accum-steps 2 through one evaluate(); MoCo with --aug-on loader
 #   --workers 4 (pinned memory) through one kNN pass, with its CUDA syncs per step.
 #
 # Every part runs under `timeout`, clamped so that the whole script stays within GPU_CHECK_BUDGET
-# seconds (default 290); a part that fails or times out gets a FAILED row and the script goes on.
+# seconds (default 500); a part that fails or times out gets a FAILED row and the script goes on.
 # Exit code: 0 when every part passed, 1 when one failed, 2 when the machine cannot run the check.
 set -u
 
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-290}
+BUDGET=${GPU_CHECK_BUDGET:-500}
 KILL_AFTER=5  # seconds between timeout's TERM and its KILL
 
 case "${1:-}" in
@@ -42,6 +45,7 @@ case "${1:-}" in
     STEPS=(--steps 2 --warmup 1 --rounds 1)
     CIFAR_TRAIN=1024; CIFAR_TEST=256; RECIPE_SIZE=(--arch small_cnn --batch-size 128 --bn-splits 2)
     COMPILE=(); SMOKE_ARCH=small_cnn; SMOKE_BATCH=32; SMOKE_SAMPLES=256
+    JPEG_PER_CLASS=4; JPEG_BATCH=8; JPEG_STEPS=4
     ;;
 "")
     MODE="GPU check"
@@ -50,6 +54,7 @@ case "${1:-}" in
     STEPS=(--steps 20 --warmup 5 --rounds 3)
     CIFAR_TRAIN=50000; CIFAR_TEST=10000; RECIPE_SIZE=()
     COMPILE=(--compile); SMOKE_ARCH=resnet18; SMOKE_BATCH=256; SMOKE_SAMPLES=4096
+    JPEG_PER_CLASS=256; JPEG_BATCH=128; JPEG_STEPS=40
     ;;
 *)
     echo "usage: bash bench/gpu_check.sh [--cpu-smoke]" >&2
@@ -147,6 +152,39 @@ if [ -n "$CIFAR_PATH" ]; then
     else
         echo "| CIFAR-10 demo recipe | $what | FAILED | $PART_WHY |"
     fi
+fi
+
+# ----------------------------------------------------------------------------- the JPEG path
+# ResNet-50 MoCo v2 and the linear probe on an ImageNet-like folder of JPEGs (bench/imagenet_like.py),
+# --aug-on device, decoded by the workers (CPU) and by the GPU (--decode-on device): img/s and the
+# share of time the loop waited for data, from the last progress line (the second --log-every interval).
+JPEG="$TMP/jpeg"
+if run_part "ImageNet-like JPEG folder" 120 "$TMP/jpeg.log" "$PY" bench/imagenet_like.py "$JPEG" \
+    --classes 10 --train-per-class "$JPEG_PER_CLASS" --val-per-class 8; then
+    for decode in loader device; do
+        for script in moco probe; do
+            if [ "$script" = moco ]; then
+                cmd=(train_moco.py --preset v2 --moco-k 16384 --bn-splits 1 --knn-every 0)
+                what="$ARCH50 MoCo v2, --decode-on $decode"
+            else
+                cmd=(train_classifier.py --linear-probe --lr 30 --weight-decay 0)
+                what="$ARCH50 linear probe, --decode-on $decode"
+            fi
+            out="$TMP/jpeg_${script}_${decode}.log"
+            if run_part "JPEG path: $what" 120 "$out" "$PY" "${cmd[@]}" --dataset imagefolder --data-dir "$JPEG" \
+                --device "$DEVICE" --arch "$ARCH50" --image-size "$SIZE50" --batch-size "$JPEG_BATCH" --aug-on device \
+                --decode-on "$decode" --workers -1 --epochs 100 --max-steps "$JPEG_STEPS" \
+                --log-every $((JPEG_STEPS / 2)) --out "$TMP/jpeg_${script}_${decode}"; then
+                rate=$(field "$out" ' ([0-9,.]+) img/s data wait')
+                wait=$(field "$out" 'data wait ([0-9]+)%')
+                echo "| JPEG path | $what, batch $JPEG_BATCH, $(field "$out" '([0-9]+ DataLoader worker\(s\) per rank)') | ${rate:-?} img/s | waited for data ${wait:-?}% of the second interval |"
+            else
+                echo "| JPEG path | $what | FAILED | $PART_WHY |"
+            fi
+        done
+    done
+else
+    echo "| JPEG path | writing the ImageNet-like folder | FAILED | $PART_WHY |"
 fi
 
 # ----------------------------------------------------------------------------- smoke runs

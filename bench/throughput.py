@@ -44,10 +44,11 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ddp_utils.config import UsageError  # noqa: E402
-from ddp_utils.data.loading import SeededTransform, fit_for_pad_crop  # noqa: E402
+from ddp_utils.data.batch_augment import BatchAugment  # noqa: E402
+from ddp_utils.data.loading import DeviceAugment, SeededTransform, fit_for_pad_crop  # noqa: E402
 from ddp_utils.data.recipes import classifier_recipe, moco_recipe  # noqa: E402
 from ddp_utils.data.sets import in_memory_tensors  # noqa: E402
-from ddp_utils.data.transforms import training_augmentation  # noqa: E402
+from ddp_utils.data.transforms import TwoCrops, view_transform  # noqa: E402
 from ddp_utils.models.moco import contrastive_loss  # noqa: E402
 from ddp_utils.runtime.dist import (  # noqa: E402
     detect_launch,  # noqa: E402
@@ -202,7 +203,8 @@ def augmentation_fns(args: argparse.Namespace, run):
         recipe, views = classifier_recipe(cfg.dataset, size, cfg.augment, cfg.normalization), 1
     else:
         recipe, views = moco_recipe(cfg.dataset, size, cfg.aug, cfg.crop_min, cfg.normalization), 2
-    loader_tf, _ = training_augmentation(recipe, cfg.dataset, size, cfg.seed, views, on_device=False)
+    one_view = view_transform(recipe, cfg.dataset, size)
+    loader_tf = one_view if views == 1 else TwoCrops(one_view)
     per_sample = DataLoader(SeededTransform(Samples([raw[i] for i in range(n)]), loader_tf, cfg.seed),
                             batch_size=n, num_workers=0)  # the loader path of a 0-worker DataLoader
 
@@ -210,14 +212,14 @@ def augmentation_fns(args: argparse.Namespace, run):
         for _ in per_sample:
             pass
 
-    _, device_augment = training_augmentation(recipe, cfg.dataset, size, cfg.seed, views, on_device=True)
-    if run.loaders.on_device:  # the split the run already holds on the device (fitted by make_loaders)
+    device_augment = DeviceAugment(BatchAugment(recipe, size), cfg.seed, views)
+    if run.loaders.on_device:  # the split the run already holds on the device (fitted by build_data)
         images = run.loaders.train.images[:n]
     else:
         tensors = in_memory_tensors(raw)
         if tensors is None:
             raise UsageError(f"--dataset {cfg.dataset}: not an in-memory data set")
-        images = fit_for_pad_crop(tensors[0][:n], device_augment.augment).to(device)  # as make_loaders does
+        images = fit_for_pad_crop(tensors[0][:n], device_augment.augment).to(device)  # as build_data does
     index = torch.arange(n, device=device)
     device_side = lambda: device_augment(images, 0, index)  # noqa: E731
     return loader_side, device_side, n

@@ -26,7 +26,13 @@ T = TypeVar("T")
 
 
 class UsageError(Exception):
-    """Bad input: reported as one line (by rank 0 only), exit code 2, before any work is done."""
+    """Bad input: reported as one line (by rank 0 only), exit code 2, before any work is done.
+    ``said``: an earlier attempt of this job printed it already (a restarted attempt then exits 2
+    without repeating it)."""
+
+    def __init__(self, message: str, said: bool = False):
+        super().__init__(message)
+        self.said = said
 
 
 def opt(default: Any, help: str, choices: Sequence[Any] | None = None) -> Any:
@@ -82,10 +88,11 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 CONFIG_HELP = ("read flags from this JSON file first: a recipe (recipes/*.json) or a run's own config.json, "
                "which repeats that run; flags on the command line override it; --resume, --overwrite, "
-               "--allow-changes and --check are never taken from a file; keys starting with _ are notes")
+               "--allow-changes, --check and --check-data are never taken from a file; keys starting with _ "
+               "are notes")
 # Decisions about this invocation, not about what to train: a file never makes a run resume or
 # delete another one.
-NOT_FROM_FILE = ("resume", "overwrite", "allow_changes", "check")
+NOT_FROM_FILE = ("resume", "overwrite", "allow_changes", "check", "check_data")
 
 
 def _unwrap_optional(kind: Any) -> Any:

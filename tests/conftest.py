@@ -49,6 +49,18 @@ def trained_moco(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def jpeg_folder(tmp_path_factory) -> Path:
+    """An ImageNet-like ImageFolder of JPEGs made from real photographs (bench/imagenet_like.py):
+    3 classes x 12 training images plus a CMYK, a grayscale and a PNG-named-JPEG file (39), and
+    3 x 4 validation images, ImageNet's sizes. Read it, never write into it (copy it first)."""
+    from bench.imagenet_like import write_imagenet_like
+
+    root = tmp_path_factory.mktemp("jpeg") / "imagenet_like"
+    write_imagenet_like(root, classes=3, train_per_class=12, val_per_class=4)
+    return root
+
+
+@pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     missing = missing_tools()
     if missing:

@@ -6,15 +6,27 @@ import torch
 from helpers import assert_ok, in_process, load_ckpt, run_cli, run_on_ranks, write_image_folder
 
 import train_classifier
-from ddp_utils.data.loading import SeededTransform, make_loaders
+from ddp_utils.data.loading import SeededTransform
+from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.recipes import classifier_recipe, moco_recipe
 from ddp_utils.data.sets import DigitsDataset, SyntheticImages, load_split
-from ddp_utils.data.transforms import eval_transform, training_augmentation, view_transform
+from ddp_utils.data.transforms import eval_transform, view_transform
+
+CPU = torch.device("cpu")
 
 
 def classification_transforms(dataset: str, size: int, augment: bool):
     """(train, eval) per-sample transforms of train_classifier.py's loader path."""
     return view_transform(classifier_recipe(dataset, size, augment), dataset, size), eval_transform(dataset, size)
+
+
+def plan(**given) -> DataPlan:
+    """A DataPlan: the digits classifier's loader path at 32 px unless ``given`` says otherwise."""
+    size, dataset = given.get("image_size", 32), given.get("dataset", "digits")
+    base = dict(dataset=dataset, data_dir="", image_size=size, synthetic_samples=2048, debug=False, seed=0,
+                batch_size=8, workers=0, normalization="auto", recipe=classifier_recipe(dataset, size), views=1,
+                aug_on_device=False)
+    return DataPlan(**{**base, **given})
 
 
 def test_digits_split_is_fixed_and_disjoint():
@@ -55,11 +67,9 @@ def test_synthetic_is_reproducible():
 
 def test_imagefolder_loads_and_trains(tmp_path, capsys):
     write_image_folder(tmp_path / "tree")
-    raw = load_split("imagefolder", str(tmp_path / "tree"), train=True, size=48)
-    train_tf, eval_tf = classification_transforms("imagefolder", 48, augment=True)
-    loaders = make_loaders(raw, load_split("imagefolder", str(tmp_path / "tree"), False, 48),
-                           train_tf, eval_tf, batch_size=4, workers=0, seed=0, rank=0,
-                           world_size=1, pin_memory=False)
+    loaders = build_data(plan(dataset="imagefolder", data_dir=str(tmp_path / "tree"), image_size=48, batch_size=4),
+                         rank=0, world_size=1, device=CPU)
+    loaders.set_epoch(0)
     images, labels = next(iter(loaders.train))
     assert images.shape == (4, 3, 48, 48) and images.dtype == torch.float32
     assert loaders.num_classes == 3
@@ -128,12 +138,8 @@ def test_persistent_workers_see_each_epoch_and_resume_exactly():
     leave after each pass, so a rank keeps one resident pool): the epoch reaches them with every index,
     so augmentation changes between epochs and a loader started mid-epoch (a resume) yields the
     very batches an uninterrupted one does."""
-    raw = DigitsDataset(train=True)
-    train_tf, eval_tf = classification_transforms("digits", 32, augment=True)
-
-    def build():
-        return make_loaders(torch.utils.data.Subset(raw, range(64)), DigitsDataset(train=False), train_tf,
-                            eval_tf, batch_size=8, workers=2, seed=0, rank=0, world_size=1, pin_memory=False)
+    def build():  # the --debug subset: 256 training images, 8 batches of 32
+        return build_data(plan(debug=True, batch_size=32, workers=2), rank=0, world_size=1, device=CPU)
 
     loaders = build()
     assert loaders.train.persistent_workers and not loaders.val.persistent_workers
@@ -146,27 +152,23 @@ def test_persistent_workers_see_each_epoch_and_resume_exactly():
     loaders.train_sampler.set_epoch(0)
     order0 = [i for _, i in loaders.train_sampler]
     first = order0.index(order1[0])
-    assert not torch.equal(epoch1[0][0], epoch0[first // 8][first % 8])
+    assert not torch.equal(epoch1[0][0], epoch0[first // 32][first % 32])
     resumed = _epoch_batches(build(), 1, skip=3)  # a fresh loader resuming after 3 batches of epoch 1
     assert len(resumed) == 5 and all(torch.equal(a, b) for a, b in zip(resumed, epoch1[3:]))
 
 
 def test_imagefolder_on_the_device_splits_the_work_and_stays_seeded(tmp_path):
-    """ImageFolder with --aug-on device: workers decode and crop each view, the device does the
-    rest as a batch, keyed by the same (seed, epoch, index); then a MoCo run through the CLI."""
+    """ImageFolder with --aug-on device: workers decode and pack each batch, the device crops and
+    augments every view as a batch, keyed by (seed, epoch, index); then a MoCo run through the CLI."""
     from ddp_utils.data.loading import DeviceFinish
 
     write_image_folder(tmp_path / "tree")
     tree = str(tmp_path / "tree")
-    eval_tf = eval_transform("imagefolder", 32)
 
     def first_batches(epoch: int):
-        per_sample, on_device = training_augmentation(moco_recipe("imagefolder", 32, "v2"), "imagefolder", 32,
-                                                      seed=0, views=2, on_device=True)
-        loaders = make_loaders(load_split("imagefolder", tree, True, 32), load_split("imagefolder", tree, False, 32),
-                               per_sample, eval_tf, batch_size=4, workers=0, seed=0, rank=0, world_size=1,
-                               pin_memory=False, device_augment=on_device, device=torch.device("cpu"))
-        assert isinstance(loaders.train, DeviceFinish)
+        loaders = build_data(plan(dataset="imagefolder", data_dir=tree, batch_size=4, views=2, aug_on_device=True,
+                                  recipe=moco_recipe("imagefolder", 32, "v2")), rank=0, world_size=1, device=CPU)
+        assert isinstance(loaders.train, DeviceFinish) and isinstance(loaders.val, DeviceFinish)
         loaders.set_epoch(epoch)
         return next(iter(loaders.train))
 
@@ -200,10 +202,11 @@ def test_the_preview_enlarges_small_images_and_names_its_columns(size, views, ti
 
     class Train:  # what augmentation_grid reads of the loaders: 8 samples and their views
         train_set = torch.utils.data.TensorDataset(torch.rand(8, 1, size, size), torch.zeros(8))
+        unreadable = None
 
     ramp = torch.linspace(0, 1, size).expand(8, 3, size, size)
     monkeypatch.setattr(preview, "_views", lambda loaders, index: [ramp] * views)
-    monkeypatch.setattr(preview, "_originals", lambda raw, index, size: list(ramp))
+    monkeypatch.setattr(preview, "_originals", lambda raw, index, size, unreadable: list(ramp))
     grid = preview.augmentation_grid(Train(), "synthetic", size)
     columns = 1 + views
     assert grid.shape == (3, 14 + 8 * (tile + 2) + 2, columns * (tile + 2) + 2)
@@ -292,27 +295,17 @@ def test_device_evaluation_batches_equal_the_evaluation_loader():
 def test_the_knn_bank_of_in_memory_data_is_batched_from_the_training_tensor():
     """MoCo's kNN bank (a fixed subset of the training split) comes from the images the training
     batches already hold on the device: the loader's images, labels and order, on each rank."""
-    from ddp_utils.data.batch_augment import BatchAugment
-    from ddp_utils.data.loading import (
-        DeviceAugment,
-        DeviceEvalBatches,
-        bank_batches,
-        bank_subset,
-        eval_loader,
-    )
+    from ddp_utils.data.loading import DeviceEvalBatches, bank_subset, eval_loader
 
-    train, val = DigitsDataset(train=True), DigitsDataset(train=False)
-    recipe, eval_tf = moco_recipe("digits", 32, "v1", 0.2), eval_transform("digits", 32)
+    train, eval_tf = DigitsDataset(train=True), eval_transform("digits", 32)
     bank = bank_subset(train, 300, seed=0)
     for rank in (0, 1):
-        options = dict(batch_size=16, workers=0, rank=rank, world_size=2, pin_memory=False)
-        loaders = make_loaders(train, val, None, eval_tf, seed=0, device_augment=DeviceAugment(BatchAugment(recipe, 32), 0, 2),
-                               device=torch.device("cpu"), **options)
-        batches = bank_batches(bank, eval_tf, loaders, **options)
-        assert isinstance(batches, DeviceEvalBatches) and isinstance(loaders.val, DeviceEvalBatches)
-        reference = eval_loader(bank, eval_tf, **{**options, "batch_size": 64})
-        assert len(batches) == len(reference) == 3
-        for (x, y), (x_ref, y_ref) in zip(batches, reference, strict=True):
+        loaders = build_data(plan(batch_size=16, recipe=moco_recipe("digits", 32, "v1", 0.2), views=2,
+                                  aug_on_device=True, bank_samples=300), rank=rank, world_size=2, device=CPU)
+        assert isinstance(loaders.bank, DeviceEvalBatches) and isinstance(loaders.val, DeviceEvalBatches)
+        reference = eval_loader(bank, eval_tf, batch_size=64, workers=0, rank=rank, world_size=2, pin_memory=False)
+        assert len(loaders.bank) == len(reference) == 3
+        for (x, y), (x_ref, y_ref) in zip(loaders.bank, reference, strict=True):
             assert torch.equal(y, y_ref)
             torch.testing.assert_close(x, x_ref, rtol=0, atol=1e-6)
 
@@ -320,20 +313,11 @@ def test_the_knn_bank_of_in_memory_data_is_batched_from_the_training_tensor():
 def test_the_next_device_batch_can_be_made_early_without_changing_any_batch():
     """The training loop asks for batch i+1's augmentation before step i's host read, so the
     device has it queued while the host waits: the batches are those of plain iteration."""
-    from ddp_utils.data.batch_augment import BatchAugment
-    from ddp_utils.data.loading import DeviceAugment
-
-    train, val = DigitsDataset(train=True), DigitsDataset(train=False)
     made = []
-
-    class Counted(DeviceAugment):
-        def __call__(self, images, epoch, index):
-            made.append(index[0].item())
-            return super().__call__(images, epoch, index)
-
-    augment = Counted(BatchAugment(classifier_recipe("digits", 32, augment=True), 32), 0)
-    loaders = make_loaders(train, val, None, eval_transform("digits", 32), batch_size=100, workers=0, seed=0, rank=0,
-                           world_size=1, pin_memory=False, device_augment=augment, device=torch.device("cpu"))
+    loaders = build_data(plan(batch_size=100, aug_on_device=True), rank=0, world_size=1, device=CPU)
+    augment = loaders.train.augment
+    loaders.train.augment = lambda images, epoch, index: made.append(index[0].item()) or augment(images, epoch, index)
+    loaders.set_epoch(0)
     plain = list(loaders.train)
     batches, early = iter(loaders.train), []
     for step in range(len(plain)):
@@ -352,27 +336,24 @@ def test_the_next_device_batch_can_be_made_early_without_changing_any_batch():
 def test_auto_workers_count_the_cpus_this_process_may_use(tmp_path, monkeypatch, caplog):
     """--workers -1 sizes the pools from the CPUs this process may run on (SLURM's cpuset,
     taskset), shared by the ranks that share them, not from every core of the machine."""
-    import logging
     import subprocess
     import sys
 
     from helpers import cli_env
 
-    from ddp_utils.data import loading
-    from ddp_utils.runtime.dist import DistInfo
-    from ddp_utils.train.build import loader_options
+    from ddp_utils.data import pipeline
+    from ddp_utils.train.build import describe_settings, resolved_settings
 
-    pinned = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", "from ddp_utils.data.loading import "
+    pinned = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", "from ddp_utils.data.pipeline import "
                              "usable_cpus, default_workers; print(usable_cpus(), default_workers('imagefolder', 1))"],
                             env=cli_env(), capture_output=True, text=True, timeout=60)
     assert pinned.stdout.split() == ["1", "1"], pinned.stderr  # one CPU: one worker, not the machine's
-    monkeypatch.setattr(loading.os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert [loading.default_workers("imagefolder", n) for n in (1, 2, 4, 8)] == [8, 7, 3, 1]
-    assert loading.default_workers("digits", 1) == 0  # in-memory data needs none
+    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert [pipeline.default_workers("imagefolder", n) for n in (1, 2, 4, 8)] == [8, 7, 3, 1]
+    assert pipeline.default_workers("digits", 1) == 0  # in-memory data needs none
     cfg = train_classifier.ClassifierConfig(dataset="imagefolder", workers=-1)
     for launcher, per_rank in (("torchrun", 7), ("slurm", 8)):  # torchrun's 2 workers share the CPUs
-        info = DistInfo(rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("cpu"),
-                        backend="gloo", launcher=launcher)
-        with caplog.at_level(logging.INFO, logger="train"):
-            assert loader_options(cfg, info)["workers"] == per_rank
-    assert "--workers -1: 7 DataLoader workers per rank, for 16 usable CPUs shared by 2 rank(s)" in caplog.text
+        resolved = resolved_settings(cfg, launcher, 2, torch.device("cpu"))
+        assert resolved["workers"] == per_rank
+    assert describe_settings(cfg, resolved_settings(cfg, "torchrun", 2, torch.device("cpu")), "torchrun", 2).endswith(
+        "7 DataLoader worker(s) per rank (--workers -1: 16 usable CPUs shared by 2 rank(s))")

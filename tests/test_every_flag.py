@@ -35,6 +35,7 @@ SHARED = {
     "augment": (["--no-augment"], "weights"),
     "normalization": (["--normalization", "cifar10-demo"], "refused"),
     "aug_on": (["--aug-on", "loader"], "weights"),
+    "decode_on": (["--decode-on", "device"], "refused"),  # digits; on image files: tests/test_jpeg_path.py
     "workers": (["--workers", "1"], "log", ["--aug-on", "loader"]),  # the same batches, by design
     "arch": (["--arch", "small_cnn"], "weights"),
     "batch_size": (["--batch-size", "16"], "weights"),
@@ -62,6 +63,7 @@ SHARED = {
     "overwrite": (["--overwrite"], "elsewhere: tests/test_run_safety.py::test_overwrite_starts_over_and_never_mixes_two_runs"),
     "allow_changes": (["--allow-changes"], "refused"),  # without --resume; with it: tests/test_user_path.py
     "check": (["--check"], "files"),
+    "check_data": (["--check-data"], "refused"),  # digits; on image files: tests/test_image_files.py
     "ckpt_every": (["--ckpt-every", "1"], "files"),
     "keep_checkpoints": (["--keep-checkpoints", "1"], "files", ["--ckpt-every", "1"]),
     "skip_nonfinite": (["--skip-nonfinite", "1"],

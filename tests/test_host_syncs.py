@@ -53,6 +53,19 @@ def test_moco_reads_the_device_once_per_optimizer_step(monkeypatch, tmp_path, au
         assert result["prepared"] == [(3, True), (6, True), (9, True), (12, True)]
 
 
+@pytest.mark.parametrize("decode_on", ["loader", "device"])
+def test_moco_on_image_files_reads_the_device_once_per_optimizer_step(monkeypatch, tmp_path, jpeg_folder, decode_on):
+    """ImageFolder on the device path: packed batches (their places and indices copied without
+    a wait), the boxes drawn and every view cropped there; with --decode-on device the batch is
+    decoded there too. Still the agreement's one read per window."""
+    args = ["--device", "cpu", "--dataset", "imagefolder", "--data-dir", str(jpeg_folder), "--arch", "small_cnn",
+            "--image-size", "16", "--batch-size", "4", "--accum-steps", "3", "--max-steps", "3", "--log-every",
+            "1000", "--epochs", "1", "--moco-k", "64", "--knn-every", "0", "--bn-splits", "2", "--aug-on", "device", "--decode-on",
+            decode_on, "--workers", "0", "--out", str(tmp_path)]
+    result = _counts(monkeypatch, train_moco.main, args)
+    assert result["per_micro_step"] == ONE_READ_PER_WINDOW[:8], result["events"]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     """Both scripts under torchrun with 2 ranks, each rank counting its own syncs."""

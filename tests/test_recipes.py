@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,6 +66,56 @@ def test_recipe_is_a_valid_config_of_its_script(name):
     assert {k: getattr(cfg, k) for k in values} == values  # every value arrived as written
 
 
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory, jpeg_folder, trained_moco) -> dict[str, list[str]]:
+    """Per recipe, the flags that point it at a stand-in of its data: a CIFAR-10 folder in
+    torchvision's format (520 training images, one batch of 512), the ImageNet-like JPEG folder
+    (39 training images, a batch of 32), the MoCo quick start's run folder for the digits probe."""
+    from fake_cifar import write_fake_cifar10
+
+    root = tmp_path_factory.mktemp("stand_ins")
+    write_fake_cifar10(root / "cifar", train_per_class=52)
+    cifar, imagenet = ["--data-dir", str(root / "cifar")], ["--data-dir", str(jpeg_folder)]
+    return {"moco_cifar10_demo": cifar, "moco_cifar10_demo_symmetric": cifar, "moco_v1_imagenet": imagenet,
+            "moco_v2_imagenet": imagenet, "linear_probe_imagenet": imagenet,
+            "probe_digits": ["--pretrained", str(trained_moco / "run")]}
+
+
+@pytest.fixture(scope="module")
+def resnet50_moco_run(tmp_path_factory) -> Path:
+    """A ResNet-50 MoCo run folder (one step at 32 px) for the ImageNet probe's --pretrained."""
+    out = tmp_path_factory.mktemp("mocov2_in1k") / "run"
+    assert train_moco.main(["--device", "cpu", "--arch", "resnet50", "--image-size", "32", "--batch-size", "8",
+                            "--moco-k", "16", "--max-steps", "1", "--knn-every", "0", "--out", str(out)]) == 0
+    return out
+
+
+# The ImageNet probe needs a ResNet-50 run folder: a 336 MB checkpoint to write, so the slow tier.
+CHECKED = [pytest.param(name, marks=pytest.mark.slow) if name == "linear_probe_imagenet" else name
+           for name in sorted(RECIPES)]
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_every_recipe_passes_check_on_a_stand_in_of_its_data(name, stand_ins, request, tmp_path, capsys,
+                                                             monkeypatch):
+    """What the launchers run before any worker starts: each recipe's --check, as written, on a
+    stand-in of its data (CIFAR-10's md5 check bypassed: the stand-in is not the real data)."""
+    from torchvision.datasets import CIFAR10
+
+    monkeypatch.setattr(CIFAR10, "_check_integrity", lambda self: True)
+    monkeypatch.setattr(CIFAR10, "meta", {**CIFAR10.meta, "md5": None})
+    script = {"train_classifier.py": train_classifier, "train_moco.py": train_moco}[RECIPES[name][0]]
+    extra = stand_ins.get(name, [])
+    if name == "linear_probe_imagenet":
+        extra = extra + ["--pretrained", str(request.getfixturevalue("resnet50_moco_run"))]
+    args = ["--config", str(REPO / "recipes" / f"{name}.json"), *extra, "--check", "--out", str(tmp_path / "run")]
+    capsys.readouterr()  # what a fixture's run printed
+    proc = in_process(script.main, args, capsys)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{RECIPES[name][0]} --check: ok, nothing written; the run:")
+    assert not (tmp_path / "run").exists()
+
+
 def test_readme_lists_what_each_recipe_sets():
     assert recipe_table() in (REPO / "README.md").read_text()
 
@@ -87,7 +138,7 @@ def test_the_digits_probe_takes_its_image_size_from_the_pretraining_run(trained_
     proc = in_process(train_classifier.main, ["--config", str(REPO / "recipes/probe_digits.json"), "--pretrained",
                                               str(trained_moco / "run"), "--out", str(tmp_path / "p"), "--check"],
                       capsys)
-    assert proc.returncode == 0 and "data: digits 16 px" in proc.stdout and "warning" not in proc.stdout
+    assert proc.returncode == 0 and "validation images; 16 px, " in proc.stdout and "warning" not in proc.stdout
     assert f"model: small_cnn, linear probe, from {trained_moco / 'run'}" in proc.stdout
 
 

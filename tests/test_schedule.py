@@ -52,7 +52,7 @@ def _applied_lrs(schedule: LRSchedule, skip=frozenset()) -> list[float]:
     opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["lr"]))
     windows = iter(range(10**6))
 
-    def guard(nonfinite, overflow=None):  # what StepGuard would agree on, without the all_reduce
+    def guard(nonfinite, overflow=None, unreadable=False):  # what StepGuard would agree on, without the all_reduce
         return StepVerdict(nonfinite_ranks=int(next(windows) in skip))
 
     run = bare_run(model, opt, accum_steps=2, lr_schedule=schedule, guard=guard)

@@ -46,7 +46,8 @@ def test_check_prints_the_run_and_writes_nothing(tmp_path, capsys):
     assert proc.returncode == 0
     lines = proc.stdout.splitlines()
     assert lines[0] == "train_moco.py --check: ok, nothing written; the run:"
-    assert "  data: digits 16 px, 1,438 training and 359 validation images; augmentation on device" in lines
+    assert ("  data: digits, 1,438 training and 359 validation images; 16 px, augmentation on the device (--aug-on "
+            "auto), 0 DataLoader worker(s) per rank (--workers -1: in-memory data needs none)") in lines
     assert "  steps: 22 per epoch, 220 in 10 epochs" in lines
     # the default queue is ImageNet's: on digits it would hold each image's keys 45 times over
     assert any(line.startswith("  warning: --moco-k 65536 is 45.6x the 1,438 training images") for line in lines)
@@ -151,7 +152,7 @@ def test_a_probe_takes_the_pretraining_size_and_warns_about_another(trained_moco
     run = trained_moco / "run"  # pretrained at 16 px
     same = in_process(train_classifier.main, ["--pretrained", str(run), "--linear-probe", "--arch", "small_cnn",
                                               "--device", "cpu", "--check", "--out", str(tmp_path / "p")], capsys)
-    assert same.returncode == 0 and "data: digits 16 px" in same.stdout and "warning" not in same.stdout
+    assert same.returncode == 0 and "validation images; 16 px, " in same.stdout and "warning" not in same.stdout
     other = in_process(train_classifier.main, ["--pretrained", str(run), "--linear-probe", "--arch", "small_cnn",
                                                "--image-size", "32", "--device", "cpu", "--check",
                                                "--out", str(tmp_path / "p")], capsys)

@@ -26,7 +26,7 @@ from torch import Tensor
 from torchvision.ops import roi_align
 
 from .. import hashing
-from .recipes import AugmentRecipe
+from .recipes import EVAL_RESIZE, AugmentRecipe
 
 _ATTEMPTS = 10  # torchvision's RandomResizedCrop tries 10 boxes before its centre-crop fallback
 # The uniforms of one view: a fixed slice per purpose, so a step left out (photometric_only drops
@@ -69,27 +69,54 @@ def _fallback_box(height: int, width: int, ratio: tuple[float, float]) -> tuple[
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def _resized_crop_boxes(u: Tensor, height: int, width: int, scale: tuple[float, float],
+def _fallback_boxes(height: Tensor, width: Tensor, ratio: tuple[float, float]) -> tuple[Tensor, ...]:
+    """:func:`_fallback_box` of B images, each of its own size (int64, B each), in float64 like
+    Python's arithmetic there."""
+    in_ratio = width.double() / height.double()
+    h = torch.where(in_ratio < min(ratio), torch.round(width.double() / min(ratio)).long(), height)
+    w = torch.where(in_ratio > max(ratio), torch.round(height.double() * max(ratio)).long(), width)
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _resized_crop_boxes(u: Tensor, height: int | Tensor, width: int | Tensor, scale: tuple[float, float],
                         ratio: tuple[float, float]) -> Tensor:
-    """``RandomResizedCrop.get_params`` vectorised: B x 4 boxes (top, left, h, w) from B x 22 uniforms.
+    """``RandomResizedCrop.get_params`` vectorised: B x 4 boxes (top, left, h, w) from B x 22 uniforms,
+    for images of one size (``height``, ``width`` ints) or each of its own (int64 tensors, B).
 
     All 10 attempts are drawn for every sample and the first that fits is kept; the offsets are
     drawn once per sample (torchvision draws them only for the accepted attempt).
     """
-    area = float(height * width) * (scale[0] + (scale[1] - scale[0]) * u[:, :_ATTEMPTS])  # B x 10
+    per_sample = torch.is_tensor(height)
+    pixels = (height * width).to(torch.float32)[:, None] if per_sample else float(height * width)
+    area = pixels * (scale[0] + (scale[1] - scale[0]) * u[:, :_ATTEMPTS])  # B x 10
     lo, hi = math.log(ratio[0]), math.log(ratio[1])
     aspect = torch.exp(lo + (hi - lo) * u[:, _ATTEMPTS:2 * _ATTEMPTS])  # B x 10
     w = torch.round(torch.sqrt(area * aspect)).to(torch.int64)
     h = torch.round(torch.sqrt(area / aspect)).to(torch.int64)
-    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)  # B x 10
+    high_h, high_w = (height[:, None], width[:, None]) if per_sample else (height, width)
+    fits = (w > 0) & (w <= high_w) & (h > 0) & (h <= high_h)  # B x 10
     first = fits.to(torch.uint8).argmax(1, keepdim=True)  # argmax returns the first maximum
     found = fits.any(1)  # B
-    top0, left0, h0, w0 = _fallback_box(height, width, ratio)
+    top0, left0, h0, w0 = _fallback_boxes(height, width, ratio) if per_sample else _fallback_box(height, width, ratio)
     h = torch.where(found, h.gather(1, first).squeeze(1), h0)
     w = torch.where(found, w.gather(1, first).squeeze(1), w0)
     top = torch.where(found, _uniform_ints(u[:, -2], height - h), top0)
     left = torch.where(found, _uniform_ints(u[:, -1], width - w), left0)
     return torch.stack([top, left, h, w], 1)
+
+
+def centre_boxes(height: Tensor, width: Tensor, out: int, resize: int) -> Tensor:
+    """B x 4 float boxes (top, left, h, w), in each image's pixels, of the evaluation view:
+    torchvision's Resize(``resize``) (the short side to ``resize``, the long one truncated) then
+    CenterCrop(``out``) (offsets rounded half to even, as Python's round), so that only the
+    resampling differs from it."""
+    short, long = torch.minimum(height, width).double(), torch.maximum(height, width).double()
+    new_long = torch.floor(resize * long / short)
+    new_h = torch.where(height <= width, float(resize), new_long)
+    new_w = torch.where(height <= width, new_long, float(resize))
+    top, left = torch.round((new_h - out) / 2), torch.round((new_w - out) / 2)
+    scale_h, scale_w = height.double() / new_h, width.double() / new_w
+    return torch.stack([top * scale_h, left * scale_w, out * scale_h, out * scale_w], 1).to(torch.float32)
 
 
 def _pad_crop_boxes(u: Tensor, height: int, width: int, pad: int, out: int) -> Tensor:
@@ -102,8 +129,10 @@ def _pad_crop_boxes(u: Tensor, height: int, width: int, pad: int, out: int) -> T
     return torch.stack([top, left, side, side], 1)
 
 
-def _resample_boxes(x: Tensor, boxes: Tensor, out: int) -> Tensor:
-    """Each sample's box resized to out x out with ``roi_align`` (aligned, adaptive sampling).
+def _resample_boxes(x: Tensor, boxes: Tensor, out: int, offsets: Tensor | None = None) -> Tensor:
+    """Each sample's box resized to out x out with ``roi_align`` (aligned, adaptive sampling);
+    with ``offsets`` (B x 2: top, left), every box is read from ``x``'s one image (an atlas of
+    :mod:`packed`), shifted to where its sample lies.
 
     With ``sampling_ratio=0`` it averages ceil(box / out) bilinear samples per output pixel and
     axis: upscaling is a bilinear resize with half-pixel centres, downscaling averages the pixels
@@ -113,7 +142,11 @@ def _resample_boxes(x: Tensor, boxes: Tensor, out: int) -> Tensor:
     of the fast path; roi_align is a plain float32 kernel.
     """
     top, left, h, w = boxes.to(x.dtype).unbind(1)  # B each
-    batch = torch.arange(len(x), device=x.device, dtype=x.dtype)
+    if offsets is None:
+        batch = torch.arange(len(x), device=x.device, dtype=x.dtype)
+    else:
+        batch = torch.zeros(len(boxes), device=x.device, dtype=x.dtype)
+        top, left = top + offsets[:, 0].to(x.dtype), left + offsets[:, 1].to(x.dtype)
     rois = torch.stack([batch, left, top, left + w, top + h], 1)  # B x 5: (b, x1, y1, x2, y2)
     return roi_align(x, rois, output_size=out, spatial_scale=1.0, sampling_ratio=0, aligned=True)
 
@@ -170,7 +203,7 @@ def _hue_sextant(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return hue.div_(spread.masked_fill_(spread == 0, 1.0)), maxc, minc  # grey pixels: hue 0
 
 
-def _shift_hue(x: Tensor, shift: Tensor) -> Tensor:
+def shift_hue(x: Tensor, shift: Tensor) -> Tensor:
     """torchvision's ``adjust_hue`` with a per-sample shift (B), without building HSV images:
     each channel is min + (max - min) ramp(6 h), with the piecewise-linear hue ramps
     clamp(a |6 h - c| + o, 0, 1), and max and min do not change with the hue."""
@@ -210,7 +243,7 @@ def _color_jitter_(x: Tensor, factors: Tensor, order: Tensor, applied: Tensor, h
             factor = torch.where(active, blend.gather(1, rest[:, slot:slot + 1]).squeeze(1), 1.0)
             x = _blend_step_(x, rest[:, slot], factor)
         if before and hue:
-            x = _select_(x, applied, _shift_hue(x, factors[:, 3]))
+            x = _select_(x, applied, shift_hue(x, factors[:, 3]))
     return x
 
 
@@ -266,6 +299,24 @@ class BatchAugment:
         x = self._geometry(as_float_rgb(images), draw)  # B x 3 x out x out
         if x is images:
             x = x.clone()  # the steps below work in place, on a buffer of our own
+        x = self._photometric_(x, draw)
+        if r.flip:
+            x = _select_(x, draw(_FLIP, 1)[:, 0] < 0.5, x.flip(3))
+        return normalize(x, r.mean, r.std, layout)
+
+    def apply_packed(self, atlas: Tensor, places: Tensor, u: Tensor,
+                     layout: torch.memory_format = torch.contiguous_format) -> Tensor:
+        """:meth:`apply` for images of different sizes packed in one atlas (1 x 3 x H x W float in
+        [0, 1]; ``places`` B x 4: top, left, height, width, as ``packed.pack`` made them): each
+        sample's crop drawn for its own size and resampled from its place. A recipe without a
+        crop gives the evaluation view (:func:`centre_boxes`)."""
+        r, draw = self.recipe, _drawer(u)
+        heights, widths = places[:, 2], places[:, 3]
+        if r.crop_scale is not None:
+            boxes = _resized_crop_boxes(draw(_CROP, 2 * _ATTEMPTS + 2), heights, widths, r.crop_scale, r.crop_ratio)
+        else:
+            boxes = centre_boxes(heights, widths, self.out_size, round(self.out_size * EVAL_RESIZE))
+        x = _resample_boxes(atlas, boxes, self.out_size, offsets=places[:, :2])  # B x 3 x out x out
         x = self._photometric_(x, draw)
         if r.flip:
             x = _select_(x, draw(_FLIP, 1)[:, 0] < 0.5, x.flip(3))

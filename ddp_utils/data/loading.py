@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sized
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, default_collate
 
 from .. import hashing
 from ..config import UsageError
 from ..runtime.dist import memory_format
 from .batch_augment import VIEW_COLUMNS, BatchAugment, as_float_rgb, draws, normalize
-from .sets import in_memory_tensors, num_classes_of
+from .decode import decode_on
+from .image_files import CheckedBatches, UnreadableFiles, image_files_of
+from .packed import pack
 
 Transform = Callable[[torch.Tensor], object]
 log = logging.getLogger("train")
@@ -50,7 +51,9 @@ class SeededTransform(Dataset):
         image, target = self.base[index]
         if self.transform is not None:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(hashing.seed(self.seed, epoch, index))
+                # the CPU generator alone (the transforms' own): torch.manual_seed would also queue
+                # a seed for every CUDA device, which costs a millisecond per sample
+                torch.default_generator.manual_seed(hashing.seed(self.seed, epoch, index))
                 image = self.transform(image)
         return (image, target, epoch, index) if self.with_key else (image, target)
 
@@ -73,6 +76,16 @@ class DeviceAugment:
         sources = images if isinstance(images, (tuple, list)) else [images] * self.views
         return tuple(self.augment.apply(x, u[:, v * VIEW_COLUMNS:(v + 1) * VIEW_COLUMNS], layout)
                      for v, x in enumerate(sources))
+
+    def packed(self, atlas: torch.Tensor, places: torch.Tensor, epoch: int, index: torch.Tensor):
+        """The views of images of different sizes packed in one atlas (H x W x 3 uint8, on the
+        device; ``places`` B x 4): each cropped from its place (``BatchAugment.apply_packed``)."""
+        u = draws(self.seed, epoch, index, self.views)
+        layout = memory_format(index.device)
+        x = as_float_rgb(atlas.permute(2, 0, 1)[None])  # 1 x 3 x H x W float, made once for every view
+        views = [self.augment.apply_packed(x, places, u[:, v * VIEW_COLUMNS:(v + 1) * VIEW_COLUMNS], layout)
+                 for v in range(self.views)]
+        return views[0] if self.views == 1 else tuple(views)
 
 
 class OneAhead:
@@ -124,12 +137,23 @@ class DeviceBatches:
             yield self.augment(self.images[index], chunk[0][0], index), self.targets[index]
 
 
-class DeviceFinish:
-    """Finishes on the device what DataLoader workers started (ImageFolder: the workers decode
-    and crop each image; flips, colour and blur run here as a batch, keyed by the same
-    (epoch, index) the workers used)."""
+def collate_files(samples: list) -> list:
+    """A batch of image files for the device path, from (image, target, epoch, index) samples:
+    decoded images (3 x h x w uint8, each its own size) packed into (atlas, places) here, in the
+    worker; a batch that holds encoded ones (1-D bytes: ``--decode-on device``) as the list."""
+    images = [sample[0] for sample in samples]
+    rest = default_collate([sample[1:] for sample in samples])  # targets, epochs, index
+    return [images if any(image.dim() == 1 for image in images) else pack(images), *rest]
 
-    def __init__(self, loader: DataLoader, augment: DeviceAugment, device: torch.device):
+
+class DeviceFinish:
+    """Finishes on the device what DataLoader workers started: ImageFolder's workers decode
+    each image (or only read its bytes, decoded here as a batch: ``--decode-on device``) and
+    pack the batch (:mod:`packed`); here every view is cropped, resized, coloured, blurred,
+    flipped and normalised as a batch, keyed by (seed, epoch, index). With an evaluation
+    augmentation (no crop in its recipe) it makes the evaluation view."""
+
+    def __init__(self, loader: DataLoader | CheckedBatches, augment: DeviceAugment, device: torch.device):
         self.loader, self.augment, self.device = loader, augment, device
         self.batch_size = loader.batch_size
 
@@ -140,10 +164,27 @@ class DeviceFinish:
         return OneAhead(self._batches())
 
     def _batches(self):
-        for images, targets, epochs, index in self.loader:
-            images = [x.to(self.device, non_blocking=True) for x in images] if isinstance(images, (tuple, list)) \
-                else images.to(self.device, non_blocking=True)
-            yield self.augment(images, int(epochs[0]), index.to(self.device, non_blocking=True)), targets
+        for batch in self.loader:
+            yield self.finish(batch)
+
+    def finish(self, batch: list) -> tuple:
+        """(views, targets) of one collated batch (:func:`collate_files`)."""
+        images, targets, epochs, index = batch
+        if isinstance(images, list):  # encoded: decoded and packed on the device
+            atlas, places = pack(decode_on(self.device, images))
+        else:
+            atlas, places = images
+            atlas = atlas.to(self.device, non_blocking=True)
+        views = self.augment.packed(atlas, _to_device(places, self.device), int(epochs[0]),
+                                    _to_device(index, self.device))
+        return views, targets
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on the device without a host wait (pinned first on CUDA)."""
+    if device.type == "cuda" and not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 class DeviceEvalBatches:
@@ -205,12 +246,14 @@ class ShardedEvalSampler(Sampler[int]):
 
 @dataclass
 class Loaders:
-    train: DataLoader | DeviceBatches | DeviceFinish
-    val: DataLoader
+    train: DataLoader | CheckedBatches | DeviceBatches | DeviceFinish
+    val: DataLoader | CheckedBatches | DeviceEvalBatches | DeviceFinish
     train_sampler: ResumableDistributedSampler
     train_set: Dataset   # the raw training split
     num_classes: int
     on_device: bool = False  # augmentation runs on the training device
+    unreadable: UnreadableFiles = field(default_factory=UnreadableFiles)  # files this rank could not decode
+    bank: DataLoader | CheckedBatches | DeviceEvalBatches | DeviceFinish | None = None  # MoCo's kNN bank
 
     @property
     def batches_per_epoch(self) -> int:
@@ -223,59 +266,11 @@ class Loaders:
         self.train_sampler.set_epoch(epoch, skip=skip_batches * self.train.batch_size)
 
 
-def default_workers(dataset: str, sharing: int) -> int:
-    """``--workers -1``: DataLoader workers per rank, from the CPUs this process may run on (its
-    affinity: SLURM's cpuset, taskset), shared by ``sharing`` ranks, one CPU kept for the rank."""
-    if dataset in ("digits", "synthetic"):
-        return 0  # in-memory tensors: worker processes only add start-up time
-    return max(1, min(8, usable_cpus() // max(1, sharing) - 1))
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (not the machine's: a job on a shared node owns fewer)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity API (macOS)
-        return os.cpu_count() or 2
-
-
-def make_loaders(train_raw: Dataset, val_raw: Dataset, train_tf: Transform | None,
-                 eval_tf: Transform | None, *, batch_size: int, workers: int, seed: int,
-                 rank: int, world_size: int, pin_memory: bool, device_augment: DeviceAugment | None = None,
-                 device: torch.device | None = None) -> Loaders:
-    """Training batches (sharded, shuffled, drop_last) and the evaluation loader (sharded, exact).
-
-    With ``device_augment``: an in-memory split is moved to ``device`` once and batched there
-    (``train_tf`` unused); any other split goes through workers running ``train_tf`` (the
-    per-sample half, e.g. decode and crop), finished on the device.
-    """
-    sampler = ResumableDistributedSampler(train_raw, world_size, rank, seed)
-    tensors = in_memory_tensors(train_raw) if device_augment is not None else None
-    val = None
-    if tensors is not None:
-        images, targets = (t.to(device) for t in tensors)
-        train = DeviceBatches(fit_for_pad_crop(images, device_augment.augment), targets, sampler, batch_size,
-                              device_augment)
-        val_images, val_targets = (t.to(device) for t in in_memory_tensors(val_raw))
-        val = device_eval_batches(val_images, val_targets, device_augment.augment, rank=rank, world_size=world_size,
-                                  batch_size=EVAL_BATCH_FACTOR * batch_size)
-    else:
-        train_set = SeededTransform(train_raw, train_tf, seed, with_key=device_augment is not None)
-        # drop_last: every micro-batch has batch_size samples, so the 1/window loss scale is exact.
-        train = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,
-                           num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
-                           generator=_private_generator())
-        if device_augment is not None:
-            train = DeviceFinish(train, device_augment, device)
-    if val is None:
-        val = eval_loader(val_raw, eval_tf, batch_size=EVAL_BATCH_FACTOR * batch_size, workers=workers, rank=rank,
-                          world_size=world_size, pin_memory=pin_memory)
-    require_a_batch(len(train), len(train_raw), world_size, batch_size)  # type: ignore[arg-type]
-    if rank == 0:
-        log.info("data: %s", f"the training split held on {device}, batches made there" + (
-            f" (--workers {workers} unused)" if workers else "") if tensors is not None else
-            f"{workers} DataLoader worker process(es) per rank")
-    return Loaders(train, val, sampler, train_raw, num_classes_of(train_raw), device_augment is not None)
+def checked(loader: DataLoader, raw: Dataset, unreadable: UnreadableFiles) -> DataLoader | CheckedBatches:
+    """``loader`` of image files with its unreadable files recorded in ``unreadable``; other
+    data as it is."""
+    files = image_files_of(raw)
+    return loader if files is None else CheckedBatches(loader, files, unreadable)
 
 
 def require_a_batch(batches: int, samples: int, world_size: int, batch_size: int) -> int:
@@ -298,23 +293,6 @@ def device_eval_batches(images: torch.Tensor, targets: torch.Tensor, augment: Ba
                              mean=augment.recipe.mean, std=augment.recipe.std, subset=subset)
 
 
-def bank_batches(bank: Dataset, transform: Transform | None, loaders: Loaders, *, batch_size: int, workers: int,
-                 rank: int, world_size: int, pin_memory: bool) -> DeviceEvalBatches | DataLoader:
-    """The kNN memory bank's batches: the training split (or a Subset of it) as evaluated, from
-    the images the training batches already hold on the device where they do."""
-    train = loaders.train
-    # A device-batched validation split means the stored images have the network's size, so the
-    # training tensor on the device is as stored too (not resized by fit_for_pad_crop).
-    if isinstance(train, DeviceBatches) and isinstance(loaders.val, DeviceEvalBatches):
-        subset = torch.as_tensor(list(bank.indices)) if isinstance(bank, Subset) else None
-        batches = device_eval_batches(train.images, train.targets, train.augment.augment, rank=rank,
-                                      world_size=world_size, batch_size=EVAL_BATCH_FACTOR * batch_size, subset=subset)
-        if batches is not None:
-            return batches
-    return eval_loader(bank, transform, batch_size=EVAL_BATCH_FACTOR * batch_size, workers=workers, rank=rank,
-                       world_size=world_size, pin_memory=pin_memory)
-
-
 def fit_for_pad_crop(images: torch.Tensor, augment: BatchAugment, chunk: int = 1024) -> torch.Tensor:
     """A pad-and-crop view keeps the input's size: resize the stored images once to the output
     size (as the per-sample pipeline's Resize does before its RandomCrop), ``chunk`` images at a
@@ -330,20 +308,23 @@ def fit_for_pad_crop(images: torch.Tensor, augment: BatchAugment, chunk: int = 1
     return out
 
 
-def _private_generator() -> torch.Generator:
+def private_generator() -> torch.Generator:
     """Each DataLoader iterator draws its workers' base seed from this generator instead of the
     global RNG, whose position a resumed run would otherwise shift."""
     return torch.Generator().manual_seed(0)
 
 
 def eval_loader(raw: Dataset, transform: Transform | None, *, batch_size: int, workers: int,
-                rank: int, world_size: int, pin_memory: bool) -> DataLoader:
+                rank: int, world_size: int, pin_memory: bool, unreadable: UnreadableFiles | None = None
+                ) -> DataLoader | CheckedBatches:
     """Sharded, in order, every sample exactly once over all ranks. Its workers are started for
-    each pass and leave after it: only the training loader keeps a resident pool."""
+    each pass and leave after it: only the training loader keeps a resident pool. Image files
+    it cannot decode go into ``unreadable``."""
     data = SeededTransform(raw, transform, seed=0)
-    return DataLoader(data, batch_size=batch_size, sampler=ShardedEvalSampler(data, world_size, rank),
-                      num_workers=workers, pin_memory=pin_memory, persistent_workers=False,
-                      generator=_private_generator())
+    loader = DataLoader(data, batch_size=batch_size, sampler=ShardedEvalSampler(data, world_size, rank),
+                        num_workers=workers, pin_memory=pin_memory, persistent_workers=False,
+                        generator=private_generator())
+    return checked(loader, raw, UnreadableFiles() if unreadable is None else unreadable)
 
 
 def steps_per_epoch(batches_per_epoch: int, accum_steps: int) -> int:

@@ -8,7 +8,8 @@ from torch.utils.data import default_collate
 from torchvision.transforms import v2 as T
 from torchvision.utils import make_grid
 
-from .loading import DeviceBatches, DeviceFinish, Loaders
+from .image_files import UnreadableFiles, image_files_of, unreadable_in
+from .loading import DeviceBatches, DeviceFinish, Loaders, collate_files
 from .sets import in_memory_tensors, normalization_stats
 
 COLUMNS = {1: ("image", "augmented"), 2: ("image", "query", "key")}  # by the number of views
@@ -20,10 +21,12 @@ PADDING, HEADER = 2, 14  # px
 def augmentation_grid(loaders: Loaders, dataset: str, size: int, count: int = 8,
                       normalization: str = "auto") -> torch.Tensor:
     """3 x H x W in [0, 1]: a header naming the columns, then one row per sample (indices
-    0..count-1, epoch 0): the image, then its view(s); tiles of at least MIN_TILE px."""
+    0..count-1, epoch 0): the image, then its view(s); tiles of at least MIN_TILE px. An image
+    file among them that cannot be decoded is shown black and recorded in
+    ``loaders.unreadable``, so that the first step stops the run, naming it."""
     index = list(range(min(count, len(loaders.train_set))))  # type: ignore[arg-type]
     views = _views(loaders, index)
-    originals = _originals(loaders.train_set, index, size)
+    originals = _originals(loaders.train_set, index, size, loaders.unreadable)
     rows = [torch.stack([originals[i], *(_unnormalize(v[i].float().cpu(), dataset, normalization) for v in views)])
             for i in range(len(index))]
     scale = -(-MIN_TILE // size)  # ceil
@@ -52,15 +55,15 @@ def _views(loaders: Loaders, index: list[int]) -> list[torch.Tensor]:
         out = train.augment(train.images[at], 0, at)
     else:
         loader = train.loader if isinstance(train, DeviceFinish) else train
-        batch = default_collate([loader.dataset[(0, i)] for i in index])
-        out = batch[0]
-        if isinstance(train, DeviceFinish):
-            images = [x.to(train.device) for x in out] if isinstance(out, (list, tuple)) else out.to(train.device)
-            out = train.augment(images, 0, torch.tensor(index, device=train.device))
+        samples = [loader.dataset[(0, i)] for i in index]
+        batch = collate_files(samples) if isinstance(train, DeviceFinish) else default_collate(samples)
+        _record_unreadable(loaders.train_set, batch[1], loaders.unreadable)
+        batch[1] = batch[1].clamp(min=0)
+        out = train.finish(batch)[0] if isinstance(train, DeviceFinish) else batch[0]
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def _originals(raw, index: list[int], size: int) -> list[torch.Tensor]:
+def _originals(raw, index: list[int], size: int, unreadable: UnreadableFiles) -> list[torch.Tensor]:
     """The un-augmented images at the network's input size, 3 channels in [0, 1]."""
     tensors = in_memory_tensors(torch.utils.data.Subset(raw, index))
     if tensors is not None:
@@ -68,9 +71,18 @@ def _originals(raw, index: list[int], size: int) -> list[torch.Tensor]:
     else:  # decoded from files
         to_tensor = T.Compose([T.ToImage(), T.Resize(size, antialias=True), T.CenterCrop(size),
                                T.ToDtype(torch.float32, scale=True)])
-        images = torch.stack([to_tensor(raw[i][0]) for i in index])
+        samples = [raw[i] for i in index]
+        _record_unreadable(raw, torch.tensor([target for _, target in samples]), unreadable)
+        images = torch.stack([to_tensor(image) for image, _ in samples])
     images = torch.nn.functional.interpolate(images, size=(size, size), mode="bilinear", antialias=True)
     return list(images.expand(-1, 3, -1, -1).clamp(0, 1))
+
+
+def _record_unreadable(raw, targets: torch.Tensor, unreadable: UnreadableFiles) -> None:
+    files = image_files_of(raw)
+    if files is not None and (targets < 0).any():
+        known = {err.path for err in unreadable.found}
+        unreadable.found += [err for err in unreadable_in(files, targets) if err.path not in known]
 
 
 def _unnormalize(view: torch.Tensor, dataset: str, normalization: str) -> torch.Tensor:

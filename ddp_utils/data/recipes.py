@@ -5,12 +5,13 @@ grayscale, jitter, flip), v2 "strong" (jitter with p 0.8, grayscale, blur with p
 the authors' CIFAR-10 demo. Digits are never flipped (a mirrored digit is another symbol)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .sets import normalization_stats
 
 MOCO_AUGS = ("v1", "v2", "v2-noblur")
 IMAGENET_CROP_SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop default
+EVAL_RESIZE = 256 / 224  # ImageFolder's evaluation view: the short side resized to this x the crop, then centre-cropped
 JITTER_V1 = (0.4, 0.4, 0.4, 0.4)   # brightness, contrast, saturation, hue
 JITTER_V2 = (0.4, 0.4, 0.4, 0.1)
 
@@ -62,12 +63,6 @@ class AugmentRecipe:
             raise ValueError("AugmentRecipe: set both mean and std, or neither")
         if not all(0.0 <= p <= 1.0 for p in (self.jitter_p, self.gray_p, self.blur_p)):
             raise ValueError("AugmentRecipe: probabilities must lie in [0, 1]")
-
-
-def photometric_only(recipe: AugmentRecipe) -> AugmentRecipe:
-    """``recipe`` without its geometry, for data whose crop is done per sample by the workers
-    (ImageFolder: decoding needs the whole image anyway); flip and normalisation stay."""
-    return replace(recipe, crop_scale=None, pad_crop=0)
 
 
 def _normalize(dataset: str, normalization: str) -> dict:

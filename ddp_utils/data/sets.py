@@ -11,6 +11,7 @@ from torch.utils.data import Dataset, Subset
 from torchvision import datasets
 
 from ..config import UsageError
+from .image_files import ImageFiles
 
 DATASETS = ("digits", "cifar10", "imagefolder", "synthetic")
 NATIVE_SIZE = {"digits": 32, "cifar10": 32, "imagefolder": 224, "synthetic": 32}
@@ -106,8 +107,9 @@ def download_cifar10(data_dir: str) -> None:
 
 
 def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_samples: int = 2048) -> Dataset:
-    """The raw split (no transform): tensors for digits/synthetic, PIL images otherwise.
-    CIFAR-10 must already be on disk (see :func:`download_cifar10`)."""
+    """The raw split (no transform): tensors for digits/synthetic, PIL images otherwise (RGB;
+    ImageFolder's files as :class:`ImageFiles` reads them). CIFAR-10 must already be on disk
+    (see :func:`download_cifar10`)."""
     if dataset == "digits":
         return DigitsDataset(train, size)
     if dataset == "synthetic":
@@ -122,7 +124,7 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_sa
     if dataset == "imagefolder":
         split = "train" if train else "val"
         try:
-            return datasets.ImageFolder(os.path.join(data_dir, split))
+            return ImageFiles(os.path.join(data_dir, split))
         except FileNotFoundError as err:  # a class folder without images, or no class folder at all
             raise UsageError(f"--data-dir {data_dir}: {split}/: {str(err).split('. ')[0]}; every class "
                              f"folder needs at least one image") from None

@@ -64,6 +64,15 @@ class MoCo(nn.Module):
         """Run the key encoder through ``torch.compile``; its parameters stay encoder_k's own."""
         object.__setattr__(self, "_compiled_encoder_k", torch.compile(self.encoder_k))
 
+    def forward_state(self) -> int:
+        """What a training forward advances besides BatchNorm statistics: the number of key
+        batches shuffled so far (``train.accumulation.WindowStart`` keeps it per window)."""
+        return self._shuffles
+
+    def restore_forward_state(self, shuffles: int) -> None:
+        self._shuffles = shuffles
+        self.shuffle_count.fill_(shuffles)
+
     @torch.no_grad()
     def momentum_update(self, m: float) -> None:
         """k = m*k + (1-m)*q over all parameters in one fused call (lerp: k + (1-m)(q-k))."""

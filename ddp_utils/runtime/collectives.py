@@ -69,11 +69,12 @@ def all_ranks_agree() -> Iterator[None]:
     try:
         yield
     except UsageError as err:
-        problem = str(err)
+        problem = (str(err), err.said)
     problems = all_gather_object(problem)
-    for rank, text in enumerate(problems):
-        if text is not None:
-            raise UsageError(text if rank == 0 else f"(rank {rank}) {text}")
+    for rank, found in enumerate(problems):
+        if found is not None:
+            text, said = found
+            raise UsageError(text if rank == 0 else f"(rank {rank}) {text}", said)
 
 
 def broadcast_(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

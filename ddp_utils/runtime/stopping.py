@@ -25,7 +25,9 @@ EXIT_CODES = {
               "a checkpoint of the last step; `PREEMPTED` when preempted (the SLURM script requeues)"),
     EXIT_FAILURE: ("a crash, a lost peer, a checkpoint that could not be written",
                    "the previous checkpoints, untouched"),
-    EXIT_USAGE: ("bad input: one line naming the fix, before any work", "nothing new"),
+    EXIT_USAGE: ("bad input: one line naming the fix, before any work; or an image file that cannot be decoded, "
+                 "met during the run", "nothing new; for a file met during the run, a checkpoint of the last "
+                 "completed step and `UNREADABLE`"),
     EXIT_NONFINITE: ("a NaN or Inf loss (beyond `--skip-nonfinite`), or weights that became NaN or Inf",
                      "the last good checkpoint; the bad step was not applied"),
     EXIT_INTERRUPTED: ("Ctrl-C", "the first Ctrl-C during training: a checkpoint of the optimizer step in "
@@ -95,6 +97,7 @@ class StepVerdict:
     preempted: bool = False    # a rank received SIGUSR1/SIGTERM
     interrupted: bool = False  # a rank received Ctrl-C
     overflow: bool = False     # fp16: a gradient overflowed after unscaling (the step is skipped)
+    unreadable_ranks: int = 0  # ranks that met an image file they could not decode in this window
 
     @property
     def stop(self) -> bool:
@@ -102,15 +105,17 @@ class StepVerdict:
 
 
 class StepGuard:
-    """The per-step agreement: one all_reduce of four int32 and one device-to-host read, the
+    """The per-step agreement: one all_reduce of five int32 and one device-to-host read, the
     optimizer step's only one (Python must branch on it before ``optimizer.step()``). The flags
     are written on the device; the non-finite and overflow flags are computed there."""
 
     def __init__(self, signals: StopSignals | None, device: torch.device):
         self.signals = signals
-        self.flags = torch.zeros(4, dtype=torch.int32, device=device)
+        self.flags = torch.zeros(5, dtype=torch.int32, device=device)
 
-    def __call__(self, nonfinite: torch.Tensor, overflow: torch.Tensor | None = None) -> StepVerdict:
+    def __call__(self, nonfinite: torch.Tensor, overflow: torch.Tensor | None = None,
+                 unreadable: bool = False) -> StepVerdict:
+        """``unreadable``: this rank met an image file it could not decode in this window."""
         flags = self.flags
         flags.zero_()
         if self.signals is not None and self.signals.preempt_signal is not None:
@@ -120,5 +125,8 @@ class StepGuard:
         flags[2].copy_(nonfinite)
         if overflow is not None:
             flags[3].copy_(overflow)
-        preempted, interrupted, nonfinite_ranks, overflow_ranks = all_reduce_sum(flags).tolist()
-        return StepVerdict(nonfinite_ranks, bool(preempted), bool(interrupted), bool(overflow_ranks))
+        if unreadable:
+            flags[4].fill_(1)
+        preempted, interrupted, nonfinite_ranks, overflow_ranks, unreadable_ranks = all_reduce_sum(flags).tolist()
+        return StepVerdict(nonfinite_ranks, bool(preempted), bool(interrupted), bool(overflow_ranks),
+                           unreadable_ranks)

@@ -40,6 +40,42 @@ class StepResult:
     grad_norm: torch.Tensor | None = None  # total L2 norm before clipping (fp16 or --clip-grad), on the device
 
 
+class WindowStart:
+    """What a window changes besides the gradients, kept as it begins, so that a window that must
+    be given up (an image file in it could not be decoded) can be undone exactly: the BatchNorm
+    statistics its forwards update, the RNG streams, and the counters of modules that keep one
+    (``forward_state()`` / ``restore_forward_state(state)``: MoCo's shuffle count). Keeping them
+    is one foreach copy of the statistics per window (kilobytes) and no device read."""
+
+    _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        modules = list(model.modules())
+        self.statistics = [b for m in modules if isinstance(m, self._NORMS) for b in m.buffers(recurse=False)]
+        self.kept = [torch.empty_like(b) for b in self.statistics]
+        self.counted = [m for m in modules if hasattr(m, "forward_state")]
+        self.device = device
+        self.rng: tuple = ()
+        self.counts: list = []
+
+    def save(self) -> None:
+        if self.statistics:
+            torch._foreach_copy_(self.kept, self.statistics)
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        self.rng = (torch.get_rng_state(), cuda)
+        self.counts = [m.forward_state() for m in self.counted]
+
+    def restore(self) -> None:
+        if self.statistics:
+            torch._foreach_copy_(self.statistics, self.kept)
+        cpu, cuda = self.rng
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)
+        for module, count in zip(self.counted, self.counts):
+            module.restore_forward_state(count)
+
+
 def plan_windows(num_micro_batches: int, accum_steps: int) -> list[MicroStep]:
     """The micro-step plan for an epoch: full windows of ``accum_steps``, then the remainder."""
     plan = []
@@ -58,12 +94,17 @@ def no_sync(network: nn.Module, enabled: bool) -> ContextManager:
 
 def optimizer_step(run: TrainRun, window_loss: torch.Tensor) -> StepResult:
     """End an accumulation window on every rank alike: unscale (fp16) and clip the gradients, agree
-    across ranks (a NaN/Inf ``window_loss`` anywhere, a stop signal, an fp16 overflow), set the
-    LR of this step, step the optimizer unless the step must be skipped, update the scaler, zero
-    the gradients and count the step. The agreement is the step's one host read."""
+    across ranks (a NaN/Inf ``window_loss`` anywhere, a stop signal, an fp16 overflow, a file
+    that could not be decoded), set the LR of this step, step the optimizer unless the step must
+    be skipped, update the scaler, zero the gradients and count the step; a window that met an
+    undecodable file only zeroes the gradients (the caller stops the run). The agreement is the
+    step's one host read."""
     optimizer, scaler, state = run.optimizer, run.scaler, run.state
     grad_norm, overflow = _unscale_and_clip(optimizer, scaler, run.cfg.clip_grad)
-    verdict = run.session.guard(~torch.isfinite(window_loss.detach()), overflow)
+    verdict = run.agree(~torch.isfinite(window_loss.detach()), overflow)
+    if verdict.unreadable_ranks:  # the window met a file that cannot be decoded: it is undone, not a step
+        optimizer.zero_grad(set_to_none=not run.info.is_distributed)
+        return StepResult(False, verdict, grad_norm)
     applied = not verdict.nonfinite_ranks and not verdict.overflow
     lr = run.lr_schedule(state.step)
     for group in optimizer.param_groups:

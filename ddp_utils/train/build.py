@@ -1,8 +1,11 @@
-"""Building blocks both scripts' ``setup`` uses: the checks before anything is built, the raw
-splits and loader options, SGD with its schedule and scaler, the DDP wrapper."""
+"""Building blocks both scripts' ``setup`` uses: the checks before anything is built, what the
+"auto" data flags resolve to and the run's data plan, SGD with its schedule and scaler, the DDP
+wrapper."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,20 +13,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
 from ..config import UsageError
-from ..data.loading import Loaders, default_workers, steps_per_epoch, usable_cpus
-from ..data.sets import (
-    DEBUG_TRAIN_SAMPLES,
-    DEBUG_VAL_SAMPLES,
-    debug_subset,
-    download_cifar10,
-    load_split,
-    num_classes_of,
-)
+from ..data.image_files import describe_unreadable, fix_hint
+from ..data.loading import Loaders, steps_per_epoch
+from ..data.pipeline import DataPlan, default_workers, load_raw_splits, usable_cpus
+from ..data.recipes import AugmentRecipe
+from ..data.sets import download_cifar10
+from ..data.transforms import augment_on_device
 from ..runtime.collectives import all_gather_object, all_ranks_agree
 from ..runtime.dist import DistInfo, gpu_identity, restart_count, shared_gpu_problem
 from .fast_path import maybe_compile, sgd
 from .precision import grad_scaler
 from .resume import Resume, choose_resume
+from .run_folder import still_unreadable
 from .schedule import LRSchedule
 from .train_config import TrainConfig
 
@@ -40,12 +41,27 @@ def preflight(cfg: TrainConfig, info: DistInfo) -> Resume | None:
     with all_ranks_agree():
         cfg.check_paths()
         resume = choose_resume(cfg.resume, cfg.out, cfg.overwrite, info.is_main, restarted)
+        refuse_unfixed_files(cfg.out, resume, restarted)
     download_once_per_node(cfg, info)
     if info.device.type == "cuda" and info.is_distributed:
         problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))
         if problem:
             raise UsageError(problem)
     return resume
+
+
+def refuse_unfixed_files(out: str, resume: Resume | None, restarted: bool) -> None:
+    """A run continued in ``out`` after it stopped on image files that could not be decoded (a
+    restarted attempt of it, or a resume of its checkpoint) starts only once they decode or are
+    gone; a restarted attempt (torchrun, a requeue) exits 2 without repeating the line its first
+    attempt printed."""
+    continues = resume is not None and Path(resume.path).parent.resolve() == Path(out).resolve()
+    if not (continues or restarted):
+        return
+    unfixed = still_unreadable(out)
+    if unfixed:
+        raise UsageError(f"{describe_unreadable(unfixed)}: the run in {out} stopped there; {fix_hint(unfixed)}, then continue "
+                         f"with --resume auto", said=restarted)
 
 
 def download_once_per_node(cfg: TrainConfig, info: DistInfo) -> None:
@@ -57,29 +73,53 @@ def download_once_per_node(cfg: TrainConfig, info: DistInfo) -> None:
                 download_cifar10(cfg.data_dir)
 
 
-def load_raw_splits(cfg: TrainConfig) -> tuple[Dataset, Dataset]:
-    """Train and val splits without transforms (CIFAR-10 is on disk after :func:`preflight`)."""
-    size = cfg.resolved_image_size()
-    train = load_split(cfg.dataset, cfg.data_dir, True, size, cfg.synthetic_samples)
-    val = load_split(cfg.dataset, cfg.data_dir, False, size, cfg.synthetic_samples)
-    if num_classes_of(train) != num_classes_of(val):
-        raise UsageError(f"--data-dir {cfg.data_dir}: train/ has {num_classes_of(train)} classes but val/ "
-                         f"has {num_classes_of(val)}; both need the same class folders")
-    if cfg.debug:
-        return debug_subset(train, DEBUG_TRAIN_SAMPLES), debug_subset(val, DEBUG_VAL_SAMPLES)
-    return train, val
-
-
-def loader_options(cfg: TrainConfig, info: DistInfo) -> dict:
-    """Keyword arguments for make_loaders / eval_loader: batch, workers, sharding, pinning."""
+def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, device: torch.device) -> dict[str, Any]:
+    """What the data flags left to this machine resolve to: the image side (``--image-size 0``),
+    DataLoader workers per rank (``--workers -1``) and where augmentation runs (``--aug-on
+    auto``). The start-up log, ``--check``, config.json and checkpoints give them beside the
+    flags as asked, which stay what a ``--config`` re-run reads."""
     # torchrun's workers share the agent's CPUs; srun gives each task its own (--cpus-per-task)
-    sharing = 1 if info.launcher == "slurm" else info.local_world_size
-    workers = cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing)
-    if cfg.workers < 0 and workers and info.is_main:
-        log.info("--workers -1: %d DataLoader workers per rank, for %d usable CPUs shared by %d rank(s)", workers,
-                 usable_cpus(), sharing)
-    return dict(batch_size=cfg.batch_size, workers=workers, rank=info.rank, world_size=info.world_size,
-                pin_memory=info.device.type == "cuda")
+    sharing = 1 if launcher == "slurm" else local_world_size
+    return {"image_size": cfg.resolved_image_size(),
+            "workers": cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing),
+            "aug_on": "device" if augment_on_device(cfg.aug_on, cfg.dataset, device) else "loader",
+            "decode_on": "device" if cfg.decode_on == "device" else "loader"}
+
+
+def describe_settings(cfg: TrainConfig, resolved: dict[str, Any], launcher: str, local_world_size: int) -> str:
+    """The resolved data settings in words, each followed by the flag it came from where that
+    was left to the machine: "224 px (--image-size 0), augmentation on the loader (--aug-on
+    auto), 3 DataLoader workers per rank (--workers -1: ...)"."""
+    sharing = 1 if launcher == "slurm" else local_world_size
+    why_workers = "in-memory data needs none" if resolved["workers"] == 0 else \
+        f"{usable_cpus()} usable CPUs shared by {sharing} rank(s)"
+    auto = {"image_size": cfg.image_size == 0 and "--image-size 0",
+            "aug_on": cfg.aug_on == "auto" and "--aug-on auto",
+            "decode_on": cfg.decode_on == "auto" and "--decode-on auto",
+            "workers": cfg.workers < 0 and f"--workers -1: {why_workers}"}
+    said = {"image_size": f"{resolved['image_size']} px", "aug_on": f"augmentation on the {resolved['aug_on']}",
+            "decode_on": f"decoding on the {resolved['decode_on']}",
+            "workers": f"{resolved['workers']} DataLoader worker(s) per rank"}
+    if cfg.dataset != "imagefolder":
+        del said["decode_on"]  # only image files are decoded
+    return ", ".join(text + (f" ({auto[name]})" if auto[name] else "") for name, text in said.items())
+
+
+def data_plan(cfg: TrainConfig, resolved: dict[str, Any], recipe: AugmentRecipe, views: int,
+              bank_samples: int | None = None) -> DataPlan:
+    """The run's data, as ``data.pipeline.build_data`` takes it: the flags with what the "auto"
+    ones resolved to, the script's training view (``recipe``, ``views`` per sample) and MoCo's
+    kNN bank (``bank_samples``; None: no bank)."""
+    return DataPlan(dataset=cfg.dataset, data_dir=cfg.data_dir, image_size=resolved["image_size"],
+                    synthetic_samples=cfg.synthetic_samples, debug=cfg.debug, seed=cfg.seed, batch_size=cfg.batch_size,
+                    workers=resolved["workers"], normalization=cfg.normalization, recipe=recipe, views=views,
+                    aug_on_device=resolved["aug_on"] == "device", decode_on_device=resolved["decode_on"] == "device",
+                    bank_samples=bank_samples)
+
+
+def raw_splits(cfg: TrainConfig) -> tuple[Dataset, Dataset]:
+    """The run's train and val splits without transforms (CIFAR-10 on disk after :func:`preflight`)."""
+    return load_raw_splits(cfg.dataset, cfg.data_dir, cfg.resolved_image_size(), cfg.synthetic_samples, cfg.debug)
 
 
 def build_optimization(cfg: TrainConfig, params, loaders: Loaders, device: torch.device):

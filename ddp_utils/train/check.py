@@ -5,18 +5,21 @@ restarted group or a launcher's traceback."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from torch.utils.data import Dataset
 
 from ..config import UsageError
+from ..data.image_files import UnreadableImage, check_decodes, image_files_of
 from ..data.loading import ResumableDistributedSampler, require_a_batch, steps_per_epoch
+from ..data.pipeline import usable_cpus
 from ..data.sets import check_data_dir
-from ..data.transforms import augment_on_device
-from ..runtime.dist import detect_launch, device_type, restart_count
+from ..runtime.dist import LaunchEnv, detect_launch, device_type, restart_count
 from ..runtime.stopping import EXIT_OK, EXIT_USAGE
-from .build import load_raw_splits
+from .build import describe_settings, raw_splits, refuse_unfixed_files, resolved_settings
 from .resume import check_resume_fits, choose_resume
 from .run import describe_position
 from .train_config import RESUME_IF_RESTARTED, TrainConfig
@@ -31,9 +34,14 @@ def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCh
     launch = detect_launch()
     says = launch.rank == 0  # a requeued job's check speaks too: its log is where a user looks
     try:
-        lines = _checked_run(cfg, script, model, script_check, launch.world_size)
-    except UsageError as err:
+        lines = _checked_run(cfg, script, model, script_check, launch)
+    except UnreadableSplits as err:
         if says:
+            print(f"{script} --check-data: {len(err.files)} of {err.total:,} image files cannot be decoded; fix or "
+                  f"remove them:", *(f"  {file}" for file in err.files), sep="\n", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except UsageError as err:
+        if says and not err.said:
             print(f"{script}: error: {err}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     if says:
@@ -42,25 +50,27 @@ def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCh
     return EXIT_OK
 
 
-def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck, world_size: int) -> list[str]:
+def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck, launch: LaunchEnv) -> list[str]:
     cfg.check_paths()
     resume = choose_resume(cfg.resume, cfg.out, cfg.overwrite, announce=False, restarted=restart_count() > 0)
-    device = device_type(cfg.device)
-    size = cfg.resolved_image_size()
-    where = "device" if augment_on_device(cfg.aug_on, cfg.dataset, device) else "loader"
+    refuse_unfixed_files(cfg.out, resume, restarted=restart_count() > 0)
+    device, world_size = torch.device(device_type(cfg.device)), launch.world_size
+    resolved = resolved_settings(cfg, launch.launcher, launch.local_world_size, device)
+    settings = describe_settings(cfg, resolved, launch.launcher, launch.local_world_size)
     global_batch = world_size * cfg.accum_steps * cfg.batch_size
     lines = [f"launch: world size {world_size}, {device}, precision {'fp32' if cfg.amp == 'none' else cfg.amp}"]
     if cfg.dataset == "cifar10" and cfg.download and check_data_dir(cfg.dataset, cfg.data_dir, False):
-        lines.append(f"data: cifar10 {size} px, downloaded into {cfg.data_dir} at start; augmentation on {where}")
+        lines.append(f"data: cifar10, downloaded into {cfg.data_dir} at start; {settings}")
         facts, extra = {}, []
     else:
-        train, val = load_raw_splits(cfg)
+        train, val = raw_splits(cfg)
         facts, extra = script_check(train)
         samples_per_rank = ResumableDistributedSampler(train, world_size, 0, cfg.seed).num_samples
         batches = require_a_batch(samples_per_rank // cfg.batch_size, len(train), world_size, cfg.batch_size)
         steps = steps_per_epoch(batches, cfg.accum_steps)
-        lines.append(f"data: {cfg.dataset} {size} px, {len(train):,} training and {len(val):,} validation "
-                     f"images; augmentation on {where}")
+        lines.append(f"data: {cfg.dataset}, {len(train):,} training and {len(val):,} validation images; {settings}")
+        if cfg.check_data:
+            lines.append(_decode_every_file(train, val))
         lines.append(f"steps: {steps:,} per epoch, {steps * cfg.epochs:,} in {_count(cfg.epochs, 'epoch')}"
                      + (f" (stopping at --max-steps {cfg.max_steps})" if cfg.max_steps else ""))
     lines.append(f"model: {model}")
@@ -77,6 +87,27 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         later = ", continued by restarted attempts" if cfg.resume == RESUME_IF_RESTARTED else ""
         lines.append(f"run folder: {cfg.out}, {fresh}{later}")
     return lines + [f"warning: {text}" for text in extra]
+
+
+class UnreadableSplits(UsageError):
+    """--check-data found image files that cannot be decoded (each is listed on its own line)."""
+
+    def __init__(self, files: list[UnreadableImage], total: int):
+        super().__init__(f"{len(files)} image files cannot be decoded")
+        self.files, self.total = files, total
+
+
+def _decode_every_file(*splits: Dataset) -> str:
+    """--check-data: decode every image file of the splits on every CPU this process may use;
+    raise :class:`UnreadableSplits` listing the files that fail, else say how long it took."""
+    started, threads = time.perf_counter(), usable_cpus()
+    files = [image_files_of(split) for split in splits]
+    bad = [err for f in files if f is not None for err in check_decodes(f, threads)]
+    total = sum(len(f.samples) for f in files if f is not None)
+    if bad:
+        raise UnreadableSplits(bad, total)
+    seconds = time.perf_counter() - started
+    return f"data check: all {total:,} image files decode ({seconds:.1f} s on {_count(threads, 'thread')})"
 
 
 def _count(n: int, noun: str) -> str:

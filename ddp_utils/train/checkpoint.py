@@ -99,6 +99,7 @@ def checkpoint_of(run: TrainRun) -> dict[str, Any]:
         "facts": run.facts,
         "world_size": run.info.world_size,
         "config": config_dict(run.cfg),
+        "resolved": run.resolved,
         "model": unwrap(run.model).state_dict(),
         "optimizer": run.optimizer.state_dict(),
         "grad_scaler": run.scaler.state_dict(),  # empty unless fp16

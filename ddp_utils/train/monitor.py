@@ -5,6 +5,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -73,14 +74,16 @@ class Progress:
         self.tty = enabled and sys.stdout.isatty()
         self.start_step, self.start_time = start_step, time.perf_counter()
 
-    def update(self, step: int, epoch: int, loss: float, lr: float, images_per_sec: float) -> None:
-        """``epoch``: the step's epoch, counted from 1."""
+    def update(self, step: int, epoch: int, loss: float, lr: float, images_per_sec: float,
+               data_wait: float = 0.0) -> None:
+        """``epoch``: the step's epoch, counted from 1; ``data_wait``: the share of wall time
+        spent waiting for batches since the last line (0..1)."""
         if not self.enabled:
             return
         done = max(1, step - self.start_step)
         eta = (time.perf_counter() - self.start_time) / done * (self.total_steps - step)
         text = (f"epoch {epoch}/{self.epochs} step {step}/{self.total_steps} loss {loss:.4f} lr {lr:.4g} "
-                f"{images_per_sec:,.0f} img/s eta {format_duration(eta)}")
+                f"{images_per_sec:,.0f} img/s data wait {100 * data_wait:.0f}% eta {format_duration(eta)}")
         if self.tty:
             width = 24
             filled = int(width * step / max(1, self.total_steps))
@@ -94,22 +97,49 @@ class Progress:
             sys.stdout.write("\n")
 
 
+class WaitClock:
+    """Seconds the training loop spent waiting for its next batch: in the loader's ``next()``
+    (workers behind, or decoding and augmenting in this process) and making device batches.
+    A host clock: reading it never waits for a device."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def next(self, batches: Iterator, default: Any = None) -> Any:
+        started = time.perf_counter()
+        try:
+            return next(batches, default)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
 class StepMeter:
     """Per-step training metrics, averaged over steps and ranks at each --log-every boundary.
 
     Micro-step values are summed on the device (no host read per micro-step), each as
-    value / window size, so a step contributes its mean; one all_reduce per logged step.
+    value / window size, so a step contributes its mean; one all_reduce per logged step. The
+    share of wall time spent waiting for batches (``wait``, this rank's) is logged beside them.
     """
 
-    def __init__(self, tb: TensorBoard, progress: Progress, device, world_size: int, log_every: int):
+    def __init__(self, tb: TensorBoard, progress: Progress, device, world_size: int, log_every: int,
+                 wait: WaitClock | None = None):
         self.tb, self.progress, self.device = tb, progress, device
         self.world_size, self.log_every = world_size, log_every
+        self.wait = wait or WaitClock()
         self.window: dict = {}  # this optimizer step's sums so far
         self._reset()
 
     def _reset(self) -> None:
         self.sums: dict = {}
         self.images, self.steps, self.since = 0, 0, time.perf_counter()
+        self.waited_before = self.wait.seconds
 
     def add_micro(self, window_size: int, images: int, **metrics) -> None:
         """``images``: samples of this micro-step over all ranks; metrics: 0-dim tensors."""
@@ -138,8 +168,9 @@ class StepMeter:
         summed = all_reduce_sum(torch.stack([self.sums[n] for n in names]).double()).tolist() if names else []
         means = {n: v / (self.world_size * self.steps) for n, v in zip(names, summed)}
         rate = self.images / elapsed
+        waited = min(1.0, (self.wait.seconds - self.waited_before) / elapsed)
         self.tb.scalars(step, **{f"train__{k}": v for k, v in {**means, **values}.items()},
-                        train__images_per_sec=rate)
-        self.progress.update(step, epoch, means.get("loss", float("nan")), values.get("lr", 0.0), rate)
+                        train__images_per_sec=rate, train__data_wait_percent=100 * waited)
+        self.progress.update(step, epoch, means.get("loss", float("nan")), values.get("lr", 0.0), rate, waited)
         self._reset()
         return means

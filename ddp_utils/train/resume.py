@@ -32,7 +32,7 @@ from .train_config import RESUME_IF_RESTARTED, TrainConfig
 
 log = logging.getLogger("train")
 # Config fields that name this invocation, not the training: they may differ without a word.
-RUN_ONLY_FIELDS = ("out", "resume", "overwrite", "allow_changes", "check")
+RUN_ONLY_FIELDS = ("out", "resume", "overwrite", "allow_changes", "check", "check_data")
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from torch import nn
 
 from ..data.loading import Loaders
 from ..runtime.dist import DistInfo, unwrap
-from .accumulation import MicroStep, plan_windows
-from .monitor import TensorBoard
+from ..runtime.stopping import StepVerdict
+from .accumulation import MicroStep, WindowStart, plan_windows
+from .monitor import TensorBoard, WaitClock
 from .schedule import LRSchedule
 from .train_config import TrainConfig
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from .session import RunSession
 
 log = logging.getLogger("train")
+INPUT_BOUND = 0.2  # an epoch that waited for its batches longer than this share of its time is input-bound
 
 
 @dataclass
@@ -36,6 +38,20 @@ class RunState:
 
     def describe(self) -> str:
         return describe_position(self.step, self.epoch, self.batches_done)
+
+
+def input_advice(cfg: TrainConfig, resolved: dict[str, Any], device: str) -> str:
+    """What feeds an input-bound run faster, given where its batches are made (``device``:
+    "cpu" or "cuda")."""
+    workers, where = resolved.get("workers", cfg.workers), resolved.get("aug_on", "loader")
+    tips = []
+    if where == "loader" or cfg.dataset == "imagefolder":  # DataLoader workers make (part of) each batch
+        tips.append(f"more --workers (now {workers} per rank; -1 sizes them to the CPUs this process may use)")
+    if where == "loader":
+        tips.append("--aug-on device (augmentation as whole batches on the training device)")
+    elif device == "cpu":
+        tips.append("a GPU: on a CPU the batched augmentation shares the training process's cores")
+    return "try " + "; ".join(tips) if tips else "faster storage for --data-dir"
 
 
 def is_complete(cfg: TrainConfig, state: RunState) -> bool:
@@ -68,13 +84,20 @@ class TrainRun:
     tb: TensorBoard
     script: str                        # "train_classifier.py" / "train_moco.py"
     facts: dict[str, Any] = field(default_factory=dict)  # must match on resume (e.g. the class count)
+    resolved: dict[str, Any] = field(default_factory=dict)  # what the "auto" data flags became (build.resolved_settings)
     preempted: bool = False
-    epoch_started: tuple[float, int] = (0.0, 0)  # when this epoch started here, at which batch
+    epoch_started: tuple[float, int, float] = (0.0, 0, 0.0)  # this epoch's start here: time, batch, data wait
+    window_start: int = 0  # state.batches_done before the current accumulation window
+    window_undo: WindowStart | None = field(default=None, init=False, repr=False)  # the rest of what it changes
+    files_met: int = 0  # undecodable files in the batches handed out so far (not in one made early)
+    data_wait: WaitClock = field(default_factory=WaitClock)  # time the loop waited for batches
+    said_input_bound: bool = False
     _batches: Iterator | None = field(default=None, init=False, repr=False)  # this epoch's batch iterator
 
     def __post_init__(self):
         # DDP_FAULT=nan:RANK:STEP (tests): a NaN from the network's forward of that step
         self.session.faults.install(unwrap(self.network), self.info.rank, lambda: self.state.step + 1)
+        self.window_undo = WindowStart(unwrap(self.model), self.info.device)
 
     def micro_batches(self) -> Iterator[tuple[MicroStep, Any]]:
         """The rest of this epoch's batches, each with its place in its accumulation window. A
@@ -83,18 +106,37 @@ class TrainRun:
         if state.batches_done >= self.loaders.batches_per_epoch:  # resumed with fewer batches per epoch
             state.epoch, state.batches_done = state.epoch + 1, 0
         self.loaders.set_epoch(state.epoch, skip_batches=state.batches_done)
-        self.epoch_started = (time.perf_counter(), state.batches_done)
-        self._batches = iter(self.loaders.train)
-        for micro, batch in zip(plan_windows(len(self.loaders.train), self.cfg.accum_steps), self._batches):
+        self.epoch_started = (time.perf_counter(), state.batches_done, self.data_wait.seconds)
+        self._batches = self.data_wait.call(lambda: iter(self.loaders.train))  # may start the workers
+        for micro in plan_windows(len(self.loaders.train), self.cfg.accum_steps):
+            batch = self.data_wait.next(self._batches)
+            if batch is None:
+                return
+            self.files_met = len(self.loaders.unreadable.found)  # a batch made early is met when taken
+            if micro.index == 0:
+                self.window_start = state.batches_done
+                self.window_undo.save()
             state.batches_done += 1
             yield micro, batch
+
+    def undo_window(self) -> None:
+        """Every rank: give up the window in progress (its optimizer step was not taken): its
+        batches count as unseen again, and BatchNorm statistics, RNG streams and counters are as
+        the last completed step left them."""
+        self.state.batches_done = self.window_start
+        self.window_undo.restore()
+
+    def agree(self, nonfinite: torch.Tensor, overflow: torch.Tensor | None) -> StepVerdict:
+        """The ranks' agreement at the end of a window (``session.guard``), with whether this rank
+        was handed an undecodable file (the next batch, made early, counts for the next window)."""
+        return self.session.guard(nonfinite, overflow, unreadable=self.files_met > 0)
 
     def prepare_next_batch(self) -> None:
         """Batches made on the device: queue the next one's augmentation now, so the device
         works on it while the host waits (a no-op for DataLoader workers, which run ahead anyway)."""
         prepare = getattr(self._batches, "prepare_next", None)
         if prepare is not None:
-            prepare()
+            self.data_wait.call(prepare)
 
     def end_epoch_if_done(self) -> None:
         """After an optimizer step: once the epoch's batches are all consumed, the next epoch
@@ -102,11 +144,16 @@ class TrainRun:
         state = self.state
         if state.batches_done < self.loaders.batches_per_epoch:
             return
-        started, first_batch = self.epoch_started
-        seconds = time.perf_counter() - started
+        started, first_batch, waited_before = self.epoch_started
+        seconds = max(time.perf_counter() - started, 1e-9)
         images = (state.batches_done - first_batch) * self.cfg.batch_size * self.info.world_size
-        log.info("epoch %d trained in %.1f s (%s%s img/s)", state.epoch_number, seconds,
-                 "resumed part way, " if first_batch else "", f"{images / max(seconds, 1e-9):,.0f}")
+        waited = (self.data_wait.seconds - waited_before) / seconds
+        log.info("epoch %d trained in %.1f s (%s%s img/s, waited for data %.0f%% of it)", state.epoch_number,
+                 seconds, "resumed part way, " if first_batch else "", f"{images / seconds:,.0f}", 100 * waited)
+        if waited > INPUT_BOUND and not first_batch and not self.said_input_bound and self.info.is_main:
+            self.said_input_bound = True
+            log.warning("input-bound: the training loop waited for its batches %.0f%% of epoch %d (rank 0); %s",
+                        100 * waited, state.epoch_number, input_advice(self.cfg, self.resolved, self.info.device.type))
         state.epoch, state.batches_done = state.epoch + 1, 0
 
     def finished(self) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import UsageError, command_line, flag_name, git_revision, save_config, write_json
+from ..data.image_files import UnreadableImage, decode_rgb
 from ..data.loading import Loaders
 from ..data.preview import augmentation_grid
 from ..runtime.dist import barrier
@@ -26,6 +27,32 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("train")
 TB_DIR = "tb"
+UNREADABLE_MARKER = "UNREADABLE"  # the image files a run stopped on, one "PATH\treason" per line
+
+
+def mark_unreadable(out: str, files: list[UnreadableImage]) -> None:
+    """Rank 0, when a run stops on image files it cannot decode: list them in the run folder, so
+    that a resume (a torchrun restart included) refuses to start until they decode."""
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / UNREADABLE_MARKER).write_text("".join(f"{f.path}\t{f.reason}\n" for f in files))
+
+
+def still_unreadable(out: str) -> list[UnreadableImage]:
+    """The files a run in ``out`` stopped on that still cannot be decoded (each is tried again;
+    a removed file no longer counts)."""
+    marker = Path(out) / UNREADABLE_MARKER
+    if not marker.is_file():
+        return []
+    unfixed = []
+    for line in marker.read_text().splitlines():
+        path = line.split("\t")[0]
+        if path and Path(path).exists():
+            try:
+                decode_rgb(path)
+            except UnreadableImage as err:
+                unfixed.append(err)
+    return unfixed
 
 
 def check_out_dir(out: str) -> None:
@@ -54,8 +81,8 @@ def prepare_run_folder(out: str, overwrite: bool, resuming: bool) -> None:
     path.mkdir(parents=True, exist_ok=True)
     if resuming:
         return
-    old = checkpoint_files(path) + [p for p in (path / TB_DIR, path / MARKER, path / "config.json",
-                                                  path / f".{LAST}.tmp") if p.exists()]
+    old = checkpoint_files(path) + [p for p in (path / TB_DIR, path / MARKER, path / UNREADABLE_MARKER,
+                                                  path / "config.json", path / f".{LAST}.tmp") if p.exists()]
     if not old:
         return
     for item in old:
@@ -67,10 +94,12 @@ def prepare_run_folder(out: str, overwrite: bool, resuming: bool) -> None:
                     ", ".join(p.name for p in old), out)
 
 
-def write_run_record(cfg: TrainConfig, world_size: int, resume: Resume | None, step: int) -> None:
-    """OUT/config.json: the run's resolved config as it started (``--config`` on this file repeats
-    that run), its world size, command and git revision; every resume appends to its "history"
-    when, where from, with which command and what it changed (flag: [old, new])."""
+def write_run_record(cfg: TrainConfig, world_size: int, resume: Resume | None, step: int,
+                     resolved: dict | None = None) -> None:
+    """OUT/config.json: the run's config as it started (``--config`` on this file repeats that
+    run), what its "auto" data flags resolved to (``resolved``), its world size, command and git
+    revision; every resume appends to its "history" when, where from, with which command, what
+    it changed (flag: [old, new]) and what the flags resolved to this time."""
     from .resume import config_changes  # resume imports this module
 
     path = Path(cfg.out) / "config.json"
@@ -79,7 +108,8 @@ def write_run_record(cfg: TrainConfig, world_size: int, resume: Resume | None, s
         changes = config_changes(resume.checkpoint["config"], cfg)
         entry = {"resumed": datetime.now(timezone.utc).isoformat(timespec="seconds"), "at_step": step,
                  "from": str(resume.path), "world_size": world_size, "command": command_line(),
-                 "git_revision": git_revision(), "changes": {flag_name(k): v for k, v in changes.items()}}
+                 "git_revision": git_revision(), "changes": {flag_name(k): v for k, v in changes.items()},
+                 "resolved": resolved or {}}
         try:
             record = json.loads(path.read_text()) if resume.path.parent.resolve() == path.parent.resolve() else None
         except (OSError, json.JSONDecodeError):
@@ -88,25 +118,34 @@ def write_run_record(cfg: TrainConfig, world_size: int, resume: Resume | None, s
             record["history"] = [*record.get("history", []), entry]
             write_json(path, record)
             return
-    save_config(cfg, cfg.out, {"world_size": world_size, "history": [entry] if entry else []})
+    save_config(cfg, cfg.out, {"world_size": world_size, "resolved": resolved or {},
+                               "history": [entry] if entry else []})
 
 
-def open_run_folder(cfg: TrainConfig, session: RunSession, loaders: Loaders, resume: Resume | None,
-                    step: int) -> TensorBoard:
+def augmentation_preview(cfg: TrainConfig, loaders: Loaders, is_main: bool, resume: Resume | None):
+    """Rank 0 of a fresh run: the picture of the augmentation for TensorBoard, else None (an
+    image file among its samples that cannot be decoded stops the run at its first step)."""
+    if not is_main or resume is not None:
+        return None
+    return augmentation_grid(loaders, cfg.dataset, cfg.resolved_image_size(), normalization=cfg.normalization)
+
+
+def open_run_folder(cfg: TrainConfig, session: RunSession, resume: Resume | None, step: int,
+                    resolved: dict | None = None, preview=None) -> TensorBoard:
     """Rank 0, once every check has passed: the folder (an old run cleared on --overwrite), its
-    config.json, TensorBoard from ``step`` on, and a picture of the augmentation. Returns the
-    TensorBoard writer (a no-op on other ranks). A resumed checkpoint in this folder counts as
-    saved."""
+    config.json, TensorBoard from ``step`` on, and ``preview`` (:func:`augmentation_preview`).
+    Returns the TensorBoard writer (a no-op on other ranks). A resumed checkpoint in this folder
+    counts as saved."""
     tb = TensorBoard(None)
     if resume is not None and resume.path.parent == Path(cfg.out):
         session.saved.step, session.saved.path = step, resume.path
     if session.info.is_main:
         prepare_run_folder(cfg.out, cfg.overwrite, resuming=resume is not None)
-        write_run_record(cfg, session.info.world_size, resume, step)
+        write_run_record(cfg, session.info.world_size, resume, step, resolved)
         session.signals.clear_marker()
+        (Path(cfg.out) / UNREADABLE_MARKER).unlink(missing_ok=True)  # its files decode now (preflight)
         tb = session.close_at_exit(TensorBoard(Path(cfg.out) / TB_DIR, purge_step=step + 1 if resume else None))
-        if resume is None:  # what the augmentation does, once per run
-            grid = augmentation_grid(loaders, cfg.dataset, cfg.resolved_image_size(), normalization=cfg.normalization)
-            tb.image("data/augmented_views", grid, step)
+        if preview is not None:  # what the augmentation does, once per run
+            tb.image("data/augmented_views", preview, step)
     barrier()
     return tb

@@ -99,7 +99,7 @@ class RunSession:
             return False
         if isinstance(err, UsageError):
             release_held_logs(show=False)  # the error line says it all
-            if self.reporter:
+            if self.reporter and not err.said:
                 print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr, flush=True)
             self.exit_code = EXIT_USAGE
             return True

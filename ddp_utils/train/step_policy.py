@@ -1,16 +1,19 @@
 """What a run does around its optimizer steps: the start of training, and after each step the
-epoch's end, the log, a NaN/Inf loss skipped or stopped on, stop signals and checkpoints."""
+epoch's end, the log, a NaN/Inf loss skipped or stopped on, stop signals, checkpoints, and image
+files that could not be decoded."""
 from __future__ import annotations
 
 import logging
 
+from ..data.image_files import describe_unreadable, fix_hint
 from ..data.loading import steps_per_epoch
 from ..runtime.logs import release_held_logs
-from ..runtime.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, RunStopped
+from ..runtime.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_USAGE, RunStopped
 from .accumulation import StepResult
 from .checkpoint import save_run
 from .monitor import Progress, StepMeter
 from .run import TrainRun
+from .run_folder import mark_unreadable
 
 log = logging.getLogger("train")
 
@@ -27,13 +30,16 @@ def start_training(run: TrainRun) -> StepMeter:
     run.session.signals.training_started()
     progress = Progress(min(run.total_steps, cfg.max_steps or run.total_steps), cfg.epochs, info.is_main,
                         start_step=run.state.step)
-    return StepMeter(run.tb, progress, info.device, info.world_size, cfg.log_every)
+    return StepMeter(run.tb, progress, info.device, info.world_size, cfg.log_every, run.data_wait)
 
 
 def after_optimizer_step(run: TrainRun, meter: StepMeter, stepped: StepResult, **logged: float) -> bool:
     """Every rank calls it after each optimizer step (it may run collectives); ``logged``: more
     values for TensorBoard. True when the epoch loop must end here."""
     cfg, state, verdict = run.cfg, run.state, stepped.verdict
+    if verdict.unreadable_ranks:
+        run.undo_window()
+        stop_if_files_unreadable(run, f"step {state.step + 1} (not taken)")
     run.end_epoch_if_done()
     meter.end_step(state.step, state.epoch_number, force=_ends_the_run(run, stepped),
                    lr=run.optimizer.param_groups[0]["lr"], **logged)
@@ -75,3 +81,20 @@ def _skip_or_stop_nonfinite(run: TrainRun, ranks: int) -> None:
     raise RunStopped(f"step {state.step}: the loss was NaN or Inf on {ranks} of {world} rank(s); that step was "
                      f"not applied and the run stops; {run.session.saved.describe()}. Lower --lr, add "
                      f"--clip-grad, or allow skipping such steps with --skip-nonfinite N", EXIT_NONFINITE)
+
+
+def stop_if_files_unreadable(run: TrainRun, where: str) -> None:
+    """Every rank calls it (one all_gather_object) after a window that met an image file that
+    cannot be decoded, and after each evaluation or kNN pass: when any rank met one, the run
+    stops on every rank with exit code 2, naming the files, after a checkpoint of the last
+    completed step (a no-op when that step is on disk already)."""
+    files = run.loaders.unreadable.on_every_rank()
+    if not files:
+        return
+    if run.info.is_main:
+        mark_unreadable(run.cfg.out, files)
+    if run.state.step == 0 and run.session.saved.path is None:  # nothing trained yet: nothing to keep
+        raise RunStopped(f"{where}: {describe_unreadable(files)}; {fix_hint(files)}, then start the run again", EXIT_USAGE)
+    save_run(run)
+    raise RunStopped(f"{where}: {describe_unreadable(files)}; {fix_hint(files)}, then continue with --resume auto; "
+                     f"{run.session.saved.describe()}", EXIT_USAGE)

@@ -12,7 +12,7 @@ import torch
 
 from ..config import UsageError, flag_name, opt, parse_config, recorded_run
 from ..data.sets import DATASETS, NATIVE_SIZE, NORMALIZATIONS, check_data_dir
-from ..data.transforms import AUG_ON
+from ..data.transforms import AUG_ON, augment_on_device
 from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
 from ..runtime.dist import LaunchEnv, check_device, detect_launch, device_type, restart_count
 from ..runtime.faults import FaultPlan
@@ -23,7 +23,8 @@ from .schedule import LR_SCHEDULES, parse_milestones
 
 C = TypeVar("C", bound="TrainConfig")
 RESUME_IF_RESTARTED = "if-restarted"
-DATA_FLAG_USERS = {"data_dir": "cifar10 and imagefolder", "download": "cifar10", "synthetic_samples": "synthetic"}
+DATA_FLAG_USERS = {"data_dir": "cifar10 and imagefolder", "download": "cifar10", "synthetic_samples": "synthetic",
+                   "check_data": "imagefolder", "decode_on": "imagefolder"}
 
 OUT_HELP = ("run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a fresh run refuses a folder "
             "that already holds a checkpoint")
@@ -36,18 +37,18 @@ class TrainConfig:
     # How long and how a run goes, not what it learns: a resume may change these without
     # --allow-changes (a changed LR, batch or data set makes it another experiment).
     RESUME_FREE: ClassVar[tuple[str, ...]] = (
-        "epochs", "max_steps", "data_dir", "download", "aug_on", "workers", "amp", "tf32", "deterministic",
+        "epochs", "max_steps", "data_dir", "download", "aug_on", "decode_on", "workers", "amp", "tf32", "deterministic",
         "compile", "device", "dist_timeout", "out", "resume", "overwrite", "allow_changes", "check",
-        "ckpt_every", "keep_checkpoints", "skip_nonfinite", "log_every")
+        "check_data", "ckpt_every", "keep_checkpoints", "skip_nonfinite", "log_every")
     # --help's sections (ddp_utils.config.flag_groups)
     FLAG_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
         "data": ("dataset", "data_dir", "download", "image_size", "synthetic_samples", "augment",
-                 "normalization", "aug_on", "workers"),
+                 "normalization", "aug_on", "decode_on", "workers"),
         "model and optimisation": ("arch", "batch_size", "accum_steps", "epochs", "max_steps", "lr", "momentum",
                                    "weight_decay", "lr_schedule", "lr_milestones", "warmup_steps", "clip_grad",
                                    "seed"),
         "precision and speed": ("amp", "tf32", "deterministic", "compile"),
-        "run folder and checkpoints": ("out", "resume", "overwrite", "allow_changes", "check", "ckpt_every",
+        "run folder and checkpoints": ("out", "resume", "overwrite", "allow_changes", "check", "check_data", "ckpt_every",
                                        "keep_checkpoints", "skip_nonfinite", "log_every", "debug"),
         "distributed": ("device", "dist_timeout"),
     }
@@ -65,10 +66,15 @@ class TrainConfig:
     normalization: str = opt("auto", "input mean/std: auto = the data set's own; cifar10-demo = the MoCo "
                              "authors' CIFAR-10 demo's (std 0.2023, 0.1994, 0.2010 instead of 0.2470, 0.2435, "
                              "0.2616)", choices=NORMALIZATIONS)
-    aug_on: str = opt("auto", "where training images are augmented: device = whole batches on the training "
-                      "device (in-memory data entirely; ImageFolder: workers decode and crop, the device does "
-                      "flip, colour, blur); loader = per sample in DataLoader workers (torchvision, the "
+    aug_on: str = opt("auto", "where training images are augmented: device = whole batches on the training device "
+                      "(in-memory data entirely; ImageFolder: workers decode, the device crops and does the rest, "
+                      "evaluation's view too); loader = per sample in DataLoader workers (torchvision, the "
                       "reference); auto = device, except ImageFolder on a CPU", choices=AUG_ON)
+    decode_on: str = opt("auto", "where image files (imagefolder) are decoded with --aug-on device: loader = in "
+                         "the DataLoader workers (libjpeg-turbo); device = the workers only read the files and the "
+                         "training process decodes each batch on its device (nvJPEG on CUDA; a file it may not "
+                         "take, such as a CMYK or progressive JPEG or a PNG, is decoded by its worker); auto = loader",
+                         choices=("auto", "loader", "device"))
     workers: int = opt(-1, "data-loader worker processes per rank; -1 = auto (0 for in-memory data)")
     # model and optimisation
     arch: str = opt("small_cnn", "network", choices=ARCHS)
@@ -117,6 +123,9 @@ class TrainConfig:
     check: bool = opt(False, "check only: flags, paths, data and the checkpoint to resume; print the run "
                       "that would start and exit 0 (or 2, naming the problem); no process group, nothing "
                       "written (launch/ scripts run it before starting the workers)")
+    check_data: bool = opt(False, "--check, and decode every image file of both splits (imagefolder) on every "
+                           "CPU this process may use: each file that cannot be decoded is listed with its "
+                           "reason, exit 2 if there is one")
     ckpt_every: int = opt(0, "also checkpoint every this many optimizer steps (0 = at epoch ends only)")
     keep_checkpoints: int = opt(2, "checkpoints kept in OUT: checkpoint_last.pt and N-1 older ones "
                                 "(checkpoint_prev1.pt, ...); the oldest goes only once a new one is on disk")
@@ -172,13 +181,19 @@ class TrainConfig:
         if self.debug and launch.world_size > 1:
             raise UsageError("--debug runs one process; start it with plain `python`, not torchrun/srun")
         check_device(self.device, launch)
+        device = torch.device(device_type(self.device))
+        if self.decode_on == "device" and not augment_on_device(self.aug_on, self.dataset, device):
+            raise UsageError(f"--decode-on device needs --aug-on device (the loader path decodes and augments each "
+                             f"image in the workers; --aug-on {self.aug_on} means the loader on {device.type}); add "
+                             f"--aug-on device or drop --decode-on")
         FaultPlan.from_env()  # DDP_FAULT, the tests' fault injection
 
     def check_data_flags(self) -> None:
         """Data flags that the chosen data set would silently ignore are refused."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         unused = {"data_dir": self.dataset in ("digits", "synthetic"), "download": self.dataset != "cifar10",
-                  "synthetic_samples": self.dataset != "synthetic"}
+                  "synthetic_samples": self.dataset != "synthetic", "check_data": self.dataset != "imagefolder",
+                  "decode_on": self.dataset != "imagefolder"}
         for name, ignored in unused.items():
             if ignored and getattr(self, name) != defaults[name]:
                 raise UsageError(f"{flag_name(name)} does nothing with --dataset {self.dataset}; drop it (it "

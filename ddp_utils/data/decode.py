@@ -1,0 +1,95 @@
+"""Reading and decoding image files into tensors, on the CPU (a DataLoader worker) or on the
+training device (``--decode-on device``: nvJPEG on CUDA, through torchvision).
+
+JPEGs are decoded by ``torchvision.io.decode_jpeg`` (libjpeg-turbo on the CPU; its output equals
+PIL's, pixel for pixel), any other file by PIL. torchvision 0.29 deprecates its image decoding in
+favour of TorchCodec; it is what both supported torchvision releases (0.26 on the GPU machines,
+0.29 here) have, batched on CUDA, so its deprecation warning is silenced here, once.
+
+A file the device decoder may not take (progressive, arithmetic-coded, CMYK or grayscale JPEGs,
+anything that is not a complete baseline JPEG: :func:`device_decodable`) is decoded on the CPU
+by the worker that read it, never skipped.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from io import BytesIO
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision are deprecated")
+
+_SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
+_BASELINE = (0xC0, 0xC1)  # SOF0, SOF1: Huffman-coded sequential DCT, what nvJPEG's batched path decodes
+_OTHER_FRAMES = (0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF)  # progressive, lossless, ...
+
+
+def read_bytes(path: str) -> Tensor:
+    """The file's bytes as a 1-D uint8 tensor (read straight into it, no copy)."""
+    with open(path, "rb") as f:
+        data = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
+        f.readinto(data.numpy())
+    return data
+
+
+def is_jpeg(data: Tensor) -> bool:
+    return data.numel() > 3 and bytes(data[:2].tolist()) == _SOI
+
+
+def device_decodable(data: Tensor) -> bool:
+    """Whether the bytes are a whole baseline JPEG with 3 components (YCbCr), the kind the device
+    decoder is given: it starts with SOI, ends with EOI, and its first frame header is SOF0 or
+    SOF1 with 3 components at 8 bits. Reads the markers only, not the image data."""
+    raw = data.numpy().tobytes() if data.numel() < 65536 else data[:65536].numpy().tobytes()
+    if not raw.startswith(_SOI) or bytes(data[-2:].tolist()) != _EOI:
+        return False
+    at = 2
+    while at + 4 <= len(raw):
+        if raw[at] != 0xFF:
+            return False
+        marker = raw[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        length = int.from_bytes(raw[at + 2:at + 4], "big")
+        if marker in _BASELINE:
+            precision, components = raw[at + 4], raw[at + 9] if at + 9 < len(raw) else 0
+            return precision == 8 and components == 3
+        if marker in _OTHER_FRAMES or marker == 0xDA:  # another frame type, or scan data before a frame
+            return False
+        at += 2 + length
+    return False
+
+
+def decode_cpu(data: Tensor) -> Tensor:
+    """3 x H x W uint8 RGB of an image file's bytes: torchvision for JPEG, PIL for the rest (a PNG
+    named .JPEG, say) and for a JPEG torchvision refuses, so that what PIL reads is read
+    (:func:`image_files.decode_rgb` decides what cannot be decoded). Raises on such a file."""
+    if is_jpeg(data):
+        try:
+            return decode_jpeg(data, mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass
+    with Image.open(BytesIO(data.numpy().tobytes())) as image:
+        image.load()
+        return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+
+
+def decode_on(device: torch.device, images: list[Tensor]) -> list[Tensor]:
+    """``images`` on ``device``, 3 x H x W uint8 each: encoded ones (1-D, device-decodable JPEGs)
+    decoded there as one batch (nvJPEG on CUDA, libjpeg-turbo on the CPU), decoded ones copied."""
+    encoded = [i for i, image in enumerate(images) if image.dim() == 1]
+    out = [image.to(device, non_blocking=True) if image.dim() == 3 else None for image in images]
+    if encoded:
+        decoded = decode_jpeg([images[i] for i in encoded], mode=ImageReadMode.RGB, device=device)
+        for i, image in zip(encoded, decoded):
+            out[i] = image.to(device, non_blocking=True)  # there already (a CPU decode's "cpu" is "cpu:0" too)
+    return out

@@ -1,0 +1,175 @@
+"""Image files (``--dataset imagefolder``): every file decoded to RGB whatever it holds (CMYK,
+grayscale, a PNG named ``.JPEG``: ImageNet has all three), a file that cannot be decoded named
+with its reason, and the data check that decodes whole splits on every usable core.
+
+A file that cannot be decoded never raises inside a DataLoader worker: the traceback would name no
+file, and the rank that met it would leave while its peers wait in a collective. It comes as a
+black placeholder with target ``-1 - index``; :class:`CheckedBatches` finds such targets on the
+host, records the file in the run's :class:`UnreadableFiles` and hands on the batch with a valid
+target, so every rank finishes the step and the per-step agreement stops them together.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset, Subset
+from torchvision import datasets
+
+from ..runtime.collectives import all_gather_object
+from .decode import decode_cpu, device_decodable, read_bytes
+
+PLACEHOLDER_SIDE = 8  # px: the placeholder's side (any transform resizes it)
+
+
+class UnreadableImage(Exception):
+    """A file that cannot be decoded; ``str()`` is "PATH (reason)"."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path} ({reason})")
+        self.path, self.reason = path, reason
+
+
+def decode_rgb(path: str) -> Image.Image:
+    """The whole image, decoded (a truncated file fails here, not later) and converted to RGB."""
+    try:
+        with open(path, "rb") as f:
+            image = Image.open(f)
+            image.load()
+            return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise UnreadableImage(path, _reason(path, err)) from None
+
+
+def _reason(path: str, err: Exception) -> str:
+    if isinstance(err, UnidentifiedImageError):
+        return "empty file" if os.path.getsize(path) == 0 else "not an image file PIL can read"
+    text = str(err).split(". ")[0].strip() or type(err).__name__
+    return text[0].lower() + text[1:]
+
+
+class ImageFiles(datasets.ImageFolder):
+    """torchvision's ImageFolder; each file as ``read`` says: "pil", a PIL RGB image
+    (:func:`decode_rgb`: the loader path, the reference); "tensor", 3 x H x W uint8 RGB
+    (``decode.decode_cpu``: workers of the device path); "encoded", the file's bytes (1-D uint8)
+    when the device can decode them (``decode.device_decodable``), else decoded as "tensor". A
+    file that cannot be decoded gives a black placeholder and target ``-1 - index`` (see the
+    module docstring)."""
+
+    read = "pil"
+
+    def reading(self, read: str) -> ImageFiles:
+        """The same files, read as ``read``."""
+        if read not in ("pil", "tensor", "encoded"):
+            raise ValueError(f"ImageFiles: read must be pil, tensor or encoded, not {read!r}")
+        other = copy.copy(self)
+        other.read = read
+        return other
+
+    def __getitem__(self, index: int):
+        path, target = self.samples[index]
+        try:
+            return self._load(path), target
+        except (UnreadableImage, OSError, RuntimeError, SyntaxError, ValueError):
+            if self.read == "pil":
+                return Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE)), -1 - index
+            return torch.zeros((3, PLACEHOLDER_SIDE, PLACEHOLDER_SIDE), dtype=torch.uint8), -1 - index
+
+    def _load(self, path: str):
+        if self.read == "pil":
+            return decode_rgb(path)
+        data = read_bytes(path)
+        if self.read == "encoded" and device_decodable(data):
+            return data
+        return decode_cpu(data)
+
+
+def image_files_of(ds: Dataset) -> ImageFiles | None:
+    """The ImageFiles under Subsets and wrappers (``base``), or None for other data."""
+    while isinstance(ds, Subset) or hasattr(ds, "base"):
+        ds = ds.dataset if isinstance(ds, Subset) else ds.base
+    return ds if isinstance(ds, ImageFiles) else None
+
+
+def unreadable_in(files: ImageFiles, targets: torch.Tensor) -> list[UnreadableImage]:
+    """The files behind the placeholder targets of a batch (a host tensor), with their reasons
+    (each such file is decoded once more, here, to tell why)."""
+    found = []
+    for code in targets[targets < 0].tolist():
+        path = files.samples[-1 - code][0]
+        try:
+            decode_rgb(path)
+            found.append(UnreadableImage(path, "could not be decoded in a DataLoader worker"))
+        except UnreadableImage as err:
+            found.append(err)
+    return found
+
+
+@dataclass
+class UnreadableFiles:
+    """The files this rank could not decode so far (training, evaluation and kNN-bank batches)."""
+
+    found: list[UnreadableImage] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.found)
+
+    def on_every_rank(self) -> list[UnreadableImage]:
+        """Every rank's files, each once (every rank must call: one all_gather_object)."""
+        everyone = all_gather_object([(e.path, e.reason) for e in self.found])
+        unique = dict.fromkeys(item for rank in everyone for item in rank)
+        return [UnreadableImage(path, reason) for path, reason in unique]
+
+
+def describe_unreadable(files: list[UnreadableImage], shown: int = 3) -> str:
+    """"cannot decode PATH (reason)", or "cannot decode 5 files: A (..); B (..); C (..) and 2 more"."""
+    if len(files) == 1:
+        return f"cannot decode {files[0]}"
+    more = f" and {len(files) - shown} more" if len(files) > shown else ""
+    return f"cannot decode {len(files)} files: {'; '.join(map(str, files[:shown]))}{more}"
+
+
+def fix_hint(files: list[UnreadableImage]) -> str:
+    return f"fix or remove {'it' if len(files) == 1 else 'them'} (--check-data lists every such file)"
+
+
+class CheckedBatches:
+    """Batches of image files with the placeholders found: ``batch[1]`` (targets, on the host)
+    comes with valid labels, the unreadable files go into ``unreadable``. Has the loader's
+    length, data set and batch size."""
+
+    def __init__(self, loader, files: ImageFiles, unreadable: UnreadableFiles):
+        self.loader, self.files, self.unreadable = loader, files, unreadable
+        self.dataset, self.batch_size = loader.dataset, loader.batch_size
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        for batch in self.loader:
+            targets = batch[1]
+            if (targets < 0).any():  # a host tensor: no device is read
+                self.unreadable.found += unreadable_in(self.files, targets)
+                batch = [batch[0], targets.clamp(min=0), *batch[2:]]
+            yield batch
+
+
+def check_decodes(files: ImageFiles, threads: int) -> list[UnreadableImage]:
+    """Decode every file of ``files`` on ``threads`` threads (PIL's decoder releases the GIL);
+    the files that fail, in the data set's order."""
+    paths = [path for path, _ in files.samples]
+
+    def problem(path: str) -> UnreadableImage | None:
+        try:
+            decode_rgb(path)
+        except UnreadableImage as err:
+            return err
+        return None
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        return [err for err in pool.map(problem, paths) if err is not None]
