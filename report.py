@@ -5,8 +5,8 @@
     python report.py runs/a runs/b --labels base,lr2 --out reports/ab   # into reports/ab/
 
 A run folder is the ``--out`` of train_classifier.py or train_moco.py. The report reads its
-``config.json`` and the TensorBoard events in ``tb/`` (with tensorboard's own reader); it never
-reads no checkpoint.
+``config.json`` and the TensorBoard events in ``tb/`` (with tensorboard's own reader); it reads
+no checkpoint.
 
 report.png holds the curves against optimizer steps: training loss, learning rate, MoCo momentum
 (MoCo runs), images/s, and validation top-1/top-5 or kNN top-1 accuracy. Several run folders

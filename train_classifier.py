@@ -29,6 +29,7 @@ world_size x --accum-steps x --batch-size, logged at start. --lr is not rescaled
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -52,18 +53,19 @@ from ddp_utils.runtime.collectives import (
     check_replicas_identical,
     sync_buffers_from_rank0,
 )
-from ddp_utils.runtime.dist import DistInfo, to_device, unwrap
+from ddp_utils.runtime.dist import DistInfo, LaunchEnv, to_device, unwrap
 from ddp_utils.train.accumulation import no_sync, optimizer_step
 from ddp_utils.train.build import (
+    augmentation_preview,
     build_optimization,
     data_plan,
     describe_settings,
+    open_run_folder,
     preflight,
     resolved_settings,
     wrap_network,
 )
 from ddp_utils.train.check import check_only
-from ddp_utils.train.checkpoint import save_run
 from ddp_utils.train.fast_path import place_model
 from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.precision import autocast
@@ -74,10 +76,15 @@ from ddp_utils.train.pretrained import (
     tensors_equal,
 )
 from ddp_utils.train.resume import check_resume_fits, restore_training_state, stop_if_complete
-from ddp_utils.train.run import RunState, TrainRun
-from ddp_utils.train.run_folder import augmentation_preview, open_run_folder
+from ddp_utils.train.run import TrainRun
 from ddp_utils.train.session import RunSession
-from ddp_utils.train.step_policy import after_optimizer_step, start_training, stop_if_files_unreadable
+from ddp_utils.train.state import RunState
+from ddp_utils.train.step_policy import (
+    after_optimizer_step,
+    save_checkpoint,
+    start_training,
+    stop_if_files_unreadable,
+)
 from ddp_utils.train.train_config import OUT_HELP, TrainConfig, parse_args
 
 log = logging.getLogger("train")
@@ -86,38 +93,36 @@ SCRIPT = "train_classifier.py"
 
 @dataclass
 class ClassifierConfig(TrainConfig):
-    # What shapes the model: a checkpoint that differs in any of these cannot be resumed.
-    RESUME_FIXED: ClassVar[tuple[str, ...]] = ("arch", "linear_probe", "probe_bn")
-    FLAG_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
-        **TrainConfig.FLAG_GROUPS, "pretrained backbone": ("pretrained", "linear_probe", "probe_bn")}
+    SECTIONS: ClassVar[tuple[str, ...]] = (*TrainConfig.SECTIONS, "pretrained backbone")
 
-    out: str = opt("runs/classifier", OUT_HELP)
+    out: str = opt("runs/classifier", OUT_HELP, group="run folder and checkpoints", on_resume="invocation")
     pretrained: str = opt("", "initialise the backbone from a train_moco.py checkpoint, its run folder "
                           "(the newest checkpoint) or an exported backbone (--export-backbone); fc starts "
-                          "fresh; --image-size 0 then means the size it was pretrained at")
+                          "fresh; --image-size 0 then means the size it was pretrained at",
+                          group="pretrained backbone")
     linear_probe: bool = opt(False, "freeze the backbone (kept in eval mode) and train only a new linear "
                              "classifier; without --pretrained the backbone is randomly initialised (a "
-                             "baseline)")
+                             "baseline)", group="pretrained backbone", on_resume="fixed")
     probe_bn: bool = opt(False, "with --linear-probe: normalise the frozen features with a "
                          "parameter-free BatchNorm before the classifier (MAE's probe; LRs near 0.1 "
-                         "then work); off = MoCo's protocol (LR about 30)")
+                         "then work); off = MoCo's protocol (LR about 30)",
+                         group="pretrained backbone", on_resume="fixed")
 
-    def validate(self, launch) -> None:
-        super().validate(launch)
+    def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
+        super().validate(launch, cuda_devices)
         if self.probe_bn and not self.linear_probe:
             raise UsageError("--probe-bn only applies with --linear-probe")
 
-    def check_paths(self) -> None:
-        super().check_paths()
-        if self.pretrained and not Path(self.pretrained).exists():
-            raise UsageError(f"--pretrained {self.pretrained}: no such file or folder")
+    def required_paths(self) -> dict[str, str]:
+        return {"--pretrained": self.pretrained} if self.pretrained else {}
 
-    def resolved(self) -> ClassifierConfig:
-        """Also ``--image-size 0`` with --pretrained: the size the backbone was pretrained at."""
-        cfg = super().resolved()
-        if cfg.pretrained and not cfg.image_size and Path(cfg.pretrained).exists():
-            cfg.image_size = pretrained_image_size(pretrained_file(cfg.pretrained)) or 0
-        return cfg
+
+def with_pretrained_size(cfg: ClassifierConfig) -> ClassifierConfig:
+    """``--image-size 0`` with --pretrained: the size the backbone was pretrained at (read from
+    its checkpoint; a missing file is the pre-flight's to report)."""
+    if cfg.pretrained and not cfg.image_size and Path(cfg.pretrained).exists():
+        return dataclasses.replace(cfg, image_size=pretrained_image_size(pretrained_file(cfg.pretrained)) or 0)
+    return cfg
 
 
 @dataclass(kw_only=True)
@@ -171,7 +176,7 @@ def check_classifier(cfg: ClassifierConfig, train: Dataset) -> tuple[dict, list[
 
 def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
     info = session.info
-    resume = preflight(cfg, info)
+    resume = preflight(cfg, session)
     resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
     if info.is_main:
         log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size))
@@ -217,9 +222,11 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
         if not micro.is_last:
             continue
         run.prepare_next_batch()  # its augmentation runs on the device while the host waits below
-        # The ranks agree (NaN loss? stop signal?), then: unscale and clip, set the LR, step,
-        # update the scaler, zero the gradients.
-        stepped = optimizer_step(run, meter.window_loss)
+        # Unscale and clip, the ranks agree (NaN loss? stop signal?), then: set the LR, step,
+        # update the scaler, zero the gradients, count the step.
+        stepped = optimizer_step(run.optimizer, run.scaler, meter.window_loss, agree=run.agree,
+                                 lr_at=run.lr_schedule, state=run.state, clip_grad=cfg.clip_grad,
+                                 zero_in_place=info.is_distributed)
         if cfg.debug:
             check_gradients_cleared(run.model)
         if after_optimizer_step(run, meter, stepped):  # log, checkpoint, stop
@@ -272,7 +279,7 @@ def fit(run: ClassifierRun) -> dict[str, float]:
         meter.progress.end_line()
         if run.preempted:  # checkpoint already written; leave for the requeue
             return metrics
-        save_run(run)  # before evaluating: a preemption during evaluation loses nothing
+        save_checkpoint(run)  # before evaluating: a preemption during evaluation loses nothing
         metrics = evaluate(run.model, run.loaders.val, run.info, cfg.amp)
         stop_if_files_unreadable(run, f"epoch {state.epoch_number}'s validation")
         run.tb.scalars(state.step, val__loss=metrics["loss"], val__acc1=metrics["acc1"], val__acc5=metrics["acc5"])
@@ -292,7 +299,7 @@ def fit(run: ClassifierRun) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(ClassifierConfig, argv, __doc__)  # bad flags: one line, exit code 2
+    cfg = parse_args(ClassifierConfig, argv, __doc__, with_pretrained_size)  # bad flags: one line, exit code 2
     if cfg.check or cfg.check_data:  # every check of setup, in this one process; launch/ runs it first
         model = f"{cfg.arch}" + (", linear probe" if cfg.linear_probe else "") + \
             (f", from {cfg.pretrained}" if cfg.pretrained else "")

@@ -45,31 +45,37 @@ from ddp_utils.data.pipeline import build_data
 from ddp_utils.data.recipes import MOCO_AUGS, moco_recipe
 from ddp_utils.eval.knn import knn_accuracy
 from ddp_utils.models.backbones import build_model, feature_dim
-from ddp_utils.models.moco import Encoder, MoCo, contrastive_loss, symmetric_contrastive_loss
+from ddp_utils.models.moco import Encoder, MoCo, contrastive_step
 from ddp_utils.models.shuffle_bn import split_batchnorm
 from ddp_utils.runtime.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
 from ddp_utils.runtime.dist import DistInfo, LaunchEnv, barrier, to_device
 from ddp_utils.train.accumulation import no_sync, optimizer_step
 from ddp_utils.train.build import (
+    augmentation_preview,
     build_optimization,
     data_plan,
     describe_settings,
+    open_run_folder,
     preflight,
     resolved_settings,
     wrap_network,
 )
 from ddp_utils.train.check import check_only
-from ddp_utils.train.checkpoint import save_run
 from ddp_utils.train.fast_path import place_model
 from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.precision import autocast
 from ddp_utils.train.pretrained import export_backbone
 from ddp_utils.train.resume import check_resume_fits, restore_training_state, stop_if_complete
-from ddp_utils.train.run import RunState, TrainRun, is_complete
-from ddp_utils.train.run_folder import augmentation_preview, open_run_folder
+from ddp_utils.train.run import TrainRun
 from ddp_utils.train.schedule import LR_SCHEDULES, cosine_to_one
 from ddp_utils.train.session import RunSession
-from ddp_utils.train.step_policy import after_optimizer_step, start_training, stop_if_files_unreadable
+from ddp_utils.train.state import RunState, is_complete
+from ddp_utils.train.step_policy import (
+    after_optimizer_step,
+    save_checkpoint,
+    start_training,
+    stop_if_files_unreadable,
+)
 from ddp_utils.train.train_config import OUT_HELP, TrainConfig, parse_args
 
 log = logging.getLogger("train")
@@ -85,59 +91,62 @@ PRESETS = {
 
 @dataclass
 class MocoConfig(TrainConfig):
-    FIRST_FLAGS: ClassVar[tuple[str, ...]] = ("preset",)  # --help lists it before the flags it sets
     PRESETS: ClassVar[dict[str, dict]] = PRESETS
-    # What shapes the model and the queue: a checkpoint that differs in any of these cannot be resumed.
-    RESUME_FIXED: ClassVar[tuple[str, ...]] = ("arch", "moco_dim", "moco_k", "mlp")
-    RESUME_FREE: ClassVar[tuple[str, ...]] = (*TrainConfig.RESUME_FREE, "knn_k", "knn_t", "knn_features",
-                                              "knn_every", "knn_bank_samples", "export_backbone")
-    FLAG_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
-        **TrainConfig.FLAG_GROUPS,
-        "MoCo": ("moco_dim", "moco_k", "moco_m", "moco_m_cos", "moco_t", "symmetric", "mlp", "aug", "crop_min",
-                 "shuffle_bn", "bn_splits", "sync_bn", "export_backbone"),
-        "kNN monitor": ("knn_k", "knn_t", "knn_features", "knn_every", "knn_bank_samples"),
-    }
+    SECTIONS: ClassVar[tuple[str, ...]] = (*TrainConfig.SECTIONS, "MoCo", "kNN monitor")
 
     preset: str = opt("v2", "the defaults of the flags marked (v1: ...): v1 = linear head, T 0.07, step "
                       "LR at 60%% and 80%% of --epochs, weak augmentation; v2 = MLP head, T 0.2, cosine LR, "
                       "strong augmentation with blur; a --config file and flags override it",
-                      choices=("v1", "v2"))
-    out: str = opt("runs/moco", OUT_HELP)
-    lr: float = opt(0.03, "peak learning rate for the global batch (MoCo: 0.03 for 256)")
-    lr_schedule: str = opt("cosine", "the LR schedule after warm-up (v1: step)", choices=LR_SCHEDULES)
+                      choices=("v1", "v2"),
+        )
+    out: str = opt("runs/moco", OUT_HELP, group="run folder and checkpoints", on_resume="invocation")
+    lr: float = opt(0.03, "peak learning rate for the global batch (MoCo: 0.03 for 256)",
+                    group="model and optimisation")
+    lr_schedule: str = opt("cosine", "the LR schedule after warm-up (v1: step)", choices=LR_SCHEDULES,
+                           group="model and optimisation")
     lr_milestones: str = opt("", "epochs where the step schedule multiplies the LR by 0.1; N%% = N percent "
-                             "of --epochs (v1: 60%%,80%%)")
-    weight_decay: float = opt(1e-4, "SGD weight decay (L2)")
-    moco_dim: int = opt(128, "output size of the projection head (key/query feature dimension)")
-    moco_k: int = opt(65536, "queue length: negatives per query; must be >= the global batch")
-    moco_m: float = opt(0.999, "momentum of the key encoder update k = m*k + (1-m)*q")
-    moco_m_cos: bool = opt(False, "raise the momentum from --moco-m to 1 on a half cosine over training")
-    moco_t: float = opt(0.2, "softmax temperature (v1: 0.07)")
+                             "of --epochs (v1: 60%%,80%%)", group="model and optimisation")
+    weight_decay: float = opt(1e-4, "SGD weight decay (L2)", group="model and optimisation")
+    moco_dim: int = opt(128, "output size of the projection head (key/query feature dimension)",
+                        group="MoCo", on_resume="fixed")
+    moco_k: int = opt(65536, "queue length: negatives per query; must be >= the global batch",
+                      group="MoCo", on_resume="fixed")
+    moco_m: float = opt(0.999, "momentum of the key encoder update k = m*k + (1-m)*q", group="MoCo")
+    moco_m_cos: bool = opt(False, "raise the momentum from --moco-m to 1 on a half cosine over training",
+                           group="MoCo")
+    moco_t: float = opt(0.2, "softmax temperature (v1: 0.07)", group="MoCo")
     symmetric: bool = opt(False, "symmetric loss: the SUM loss(q1,k2) + loss(q2,k1), as the MoCo authors' "
                           "CIFAR-10 demo does; both crops go through both encoders and both key sets are "
-                          "enqueued (2 x the global batch per step: --moco-k must hold them)")
-    mlp: bool = opt(True, "2-layer MLP projection head instead of one linear layer (v1: off)")
+                          "enqueued (2 x the global batch per step: --moco-k must hold them)", group="MoCo")
+    mlp: bool = opt(True, "2-layer MLP projection head instead of one linear layer (v1: off)",
+                    group="MoCo", on_resume="fixed")
     aug: str = opt("v2", "augmentation: v1 weak, v2 strong with blur, v2-noblur (v1: v1)",
-                   choices=MOCO_AUGS)
+                   choices=MOCO_AUGS, group="MoCo")
     crop_min: float = opt(0.2, "smallest crop of the random resized crop, as a fraction of the image area "
-                          "(MoCo on ImageNet 0.2; the authors' CIFAR-10 demo 0.08, torchvision's default)")
-    shuffle_bn: bool = opt(True, "shuffle BN: key batch shuffled across ranks (one process: split BN)")
-    bn_splits: int = opt(8, "one process with --shuffle-bn: BatchNorm groups emulating that many GPUs")
+                          "(MoCo on ImageNet 0.2; the authors' CIFAR-10 demo 0.08, torchvision's default)",
+                          group="MoCo")
+    shuffle_bn: bool = opt(True, "shuffle BN: key batch shuffled across ranks (one process: split BN)",
+                           group="MoCo")
+    bn_splits: int = opt(8, "one process with --shuffle-bn: BatchNorm groups emulating that many GPUs",
+                         group="MoCo")
     sync_bn: bool = opt(False, "SyncBatchNorm in both encoders instead of shuffle BN (it defeats "
-                        "shuffle BN's purpose; for comparison only)")
-    knn_k: int = opt(200, "kNN monitor: neighbours that vote")
-    knn_t: float = opt(0.1, "kNN monitor: temperature of the exp(similarity / T) vote weights")
+                        "shuffle BN's purpose; for comparison only)", group="MoCo")
+    knn_k: int = opt(200, "kNN monitor: neighbours that vote", group="kNN monitor", on_resume="free")
+    knn_t: float = opt(0.1, "kNN monitor: temperature of the exp(similarity / T) vote weights",
+                       group="kNN monitor", on_resume="free")
     knn_features: str = opt("backbone", "kNN monitor features: backbone (what a linear probe sees) or head "
                             "(the projection head's output, as the MoCo authors' CIFAR-10 demo monitors)",
-                            choices=("backbone", "head"))
-    knn_every: int = opt(1, "run the kNN monitor every this many epochs (and at step 0); 0 = never")
+                            choices=("backbone", "head"), group="kNN monitor", on_resume="free")
+    knn_every: int = opt(1, "run the kNN monitor every this many epochs (and at step 0); 0 = never",
+                         group="kNN monitor", on_resume="free")
     knn_bank_samples: int = opt(0, "kNN monitor: memory bank = this many train samples (a fixed, seeded "
-                                "subset); 0 = the whole train split")
+                                "subset); 0 = the whole train split", group="kNN monitor", on_resume="free")
     export_backbone: str = opt("", "after training, write the query backbone (no head) as a plain "
-                               "state dict to this path, loadable by torchvision's model")
+                               "state dict to this path, loadable by torchvision's model",
+                               group="MoCo", on_resume="free")
 
-    def validate(self, launch: LaunchEnv) -> None:
-        super().validate(launch)
+    def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
+        super().validate(launch, cuda_devices)
         if not self.augment:
             raise UsageError("--no-augment: MoCo learns from two differently augmented views of each image; "
                              "identical views make its task trivial. Choose the views with --aug v1, v2 or "
@@ -159,7 +168,7 @@ class MocoConfig(TrainConfig):
         for name in ("moco_t", "knn_t", "moco_dim", "knn_k", "bn_splits"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"{flag_name(name)} must be positive, got {getattr(self, name)}")
-        if self.sync_bn and launch.world_size > 1 and (self.device == "cpu" or not torch.cuda.is_available()):
+        if self.sync_bn and launch.world_size > 1 and (self.device == "cpu" or not cuda_devices):
             raise UsageError("--sync-bn needs CUDA when running several processes (SyncBatchNorm is "
                              "GPU-only there); drop --sync-bn on CPU")
         for name in ("knn_every", "knn_bank_samples"):
@@ -226,7 +235,7 @@ def queue_size_that_fits(train_images: int) -> int:
 
 def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
     info = session.info
-    resume = preflight(cfg, info)
+    resume = preflight(cfg, session)
     resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
     if info.is_main:
         log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size))
@@ -270,6 +279,7 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
     """Train on the rest of this epoch, one optimizer step per window of --accum-steps
     micro-batches; return early at --max-steps or a stop signal."""
     cfg, info, moco = run.cfg, run.info, run.moco
+    contrast = contrastive_step(cfg.symmetric)  # loss(q, k), or loss(q1, k2) + loss(q2, k1)
     moco.train()
     window_keys: list[torch.Tensor] = []  # every rank's keys of this window: enqueued after its step
     for micro, ((im_q, im_k), _) in run.micro_batches():
@@ -278,12 +288,7 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
         # up in .grad. Skipping it on all but the window's last micro-step sends them once per step.
         with no_sync(run.network, enabled=not micro.is_last):
             with autocast(cfg.amp, info.device):
-                if cfg.symmetric:  # loss(q1, k2) + loss(q2, k1); keys: (2*W*N) x C, crop 1's first
-                    logits_12, logits_21, keys = moco.symmetric_forward(im_q, im_k, run.network)
-                    loss, contrastive_acc = symmetric_contrastive_loss(logits_12, logits_21)
-                else:  # logits: N x (1+K); keys: (W*N) x C, every rank's, no graph
-                    logits, keys = moco(im_q, im_k, run.network)
-                    loss, contrastive_acc = contrastive_loss(logits)
+                loss, contrastive_acc, keys = contrast(moco, im_q, im_k, run.network)  # keys: no graph
             run.scaler.scale(loss / micro.window_size).backward()  # this micro-batch's share, at once
         window_keys.append(keys)
         meter.add_micro(micro.window_size, len(im_q) * info.world_size, loss=loss,
@@ -291,9 +296,11 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
         if not micro.is_last:
             continue
         run.prepare_next_batch()  # its augmentation runs on the device while the host waits below
-        # The ranks agree (NaN loss? stop signal?), then: unscale and clip, set the LR, step,
-        # update the scaler, zero the gradients.
-        stepped = optimizer_step(run, meter.window_loss)
+        # Unscale and clip, the ranks agree (NaN loss? stop signal?), then: set the LR, step,
+        # update the scaler, zero the gradients, count the step.
+        stepped = optimizer_step(run.optimizer, run.scaler, meter.window_loss, agree=run.agree,
+                                 lr_at=run.lr_schedule, state=run.state, clip_grad=cfg.clip_grad,
+                                 zero_in_place=info.is_distributed)
         momentum = momentum_at(cfg, run.state.step, run.total_steps)
         if stepped.applied:  # a skipped step leaves encoder_k and the queue as they were
             moco.momentum_update(momentum)  # k = m*k + (1-m)*q, after encoder_q moved
@@ -332,7 +339,7 @@ def fit(run: MocoRun) -> None:
         meter.progress.end_line()
         if run.preempted:  # checkpoint already written; leave for the requeue
             return
-        save_run(run)  # before the kNN pass: a preemption during it loses nothing
+        save_checkpoint(run)  # before the kNN pass: a preemption during it loses nothing
         epoch_ended = state.batches_done == 0
         if cfg.knn_every and ((epoch_ended and state.epoch % cfg.knn_every == 0) or run.finished()):
             knn = knn_monitor(run)

@@ -78,17 +78,17 @@ def jitter_order_ms(size: int, batch: int, repeats: int) -> tuple[float, float]:
     """(random order, fixed order) milliseconds of CPU time for one batch of ColorJitter(0.4, 0.4,
     0.4, 0.1) applied to every sample."""
     x = torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
-    factors, order = ba._jitter_draws(ba.draws(0, 0, torch.arange(batch))[:, :8], (0.4, 0.4, 0.4, 0.1))
+    factors, order = ba.jitter_draws(ba.draws(0, 0, torch.arange(batch))[:, :8], (0.4, 0.4, 0.4, 0.1))
     applied = torch.ones(batch, dtype=torch.bool)
 
     def fixed():
         y = x.clone()
         for op in range(3):
-            y = ba._blend_step_(y, torch.full((batch,), op), factors[:, op])
-        return ba._select_(y, applied, ba.shift_hue(y, factors[:, 3]))
+            y = ba.blend_step_(y, torch.full((batch,), op), factors[:, op])
+        return ba.select_(y, applied, ba.shift_hue(y, factors[:, 3]))
 
     random_order, fixed_order = _best_seconds(
-        [lambda: ba._color_jitter_(x.clone(), factors, order, applied), fixed], repeats)
+        [lambda: ba.color_jitter_(x.clone(), factors, order, applied), fixed], repeats)
     return 1e3 * random_order, 1e3 * fixed_order
 
 
@@ -117,7 +117,7 @@ def kernels_per_step(size: int, batch: int) -> tuple[int, int, int]:
     images = torch.randint(0, 256, (batch, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     index = torch.arange(batch)
     augment = DeviceAugment(BatchAugment(moco_recipe("cifar10", size, "v2"), size), seed=0, views=2)
-    purposes = [(ba._CROP, ba._JITTER - ba._CROP), (ba._JITTER, 9), (ba._GRAY, 1), (ba._BLUR, 2), (ba._FLIP, 1)]
+    purposes = [(ba.CROP_COLUMN, ba.JITTER_COLUMN - ba.CROP_COLUMN), (ba.JITTER_COLUMN, 9), (ba.GRAY_COLUMN, 1), (ba.BLUR_COLUMN, 2), (ba.FLIP_COLUMN, 1)]
     key = hashing.key(0, 0)
 
     def per_purpose():

@@ -47,7 +47,8 @@ from bench.imagenet_like import write_imagenet_like  # noqa: E402
 from ddp_utils import hashing  # noqa: E402
 from ddp_utils.data.batch_augment import BatchAugment  # noqa: E402
 from ddp_utils.data.decode import decode_cpu, read_bytes  # noqa: E402
-from ddp_utils.data.image_files import ImageFiles, decode_rgb  # noqa: E402
+from ddp_utils.data.image_files import decode_rgb  # noqa: E402
+from ddp_utils.data.image_folder import ImageFiles  # noqa: E402
 from ddp_utils.data.loading import DeviceAugment, DeviceFinish, SeededTransform, collate_files  # noqa: E402
 from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, moco_recipe  # noqa: E402
 from ddp_utils.data.sets import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402

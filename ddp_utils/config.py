@@ -35,9 +35,28 @@ class UsageError(Exception):
         self.said = said
 
 
-def opt(default: Any, help: str, choices: Sequence[Any] | None = None) -> Any:
-    """A config field with its help text (and optional allowed values)."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+# What a resume may do with a flag (``opt(on_resume=...)``):
+#   "fixed"      it shapes the model: a checkpoint that differs cannot be resumed;
+#   "experiment" another value makes another experiment: refused unless --allow-changes;
+#   "free"       how long and how a run goes, not what it learns: changed without a word but a log line;
+#   "invocation" this command's own choice (--out, --resume, ...): not compared at all.
+ON_RESUME = ("fixed", "experiment", "free", "invocation")
+
+
+def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group: str | None = None,
+        on_resume: str = "experiment", from_file: bool = True) -> Any:
+    """A config field: its default, help text (unit and meaning) and allowed values; the --help
+    section it is listed in (``group``; None: at the top, with --config); what a resume may do
+    with it (``on_resume``, one of ON_RESUME); whether ``--config FILE`` may set it."""
+    if on_resume not in ON_RESUME:
+        raise ValueError(f"opt: on_resume must be one of {', '.join(ON_RESUME)}, got {on_resume!r}")
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "group": group,
+                                                        "on_resume": on_resume, "from_file": from_file})
+
+
+def fields_on_resume(cls: type, *kinds: str) -> tuple[str, ...]:
+    """The names of ``cls``'s fields whose ``on_resume`` is one of ``kinds``, in field order."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("on_resume", "experiment") in kinds)
 
 
 def flag_name(field: str) -> str:
@@ -90,38 +109,44 @@ CONFIG_HELP = ("read flags from this JSON file first: a recipe (recipes/*.json) 
                "which repeats that run; flags on the command line override it; --resume, --overwrite, "
                "--allow-changes, --check and --check-data are never taken from a file; keys starting with _ "
                "are notes")
-# Decisions about this invocation, not about what to train: a file never makes a run resume or
-# delete another one.
-NOT_FROM_FILE = ("resume", "overwrite", "allow_changes", "check", "check_data")
 
 
-def _unwrap_optional(kind: Any) -> Any:
+def field_type(kind: Any) -> Any:
+    """A field's type, ``X`` for ``X | None`` (None: a value set by the preset)."""
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     return args[0] if len(args) == 1 and type(None) in typing.get_args(kind) else kind
 
 
 def ordered_fields(cls: type) -> list[dataclasses.Field]:
-    """The config's fields, those named in ``cls.FIRST_FLAGS`` first (e.g. a preset before the
-    flags it sets), the rest in declaration order."""
-    first = getattr(cls, "FIRST_FLAGS", ())
+    """The config's fields, those in no --help section first (e.g. a preset, before the flags it
+    sets), the rest in declaration order."""
     fields = dataclasses.fields(cls)
-    return [f for name in first for f in fields if f.name == name] + [f for f in fields if f.name not in first]
+    return [f for f in fields if f.metadata.get("group") is None] + \
+        [f for f in fields if f.metadata.get("group") is not None]
 
 
 def flag_groups(cls: type) -> dict[str, list[str]]:
-    """``--help``'s sections: ``cls.FLAG_GROUPS`` (title -> field names), in order; a field in no
-    group is listed at the top, with --config."""
-    groups = getattr(cls, "FLAG_GROUPS", {})
-    names = {f.name for f in dataclasses.fields(cls)}
-    listed = [name for members in groups.values() for name in members]
-    unknown = sorted(set(listed) - names)
-    if unknown or len(listed) != len(set(listed)):
-        raise TypeError(f"{cls.__name__}.FLAG_GROUPS: unknown or repeated fields {unknown or listed}")
-    return {title: list(members) for title, members in groups.items()}
+    """``--help``'s sections (title -> field names in declaration order), in the order of
+    ``cls.SECTIONS``; a field in no section is listed at the top, with --config."""
+    order = list(getattr(cls, "SECTIONS", ()))
+    groups: dict[str, list[str]] = {title: [] for title in order}
+    for f in dataclasses.fields(cls):
+        title = f.metadata.get("group")
+        if title is not None and title not in groups:
+            raise TypeError(f"{cls.__name__}.{f.name}: section {title!r} is not in {cls.__name__}.SECTIONS")
+        if title is not None:
+            groups[title].append(f.name)
+    return {title: members for title, members in groups.items() if members}
+
+
+def not_from_file(cls: type) -> tuple[str, ...]:
+    """Decisions about this invocation, not about what to train (``opt(from_file=False)``): a
+    file never makes a run resume or delete another one."""
+    return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("from_file", True))
 
 
 def build_parser(cls: type, doc: str = "", quiet: bool = False) -> argparse.ArgumentParser:
-    """The command line of ``cls``: one flag per field, in ``cls.FLAG_GROUPS``' sections; ``doc``'s
+    """The command line of ``cls``: one flag per field, in its section (:func:`flag_groups`); ``doc``'s
     first line is the description, the rest (the launch examples) the epilog."""
     description, _, epilog = doc.strip().partition("\n")
     # No abbreviated flags: "--lr-s" silently meaning --lr-schedule hides typos in recipes and scripts.
@@ -136,7 +161,7 @@ def build_parser(cls: type, doc: str = "", quiet: bool = False) -> argparse.Argu
     hints = typing.get_type_hints(cls)
     for f in sorted(ordered_fields(cls), key=lambda f: _group_position(groups, f.name)):
         flag, where = flag_name(f.name), sections.get(f.name, parser)
-        kind = _unwrap_optional(hints[f.name])  # `float | None`: None = "set by the preset"
+        kind = field_type(hints[f.name])  # `float | None`: None = "set by the preset"
         meta = f.metadata
         if kind is bool:
             where.add_argument(flag, dest=f.name, default=f.default, help=meta["help"],
@@ -210,9 +235,9 @@ def read_config_file(cls: type, path: str) -> dict[str, Any]:
             close = difflib.get_close_matches(name, fields, n=1)
             hint = f"; did you mean {flag_name(close[0])}?" if close else ""
             raise UsageError(f"--config {path}: unknown key {key!r}: not a flag of this script{hint}")
-        if name in NOT_FROM_FILE:
+        if name in not_from_file(cls):
             continue
-        values[name] = _checked_value(path, key, value, _unwrap_optional(hints[name]), fields[name])
+        values[name] = _checked_value(path, key, value, field_type(hints[name]), fields[name])
     return values
 
 
@@ -287,7 +312,7 @@ def markdown_flag_table(cls: type) -> str:
     hints = typing.get_type_hints(cls)
     for f in ordered_fields(cls):
         flag, meta = flag_name(f.name), f.metadata
-        if _unwrap_optional(hints[f.name]) is bool:
+        if field_type(hints[f.name]) is bool:
             flag = f"{flag} / --no-{flag[2:]}"
         if f.default is None:
             default = "preset"

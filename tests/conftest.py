@@ -9,13 +9,14 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import CLASSIFIER_REF, MOCO_REF, SYMMETRIC_REF, Reference, assert_ok, run_cli
+from helpers import CLASSIFIER_REF, MOCO_REF, SYMMETRIC_REF, Reference, assert_ok, run_ranks
 from slurm_cluster import missing_tools, start_cluster, stop_cluster
 
 
 def _reference(tmp_path_factory, script: str, args: list[str]) -> Reference:
-    out = tmp_path_factory.mktemp("reference") / "run"
-    proc = run_cli(script, args + ["--ckpt-every", "1", "--keep-checkpoints", "100", "--out", str(out)], nproc=2)
+    root = tmp_path_factory.mktemp("reference")
+    out = root / "run"
+    proc = run_ranks(script, args + ["--ckpt-every", "1", "--keep-checkpoints", "100", "--out", str(out)], root)
     assert_ok(proc)
     return Reference(script, args, out, proc.stdout)
 

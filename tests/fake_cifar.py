@@ -15,12 +15,16 @@ torchvision checks each file's md5 against the real CIFAR-10's, which these file
 workers too, which inherit it) skips the md5 comparison for CIFAR-10 only. Files must still exist,
 and every other data set (CIFAR-100 included) is checked as before. The patch is applied lazily,
 when ``torchvision.datasets.cifar`` is first imported, so a child that never reads CIFAR (torchrun's
-own launcher process) imports nothing extra.
+own launcher process) imports nothing extra. ``python tests/fake_cifar.py SCRIPT ARGS`` (``main``)
+applies the same patch in its own process and runs SCRIPT's ``main``: the entry point for
+``helpers.run_ranks``, whose forked ranks run no ``sitecustomize``.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -186,3 +190,19 @@ def cifar_env(site_dir: Path) -> dict[str, str]:
     site_dir.mkdir(parents=True, exist_ok=True)
     (site_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
     return {"PYTHONPATH": os.pathsep.join([str(site_dir), str(REPO)])}
+
+
+def main(argv: list[str]) -> int:
+    """``python tests/fake_cifar.py SCRIPT ARGS...``: SCRIPT's ``main(ARGS)`` with the md5 bypass
+    applied in this process first."""
+    bypass: dict = {}
+    exec(compile(SITECUSTOMIZE, "fake_cifar_sitecustomize", "exec"), bypass)
+    if "torchvision.datasets.cifar" in sys.modules:  # imported before the finder was installed
+        bypass["_patch"](sys.modules["torchvision.datasets.cifar"])
+    sys.path.insert(0, str(REPO))
+    script, args = argv[0], argv[1:]
+    return importlib.import_module(Path(script).stem).main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -6,13 +6,15 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ddp_utils.runtime.spawn import spawn_local
+from ddp_utils.runtime.spawn import preload_forkserver, spawn_local
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -121,13 +123,77 @@ def _rank_entry(rank: int, fn: Callable, out_dir: str, args: tuple) -> None:
         cleanup_distributed()
 
 
+# What the forkserver imports once for the whole session: every rank forked from it starts with
+# torch, torch._dynamo (which torch.optim imports) and both scripts loaded, in well under a
+# second, where a fresh interpreter spends about 5 s importing them.
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "helpers", "train_classifier", "train_moco"]
+
+
+def _forkserver() -> str:
+    preload_forkserver(FORKSERVER_PRELOAD)  # no-op once the server runs
+    return "forkserver"
+
+
 def run_on_ranks(fn: Callable, tmp_path: Path, *args: Any, world_size: int = 2) -> list[Any]:
     """Run ``fn(dist_info, *args)`` on ``world_size`` gloo ranks; returns each rank's result.
 
     ``fn`` must be importable (defined at module level) and return torch.save-able data.
     """
-    spawn_local(_rank_entry, world_size, fn, str(tmp_path), args)
+    spawn_local(_rank_entry, world_size, fn, str(tmp_path), args, start_method=_forkserver())
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _main_entry(rank: int, world_size: int, port: int, script: str, args: list[str], env: dict[str, str],
+                out_dir: str) -> None:
+    """One rank of :func:`run_ranks`: the environment torchrun gives a worker, stdout and
+    stderr into files, then the script's ``main(args)``; its return value is the exit code."""
+    import importlib
+
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        with open(Path(out_dir) / f"rank{rank}.{name}", "w") as f:
+            os.dup2(f.fileno(), fd)
+    sys.argv = [str(REPO / script), *args]
+    code = importlib.import_module(Path(script).stem).main(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_ranks(script: str, args: list[str], tmp_path: Path, nproc: int = 2, timeout: float = 300,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``main(args)`` of ``script`` on ``nproc`` gloo ranks, each a process forked from the
+    session's forkserver with torchrun's environment variables: the scripts' own code from
+    ``init_distributed`` on, without torchrun's agent or a fresh interpreter per rank (for the
+    promises that are not about the launcher; those use :func:`run_cli`). ``returncode``: 0 when
+    every rank exited 0, else the first rank's non-zero code (all of them in ``codes``); stdout
+    and stderr: every rank's, in rank order."""
+    import multiprocessing
+
+    from ddp_utils.runtime.spawn import free_port
+
+    out = Path(tempfile.mkdtemp(dir=tmp_path, prefix="ranks-"))
+    context = multiprocessing.get_context(_forkserver())
+    port, child_env = free_port(), cli_env(env)
+    ranks = [context.Process(target=_main_entry, args=(r, nproc, port, script, args, child_env, str(out)))
+             for r in range(nproc)]
+    for rank in ranks:
+        rank.start()
+    deadline = time.monotonic() + timeout
+    for rank in ranks:
+        rank.join(max(0.0, deadline - time.monotonic()))
+    for rank in ranks:
+        if rank.is_alive():
+            rank.kill()
+            rank.join()
+    codes = [rank.exitcode for rank in ranks]
+    read = lambda name: "".join((out / f"rank{r}.{name}").read_text() for r in range(nproc))  # noqa: E731
+    proc = subprocess.CompletedProcess(args, next((c for c in codes if c), 0), read("stdout"), read("stderr"))
+    proc.codes = codes  # type: ignore[attr-defined]
+    return proc
 
 
 def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -156,43 +222,3 @@ def write_image_folder(root: Path, per_class: int = 12) -> None:
                 pixels = (image.permute(1, 2, 0) * 255).to(torch.uint8).numpy()
                 Image.fromarray(pixels).save(root / split / f"class{label}" / f"{i}.png")
                 counts[label] += 1
-
-
-def bare_run(network: torch.nn.Module, optimizer: torch.optim.Optimizer, *, accum_steps: int = 1,
-             scaler: torch.amp.GradScaler | None = None, clip_grad: float = 0.0, lr_schedule=None,
-             guard=None, step: int = 0):
-    """A TrainRun around ``network`` with what ``optimizer_step`` reads, for tests of the
-    accumulation mechanics on toy models (no data, no run folder)."""
-    from types import SimpleNamespace
-
-    from ddp_utils.runtime.dist import DistInfo, get_rank, get_world_size, unwrap
-    from ddp_utils.runtime.faults import FaultPlan
-    from ddp_utils.runtime.stopping import StepGuard
-    from ddp_utils.train.run import RunState, TrainRun
-    from ddp_utils.train.schedule import LRSchedule
-    from train_classifier import ClassifierConfig
-
-    device = torch.device("cpu")
-    session = SimpleNamespace(guard=guard or StepGuard(None, device), faults=FaultPlan())
-    info = DistInfo(get_rank(), get_rank(), get_world_size(), get_world_size(), device, None, "test")
-    return TrainRun(cfg=ClassifierConfig(device="cpu", accum_steps=accum_steps, clip_grad=clip_grad), info=info,
-                    session=session, loaders=None, model=unwrap(network), network=network, optimizer=optimizer,
-                    lr_schedule=lr_schedule or LRSchedule(optimizer.param_groups[0]["lr"], "constant"),
-                    scaler=scaler or torch.amp.GradScaler("cpu", enabled=False), total_steps=0,
-                    state=RunState(step=step), tb=None, script="test")
-
-
-def train_windows(run, batches, loss_fn) -> list:
-    """The scripts' accumulation loop (train_classifier.train_one_epoch) on toy batches:
-    ``loss_fn(run.network, batch)`` per micro-step; returns each micro-step's StepResult or None."""
-    from ddp_utils.train.accumulation import no_sync, optimizer_step, plan_windows
-
-    results, window_loss = [], 0.0
-    for micro, batch in zip(plan_windows(len(batches), run.cfg.accum_steps), batches):
-        with no_sync(run.network, enabled=not micro.is_last):
-            loss = loss_fn(run.network, batch)
-            run.scaler.scale(loss / micro.window_size).backward()
-        window_loss = window_loss + loss.detach() / micro.window_size
-        results.append(optimizer_step(run, window_loss) if micro.is_last else None)
-        window_loss = 0.0 if micro.is_last else window_loss
-    return results

@@ -239,7 +239,7 @@ def count_per_micro_step(main, args: list[str], monkeypatch_setattr, plant_kind:
             "ddp_rebuild": counter.ddp_rebuild}
 
 
-def _main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     out_dir, argv = Path(argv[0]), argv[1:]
     plant_kind = None
     if argv[0] == "--plant":
@@ -254,4 +254,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

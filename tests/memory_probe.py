@@ -5,14 +5,13 @@ of it are saved), from when the graph saves it until the graph lets it go. Unlik
 resident memory (which the allocator's caching makes vary by 100 MiB from run to run), this is
 exact and repeatable: it is the memory a graph that outlives its micro-step would cost.
 
-mode "ours" is the scripts' loop (a backward per micro-batch, then ``optimizer_step``); mode
-"summed_loss" is the classic mistake of summing the window's losses and calling backward once,
-which keeps every micro-batch's graph alive until the end of the window.
+mode "ours" is train_classifier.py itself (a backward per micro-batch, then ``optimizer_step``);
+mode "summed_loss" is the classic mistake of summing the window's losses and calling backward
+once, which keeps every micro-batch's graph alive until the end of the window.
 """
 from __future__ import annotations
 
 import torch
-from helpers import bare_run, train_windows
 from torch import nn
 
 MICRO_BATCH, SIZE, WIDTH = 32, 64, 32
@@ -56,7 +55,21 @@ class _Held:
         self.meter.release(self.key, self.nbytes)
 
 
-def peak_saved_bytes(accum_steps: int, mode: str) -> int:
+def peak_saved_bytes(accum_steps: int, mode: str, out: str) -> int:
+    """mode "ours": the real train_classifier.py (its train_one_epoch) on synthetic 64 px
+    images, two optimizer steps of ``accum_steps`` micro-batches; "summed_loss": the mistake on
+    a small CNN, one window."""
+    if mode == "ours":
+        import train_classifier
+
+        args = ["--device", "cpu", "--dataset", "synthetic", "--synthetic-samples", str(2 * MICRO_BATCH * accum_steps),
+                "--image-size", str(SIZE), "--arch", "small_cnn", "--no-augment", "--batch-size", str(MICRO_BATCH),
+                "--accum-steps", str(accum_steps), "--epochs", "1", "--out", out]
+        meter = SavedTensorMeter()
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            assert train_classifier.main(args) == 0
+        assert meter.live == 0, "a saved tensor outlived the run"
+        return meter.peak
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, WIDTH, 3, padding=1), nn.BatchNorm2d(WIDTH), nn.ReLU(),
                           nn.Conv2d(WIDTH, WIDTH, 3, padding=1), nn.BatchNorm2d(WIDTH), nn.ReLU(),
@@ -64,16 +77,12 @@ def peak_saved_bytes(accum_steps: int, mode: str) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     batches = [(torch.randn(MICRO_BATCH, 3, SIZE, SIZE), torch.randint(10, (MICRO_BATCH,)))
                for _ in range(accum_steps)]
-    run = bare_run(model, optimizer, accum_steps=accum_steps)
     meter = SavedTensorMeter()
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-        if mode == "ours":
-            train_windows(run, batches, lambda net, b: nn.functional.cross_entropy(net(b[0]), b[1]))
-        else:
-            total = sum(nn.functional.cross_entropy(model(x), y) for x, y in batches)
-            (total / accum_steps).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            del total
+        total = sum(nn.functional.cross_entropy(model(x), y) for x, y in batches)
+        (total / accum_steps).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        del total
     assert meter.live == 0, "a saved tensor outlived the step"
     return meter.peak

@@ -2,17 +2,18 @@
 short windows scaled by their real length, and loss-scaler/clip work only in the optimizer step."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from helpers import assert_ok, bare_run, in_process, load_ckpt, run_cli, run_on_ranks, train_windows
+from helpers import assert_ok, in_process, load_ckpt, run_on_ranks, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import train_classifier
+from ddp_utils.data.sets import DigitsDataset
 from ddp_utils.models.backbones import build_model
-from ddp_utils.train.accumulation import MicroStep, plan_windows
+from ddp_utils.runtime.stopping import StepGuard
+from ddp_utils.train.accumulation import MicroStep, no_sync, optimizer_step, plan_windows
+from ddp_utils.train.state import RunState
 
 DIGITS_LENET = ["--dataset", "digits", "--arch", "lenet", "--no-augment", "--device", "cpu",
                 # constant LR: a cosine schedule's length depends on how many samples drop_last
@@ -23,8 +24,8 @@ DIGITS_LENET = ["--dataset", "digits", "--arch", "lenet", "--no-augment", "--dev
 def test_accumulation_matches_one_big_batch(tmp_path, capsys):
     """2 ranks x A=4 x batch 8 (torchrun) == 1 process x A=1 x batch 64, through the scripts."""
     steps = 4
-    small = run_cli("train_classifier.py", DIGITS_LENET + ["--batch-size", "8", "--accum-steps", "4",
-                    "--max-steps", str(steps), "--out", str(tmp_path / "ddp")], nproc=2)
+    small = run_ranks("train_classifier.py", DIGITS_LENET + ["--batch-size", "8", "--accum-steps", "4",
+                      "--max-steps", str(steps), "--out", str(tmp_path / "ddp")], tmp_path)
     assert_ok(small)
     big = in_process(train_classifier.main, DIGITS_LENET + ["--batch-size", "64", "--accum-steps", "1",
                      "--max-steps", str(steps), "--out", str(tmp_path / "single")], capsys)
@@ -52,88 +53,128 @@ def test_plan_windows_has_a_short_last_window():
     assert plan_windows(3, 1) == [MicroStep(0, 1)] * 3
 
 
-def test_short_final_window_is_scaled_by_its_real_size():
-    """Epoch of 7 micro-batches, A=3: windows 3, 3, 1. The last step must apply the plain mean
-    gradient of its single micro-batch (scaled by 1, not 1/3)."""
+class StepRecorder:
+    """Global hooks (PyTorch's public ones) around the real script: every forward's input, and at
+    each optimizer step the weights and gradients it starts from."""
+
+    def __init__(self, model_type: str):
+        self.model_type, self.inputs, self.steps = model_type, [], []
+
+    def __enter__(self):
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def on_forward(module, args):
+            if type(module).__name__ == self.model_type and module.training:
+                self.inputs.append(args[0].detach().clone())
+
+        def on_step(optimizer, args, kwargs):
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            self.steps.append(([p.detach().clone() for p in params], [p.grad.detach().clone() for p in params],
+                               len(self.inputs)))
+
+        self.handles = [register_module_forward_pre_hook(on_forward), register_optimizer_step_pre_hook(on_step)]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+
+def test_short_final_window_is_scaled_by_its_real_size(tmp_path, capsys):
+    """The script's own loop: --debug's 256 digits in batches of 32 make 8 micro-batches an epoch,
+    windows of A=3: 3, 3, 2. The short window's gradient is the plain mean over its 2 micro-batches
+    (each scaled by 1/2, not 1/3), as one batch of 64 gives it."""
+    args = ["--debug", "--device", "cpu", "--arch", "lenet", "--no-augment", "--batch-size", "32", "--accum-steps", "3",
+            "--epochs", "1", "--lr", "0.1", "--lr-schedule", "constant", "--out", str(tmp_path / "run")]
+    with StepRecorder("LeNet") as recorded:
+        assert_ok(in_process(train_classifier.main, args, capsys))
+    assert [seen for _, _, seen in recorded.steps] == [3, 6, 8]
+    weights, grads, _ = recorded.steps[2]
+    images = torch.cat(recorded.inputs[6:8])  # the short window's two micro-batches
     torch.manual_seed(0)
-    model = nn.Linear(5, 3)
-    batches = [(torch.randn(4, 5), torch.randint(3, (4,))) for _ in range(7)]
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # update == -gradient
-    run = bare_run(model, optimizer, accum_steps=3)
-    windows = [batches[0:3], batches[3:6], batches[6:7]]  # what plan_windows(7, 3) makes of the epoch
-    snapshots = []
-    for window in windows:
-        snapshots.append(copy.deepcopy(model))
-        train_windows(run, window, lambda net, b: nn.functional.cross_entropy(net(b[0]), b[1]))
-    final = model
-    for before, after, window in zip(snapshots, snapshots[1:] + [final], windows):
-        x = torch.cat([b[0] for b in window])
-        y = torch.cat([b[1] for b in window])
-        reference = copy.deepcopy(before)
-        nn.functional.cross_entropy(reference(x), y).backward()  # mean over the window's samples
-        for p_before, p_after, p_ref in zip(before.parameters(), after.parameters(), reference.parameters()):
-            torch.testing.assert_close(p_before - p_after, p_ref.grad, rtol=1e-6, atol=1e-7)
-    # The wrong scaling (1/A for the last window) would have moved it 3x less: make sure it did not.
-    last_step = [(a - b).abs().sum() for a, b in zip(snapshots[-1].parameters(), final.parameters())]
-    assert sum(last_step) > 0
+    reference = build_model("lenet", 10, 32)
+    with torch.no_grad():
+        for param, value in zip(reference.parameters(), weights):
+            param.copy_(value)
+    digits = DigitsDataset(train=True)
+    targets = _targets_of(images, digits)
+    reference.train()
+    nn.functional.cross_entropy(reference(images), targets).backward()
+    for ours, theirs in zip(grads, (p.grad for p in reference.parameters())):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def _targets_of(images: torch.Tensor, digits) -> torch.Tensor:
+    """The labels of these (un-augmented, normalised) digits, found by their pixels."""
+    from ddp_utils.data.sets import DIGITS_MEAN, DIGITS_STD
+
+    stored = (digits.images.expand(-1, 3, -1, -1) - DIGITS_MEAN[0]) / DIGITS_STD[0]  # N x 3 x 32 x 32
+    distances = torch.cdist(images.flatten(1), stored.flatten(1))
+    return digits.targets[distances.argmin(1)]
 
 
 class _CountingScaler(torch.amp.GradScaler):
-    def __init__(self):
-        super().__init__("cpu", init_scale=2.0**10)
-        self.calls = {"unscale_": 0, "update": 0}
+    calls: dict[str, int] = {}
 
     def unscale_(self, optimizer):
-        self.calls["unscale_"] += 1
+        _CountingScaler.calls["unscale_"] = _CountingScaler.calls.get("unscale_", 0) + 1
         return super().unscale_(optimizer)
 
-
     def update(self, new_scale=None):
-        self.calls["update"] += 1
+        _CountingScaler.calls["update"] = _CountingScaler.calls.get("update", 0) + 1
         return super().update(new_scale)
 
 
-def test_fp16_scaler_and_clipping_run_only_in_the_optimizer_step():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    optimizer_steps = []
-    optimizer.register_step_post_hook(lambda *_: optimizer_steps.append(1))
-    scaler = _CountingScaler()
-    run = bare_run(model, optimizer, accum_steps=4, scaler=scaler, clip_grad=1.0)
-    batches = [(torch.randn(4, 8), torch.randint(2, (4,))) for _ in range(10)]  # windows 4, 4, 2
-    grads_between = []
+def test_fp16_scaler_and_clipping_run_only_in_the_optimizer_step(tmp_path, capsys, monkeypatch):
+    """The script's own loop with --amp fp16 --clip-grad 1 --accum-steps 4 (windows 4, 4): the
+    gradients add up, still scaled, through a window; unscaled, clipped and stepped once per
+    window, on the unscaled gradients (no GradScaler.step)."""
+    monkeypatch.setattr(torch.amp, "GradScaler", _CountingScaler)
+    _CountingScaler.calls = {}
+    args = ["--debug", "--device", "cpu", "--arch", "lenet", "--image-size", "16", "--amp", "fp16", "--clip-grad", "1",
+            "--batch-size", "32", "--accum-steps", "4", "--epochs", "1", "--out", str(tmp_path / "run")]
+    grads_seen = []
+    from torch.nn.modules.module import register_module_forward_pre_hook
 
-    def loss(net, batch):
-        grads_between.append([p.grad is not None for p in net.parameters()])
-        with torch.autocast("cpu", dtype=torch.float16):
-            return nn.functional.cross_entropy(net(batch[0]), batch[1])
+    def before_forward(module, args):
+        if type(module).__name__ == "LeNet" and module.training:
+            grads_seen.append(all(p.grad is not None for p in module.parameters()))
 
-    results = train_windows(run, batches, loss)
-    steps = [r for r in results if r is not None]
-    assert len(steps) == 3 and run.state.step == 3
-    # gradients accumulate (still scaled) within a window, and are released by the step
-    assert [all(g) for g in grads_between] == [False, True, True, True] * 2 + [False, True]
-    assert all(p.grad is None for p in model.parameters())
-    # unscaled once per window; the optimizer steps on the unscaled gradients (no GradScaler.step)
-    assert scaler.calls == {"unscale_": 3, "update": 3} and len(optimizer_steps) == 3
-    assert all(r.grad_norm is not None and r.applied for r in steps)
+    handle = register_module_forward_pre_hook(before_forward)
+    clips = []
+    real_clip = nn.utils.clip_grad_norm_
+    monkeypatch.setattr(nn.utils, "clip_grad_norm_", lambda *a, **k: clips.append(1) or real_clip(*a, **k))
+    try:
+        with StepRecorder("LeNet") as recorded:
+            assert_ok(in_process(train_classifier.main, args, capsys))
+    finally:
+        handle.remove()
+    assert grads_seen == [False, True, True, True] * 2  # freed by each step, kept within a window
+    assert _CountingScaler.calls == {"unscale_": 2, "update": 2} and len(clips) == 2 and len(recorded.steps) == 2
 
 
 def test_an_fp16_overflow_skips_the_step_and_lowers_the_scale():
+    """optimizer_step on plain objects: a window whose scaled gradients overflow moves nothing,
+    counts the step and halves the scale."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    run = bare_run(model, optimizer, accum_steps=2, scaler=scaler)
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(3, 4)
-    # the 2nd micro-batch's loss is finite (about 1e36), its scaled gradients overflow (x 1024)
-    results = train_windows(run, [1.0, 1e36], lambda net, scale: net(x).sum() * scale)
-    assert not results[-1].applied and results[-1].verdict.overflow and not results[-1].verdict.nonfinite_ranks
+    window_loss = torch.zeros(())
+    for scale in (1.0, 1e36):  # the 2nd micro-batch's loss is finite (about 1e36), x 1024 it overflows
+        loss = model(x).sum() * scale
+        scaler.scale(loss / 2).backward()
+        window_loss = window_loss + loss.detach() / 2
+    state = RunState()
+    result = optimizer_step(optimizer, scaler, window_loss, agree=StepGuard(None, torch.device("cpu")),
+                            lr_at=lambda step: 0.1, state=state)
+    assert not result.applied and result.verdict.overflow and not result.verdict.nonfinite_ranks
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing moved
     assert scaler.get_scale() == 2.0**9  # halved by update()
-    assert all(p.grad is None for p in model.parameters()) and run.state.step == 1
+    assert all(p.grad is None for p in model.parameters()) and state.step == 1
 
 
 # ----------------------------------------------------------------------------- communication
@@ -156,21 +197,17 @@ def _count_allreduce(info, accum_steps: int, optimizer_steps: int):
 
     model.register_comm_hook(None, counting_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    run = bare_run(model, optimizer, accum_steps=accum_steps)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    per_micro, grad_storage = [], []
-
-    def loss(net, batch):  # counts what the previous micro-step's backward sent
-        per_micro.append(dict(calls))
-        grad_storage.append(tuple(None if p.grad is None else p.grad.data_ptr() for p in model.parameters()))
-        return nn.functional.cross_entropy(net(batch[0]), batch[1])
-
+    per_micro, grad_storage, stepped = [], [], []
     batches = [(torch.randn(8, 32), torch.randint(4, (8,))) for _ in range(accum_steps * optimizer_steps)]
-    results = train_windows(run, batches, loss)
+    _micro_steps(model, optimizer, batches, accum_steps, before_forward=lambda: (
+        per_micro.append(dict(calls)),
+        grad_storage.append(tuple(None if p.grad is None else p.grad.data_ptr() for p in model.parameters()))),
+        after_step=lambda result: stepped.append(len(per_micro)))
     per_micro.append(dict(calls))
     per_step = []
-    for before, after, result in zip(per_micro, per_micro[1:], results):
-        if result is None:
+    for i, (before, after) in enumerate(zip(per_micro, per_micro[1:])):
+        if i + 1 not in stepped:
             assert after == before, "a no_sync micro-step communicated"
         else:
             per_step.append((after["n"] - before["n"], after["bytes"] - before["bytes"]))
@@ -234,16 +271,29 @@ def _count_agreements(info, accum_steps: int, optimizer_steps: int):
     collectives.dist.all_reduce = counting_all_reduce
     torch.manual_seed(0)
     model = DDP(nn.Linear(8, 4))
-    run = bare_run(model, torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=accum_steps)
     marks = []
-
-    def loss(net, batch):
-        marks.append(calls["n"])
-        return nn.functional.cross_entropy(net(batch[0]), batch[1])
-
-    train_windows(run, [(torch.randn(4, 8), torch.randint(4, (4,)))] * (accum_steps * optimizer_steps), loss)
+    _micro_steps(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                 [(torch.randn(4, 8), torch.randint(4, (4,)))] * (accum_steps * optimizer_steps), accum_steps,
+                 before_forward=lambda: marks.append(calls["n"]))
     marks.append(calls["n"])
     return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def _micro_steps(model, optimizer, batches, accum_steps: int, before_forward, after_step=lambda result: None):
+    """Plain objects through the mechanics, as train_one_epoch drives them: no_sync on all but a
+    window's last micro-step, the scaled loss's backward, optimizer_step after the last (with the
+    real agreement: one all_reduce)."""
+    state, guard, window_loss = RunState(), StepGuard(None, torch.device("cpu")), 0.0
+    for micro, (x, y) in zip(plan_windows(len(batches), accum_steps), batches):
+        before_forward()
+        with no_sync(model, enabled=not micro.is_last):
+            loss = nn.functional.cross_entropy(model(x), y)
+            (loss / micro.window_size).backward()
+        window_loss = window_loss + loss.detach() / micro.window_size
+        if micro.is_last:
+            after_step(optimizer_step(optimizer, torch.amp.GradScaler("cpu", enabled=False), window_loss, agree=guard,
+                                      lr_at=lambda step: 0.1, state=state, zero_in_place=True))
+            window_loss = 0.0
 
 
 def test_the_stop_agreement_is_one_all_reduce_per_optimizer_step(communication):

@@ -219,7 +219,7 @@ def test_crop_boxes_take_the_first_attempt_that_fits_else_the_centre():
     u[:, [0, 10]] = torch.tensor([0.999, 0.0])  # attempt 0: area fraction ~1, log ratio at its minimum
     u[0, [1, 11]] = torch.tensor([0.0, 0.5])  # attempt 1: area fraction 0.08, ratio 1
     u[1, 1:10], u[1, 11:20] = 0.999, 0.0  # sample 1: every attempt is too tall
-    boxes = ba._resized_crop_boxes(u, 24, 40, (0.08, 1.0), (3 / 4, 4 / 3))
+    boxes = ba.resized_crop_boxes(u, 24, 40, (0.08, 1.0), (3 / 4, 4 / 3))
     assert boxes.tolist() == [[8, 16, 9, 9], [0, 4, 24, 32]]  # offsets: floor(0.5 * (24 - 9 + 1)), ...
 
 
@@ -271,23 +271,23 @@ def test_colour_ops_match_torchvision_per_sample():
     shifts = torch.rand(16, generator=g) - 0.5
     sigmas = 0.1 + 1.9 * torch.rand(16, generator=g)
     for op, fn in enumerate([TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation]):
-        ours = ba._blend_step_(x.clone(), torch.full((16,), op), factors)
+        ours = ba.blend_step_(x.clone(), torch.full((16,), op), factors)
         theirs = torch.stack([fn(image, float(f)) for image, f in zip(x, factors)])
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
     theirs = torch.stack([TF.adjust_hue(image, float(s)) for image, s in zip(x, shifts)])
     torch.testing.assert_close(ba.shift_hue(x, shifts), theirs, atol=1e-5, rtol=0)
     theirs = torch.stack([TF.gaussian_blur(image, [5, 5], [float(s)] * 2) for image, s in zip(x, sigmas)])
-    torch.testing.assert_close(ba._gaussian_blur(x, sigmas, 5), theirs, atol=1e-6, rtol=0)
-    assert torch.equal(ba._gray(x), TF.rgb_to_grayscale(x))
+    torch.testing.assert_close(ba.gaussian_blur(x, sigmas, 5), theirs, atol=1e-6, rtol=0)
+    assert torch.equal(ba.luma(x), TF.rgb_to_grayscale(x))
 
 
 def test_colour_jitter_applies_each_samples_ops_in_its_own_order():
     x = as_float(colour_images(48, 8))
     u = uniforms(0, 0, torch.arange(48), 0, 8)
-    factors, order = ba._jitter_draws(u, (0.4, 0.4, 0.4, 0.1))
+    factors, order = ba.jitter_draws(u, (0.4, 0.4, 0.4, 0.1))
     assert len(set(map(tuple, order.tolist()))) > 12  # many of the 24 orders occur
     applied = torch.arange(48) % 4 != 0
-    ours = ba._color_jitter_(x.clone(), factors, order, applied)
+    ours = ba.color_jitter_(x.clone(), factors, order, applied)
     ops = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue]
     for image, result, f, sequence, on in zip(x, ours, factors, order.tolist(), applied.tolist()):
         expected = image
@@ -304,7 +304,7 @@ def test_selection_by_lerp_is_exact():
     old, new = torch.randn(64, 3, 5, 5, generator=g) * 100, torch.randn(64, 3, 5, 5, generator=g)
     chosen = torch.rand(64, generator=g) < 0.5
     expected = torch.where(chosen[:, None, None, None], new, old)
-    assert torch.equal(ba._select_(old.clone(), chosen, new), expected)
+    assert torch.equal(ba.select_(old.clone(), chosen, new), expected)
 
 
 def test_colour_jitter_matches_torchvision_distribution():
@@ -356,8 +356,8 @@ def test_blur_sigma_is_drawn_uniformly_from_its_range():
     """The pipeline blurs with sigma = lo + (hi - lo) u, u the blur stream's second column."""
     images, index = as_float(colour_images(32, 8)), torch.arange(32)
     recipe = AugmentRecipe(blur_p=1.0, blur_sigma=(0.3, 1.7), blur_kernel=5)
-    u = ba.draws(2, 1, index, first_view=1)[:, ba._BLUR:ba._BLUR + 2]
-    expected = ba._gaussian_blur(images, 0.3 + 1.4 * u[:, 1], 5)
+    u = ba.draws(2, 1, index, first_view=1)[:, ba.BLUR_COLUMN:ba.BLUR_COLUMN + 2]
+    expected = ba.gaussian_blur(images, 0.3 + 1.4 * u[:, 1], 5)
     assert torch.equal(BatchAugment(recipe, 8)(images, seed=2, epoch=1, index=index, view=1), expected)
 
 
@@ -383,9 +383,9 @@ def test_grayscale_runs_before_or_after_the_jitter_as_the_recipe_says():
     jitter = AugmentRecipe(jitter=(0.4, 0.4, 0.4, 0.4))
     jittered = BatchAugment(jitter, 8)(images, 0, 0, index)
     after = BatchAugment(AugmentRecipe(jitter=jitter.jitter, gray_p=1.0), 8)(images, 0, 0, index)
-    assert torch.equal(after, ba._gray(jittered).expand_as(jittered))  # v2: grayscale of the jittered
+    assert torch.equal(after, ba.luma(jittered).expand_as(jittered))  # v2: grayscale of the jittered
     before = BatchAugment(AugmentRecipe(jitter=jitter.jitter, gray_p=1.0, gray_before_jitter=True), 8)
-    gray = ba._gray(images).expand_as(images).contiguous()
+    gray = ba.luma(images).expand_as(images).contiguous()
     assert torch.equal(before(images, 0, 0, index), BatchAugment(jitter, 8)(gray, 0, 0, index))  # v1
 
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 from fake_cifar import cifar_env, write_fake_cifar10
-from helpers import REPO, assert_ok, cli_env, load_ckpt, read_scalars, run_cli
+from helpers import REPO, assert_ok, cli_env, load_ckpt, read_scalars, run_cli, run_ranks
 
 CPU = ["--device", "cpu"]
 N_TRAIN, N_TEST = 300, 101  # 30 train and 10 test images per class, +1 test image: 101 splits 51/50 on 2 ranks
@@ -115,8 +115,8 @@ def test_classifier_learns_fake_cifar_on_two_ranks(tmp_path, cifar):
     device, padded crops and flips as a batch."""
     aug_on = "device"
     out, aug_flags = tmp_path / "run", ["--aug-on", aug_on]
-    proc = run_cli("train_classifier.py", cifar_args(cifar, out, "--batch-size", str(BATCH), "--epochs", "2",
-                                                     *aug_flags), nproc=WORLD, env=cifar.env)
+    proc = run_ranks("tests/fake_cifar.py", ["train_classifier.py", *cifar_args(
+        cifar, out, "--batch-size", str(BATCH), "--epochs", "2", *aug_flags)], tmp_path, nproc=WORLD)
     assert_ok(proc)
     assert load_ckpt(out / "checkpoint_last.pt")["step"] == 2 * STEPS_PER_EPOCH
     check_config(out, aug_on)
@@ -161,9 +161,9 @@ def check_moco_run(proc, out, steps: int, world: int, batch: int, moco_k: int) -
 @pytest.mark.parametrize("aug_on", ["loader", "device"])
 def test_moco_on_fake_cifar_on_two_ranks(tmp_path, cifar, aug_on):
     out, aug_flags = tmp_path / "moco", ["--aug-on", aug_on]
-    proc = run_cli("train_moco.py", cifar_args(cifar, out, "--batch-size", str(BATCH), "--moco-k", "256",
-                                               "--epochs", "1", "--knn-k", "20", *aug_flags),
-                   nproc=WORLD, env=cifar.env)
+    proc = run_ranks("tests/fake_cifar.py", ["train_moco.py", *cifar_args(
+        cifar, out, "--batch-size", str(BATCH), "--moco-k", "256", "--epochs", "1", "--knn-k", "20", *aug_flags)],
+        tmp_path, nproc=WORLD)
     # 9 steps x 2 ranks x 16 = 288 keys: the pointer wrapped once, to 32
     check_moco_run(proc, out, STEPS_PER_EPOCH, WORLD, BATCH, 256)
     check_config(out, aug_on)

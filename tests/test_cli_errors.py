@@ -254,13 +254,13 @@ def _numeric_cases():
     import dataclasses
     import typing
 
-    from ddp_utils.config import _unwrap_optional
+    from ddp_utils.config import field_type
 
     for script, module in SCRIPTS.items():
         cls = module.ClassifierConfig if script == "classifier" else module.MocoConfig
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            kind = _unwrap_optional(hints[f.name])
+            kind = field_type(hints[f.name])
             if kind not in (int, float):
                 continue
             values = ["0", "-1"] + (["nan", "inf", "-inf"] if kind is float else [])
@@ -285,7 +285,7 @@ def test_every_numeric_flag_at_zero_negative_nan_and_inf(capsys, script, name, v
         (value == "0" and name in ZERO_OK) or (value == "-1" and name in NEGATIVE_OK))
     try:
         cfg = parse_config(cls, [f"{flag}={value}"])
-        cfg.validate(LaunchEnv("single", 0, 0, 1, 1))
+        cfg.validate(LaunchEnv("single", 0, 0, 1, 1), cuda_devices=0)
         problem = None
     except SystemExit:
         problem = capsys.readouterr().err

@@ -197,28 +197,27 @@ def test_imagefolder_on_the_device_splits_the_work_and_stays_seeded(tmp_path):
 
 
 @pytest.mark.parametrize("size, views, tile", [(16, 2, 64), (32, 1, 64), (96, 2, 96)])
-def test_the_preview_enlarges_small_images_and_names_its_columns(size, views, tile, monkeypatch):
-    from ddp_utils.data import preview
+def test_the_preview_enlarges_small_images_and_names_its_columns(size, views, tile):
+    """Digits at 16, 32 and 96 px, one or two views: 8 rows of tiles of at least 64 px, a header
+    with each column's name, and small images enlarged by whole pixels (nearest neighbour)."""
+    from ddp_utils.data.preview import augmentation_grid
 
-    class Train:  # what augmentation_grid reads of the loaders: 8 samples and their views
-        train_set = torch.utils.data.TensorDataset(torch.rand(8, 1, size, size), torch.zeros(8))
-        unreadable = None
-
-    ramp = torch.linspace(0, 1, size).expand(8, 3, size, size)
-    monkeypatch.setattr(preview, "_views", lambda loaders, index: [ramp] * views)
-    monkeypatch.setattr(preview, "_originals", lambda raw, index, size, unreadable: list(ramp))
-    grid = preview.augmentation_grid(Train(), "synthetic", size)
+    recipe = moco_recipe("digits", size, "v2") if views == 2 else classifier_recipe("digits", size)
+    loaders = build_data(plan(image_size=size, recipe=recipe, views=views, aug_on_device=True), rank=0, world_size=1,
+                         device=CPU)
+    grid = augmentation_grid(loaders, "digits", size)
     columns = 1 + views
     assert grid.shape == (3, 14 + 8 * (tile + 2) + 2, columns * (tile + 2) + 2)
     header = grid[:, :14]
-    for column in range(columns):  # each column's label: dark pixels in its own third of the header
+    for column in range(columns):  # each column's label: dark pixels in its own part of the header
         left = 2 + column * (tile + 2)
         assert (header[:, :, left:left + tile] < 0.5).any(), column
     assert (header[:, :, :2] == 1).all()  # the padding column stays white
-    # nearest-neighbour enlargement: every source pixel becomes a tile/size square of one value
-    first = grid[:, 16:16 + tile, 2:2 + tile]
     scale = tile // size
-    assert torch.equal(first, ramp[0].repeat_interleave(scale, 1).repeat_interleave(scale, 2))
+    for column in range(columns):  # every source pixel a scale x scale square of one value
+        first = grid[:, 16:16 + tile, 2 + column * (tile + 2):2 + column * (tile + 2) + tile]
+        blocks = first.reshape(3, size, scale, size, scale)
+        assert torch.equal(blocks, blocks[:, :, :1, :, :1].expand_as(blocks))
 
 
 def test_a_subset_of_synthetic_images_generates_only_its_samples():

@@ -106,6 +106,46 @@ CASES = [(script, name, *(ONLY[script].get(name) or SHARED[name]), [])[:5]
 _TIMES = re.compile(r"^\d\d:\d\d:\d\d |\d+(\.\d+)? s\b|[\d,]+ img/s|eta \S+|sha256 \w+|/tmp/\S+")
 
 
+# What a resume may do with each flag and each flag's --help section, declared with its field
+# (opt(group=..., on_resume=...)): pinned here, so that a change to them is a change of this file.
+FIXED = {"classifier": ("arch", "linear_probe", "probe_bn"), "moco": ("arch", "moco_dim", "moco_k", "mlp")}
+FREE = ("epochs", "max_steps", "data_dir", "download", "aug_on", "decode_on", "workers", "amp", "tf32", "deterministic",
+        "compile", "device", "dist_timeout", "ckpt_every", "keep_checkpoints", "skip_nonfinite", "log_every")
+FREE_OF = {"classifier": FREE, "moco": FREE + ("knn_k", "knn_t", "knn_features", "knn_every", "knn_bank_samples",
+                                               "export_backbone")}
+INVOCATION = ("out", "resume", "overwrite", "allow_changes", "check", "check_data")
+NOT_FROM_FILE = ("resume", "overwrite", "allow_changes", "check", "check_data")
+SECTIONS = {
+    "data": ["dataset", "data_dir", "download", "image_size", "synthetic_samples", "augment", "normalization",
+             "aug_on", "decode_on", "workers"],
+    "model and optimisation": ["arch", "batch_size", "accum_steps", "epochs", "max_steps", "lr", "momentum",
+                               "weight_decay", "lr_schedule", "lr_milestones", "warmup_steps", "clip_grad", "seed"],
+    "precision and speed": ["amp", "tf32", "deterministic", "compile"],
+    "run folder and checkpoints": ["out", "resume", "overwrite", "allow_changes", "check", "check_data", "ckpt_every",
+                                   "keep_checkpoints", "skip_nonfinite", "log_every", "debug"],
+    "distributed": ["device", "dist_timeout"],
+}
+SECTIONS_OF = {
+    "classifier": {**SECTIONS, "pretrained backbone": ["pretrained", "linear_probe", "probe_bn"]},
+    "moco": {**SECTIONS, "MoCo": ["moco_dim", "moco_k", "moco_m", "moco_m_cos", "moco_t", "symmetric", "mlp", "aug",
+                                  "crop_min", "shuffle_bn", "bn_splits", "sync_bn", "export_backbone"],
+             "kNN monitor": ["knn_k", "knn_t", "knn_features", "knn_every", "knn_bank_samples"]},
+}
+
+
+@pytest.mark.parametrize("script", ["classifier", "moco"])
+def test_each_fields_resume_rule_and_section_are_declared_with_it(script):
+    from ddp_utils.config import fields_on_resume, flag_groups, not_from_file
+
+    cls = CONFIG[script]
+    assert fields_on_resume(cls, "fixed") == FIXED[script]
+    assert set(fields_on_resume(cls, "free")) == set(FREE_OF[script])
+    assert fields_on_resume(cls, "invocation") == INVOCATION and not_from_file(cls) == NOT_FROM_FILE
+    assert flag_groups(cls) == SECTIONS_OF[script]
+    ungrouped = [f.name for f in dataclasses.fields(cls) if f.metadata["group"] is None]
+    assert ungrouped == (["preset"] if script == "moco" else [])  # listed first, with --config
+
+
 def test_every_flag_has_an_entry():
     """A new flag must be added here with what it changes; an entry for a removed flag goes."""
     for script in CONFIG:

@@ -4,8 +4,8 @@ ranks' stop/non-finite/overflow agreement) and never inside a window's other mic
 
 ``host_sync_probe`` counts, over the real training loop, every operation that would wait on a
 GPU (device reads, data-dependent shapes, blocking host-to-device copies); see its docstring.
-One process in this process, two ranks through torchrun (MoCo's shuffle BN is then an
-all_to_all), and planted syncs that must be caught.
+One process in this process, two ranks forked with torchrun's environment (MoCo's shuffle BN
+is then an all_to_all), and planted syncs that must be caught.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import assert_ok, run_cli
+from helpers import assert_ok, run_ranks
 from host_sync_probe import HostSyncCounter, count_per_micro_step
 
 import train_classifier
@@ -68,11 +68,11 @@ def test_moco_on_image_files_reads_the_device_once_per_optimizer_step(monkeypatc
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
-    """Both scripts under torchrun with 2 ranks, each rank counting its own syncs."""
+    """Both scripts on 2 gloo ranks, each rank counting its own syncs."""
     results = {}
     for name, script, args in (("classifier", "train_classifier.py", CLASSIFIER), ("moco", "train_moco.py", MOCO)):
         out = tmp_path_factory.mktemp(name)
-        proc = run_cli("tests/host_sync_probe.py", [str(out), script, *args, "--out", str(out / "run")], nproc=2)
+        proc = run_ranks("tests/host_sync_probe.py", [str(out), script, *args, "--out", str(out / "run")], out)
         assert_ok(proc)
         results[name] = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     return results

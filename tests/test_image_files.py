@@ -23,11 +23,11 @@ import train_moco
 from ddp_utils.data.image_files import (
     PLACEHOLDER_SIDE,
     CheckedBatches,
-    ImageFiles,
     UnreadableFiles,
     UnreadableImage,
     decode_rgb,
 )
+from ddp_utils.data.image_folder import ImageFiles
 from ddp_utils.data.loading import ResumableDistributedSampler, SeededTransform
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.runtime.dist import DistInfo

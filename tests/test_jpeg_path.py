@@ -18,7 +18,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from ddp_utils.data.batch_augment import BatchAugment, as_float_rgb, draws
 from ddp_utils.data.decode import decode_cpu, device_decodable, read_bytes
-from ddp_utils.data.image_files import ImageFiles
+from ddp_utils.data.image_folder import ImageFiles
 from ddp_utils.data.packed import pack, unpack
 from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, moco_recipe

@@ -92,7 +92,7 @@ def test_first_slurm_host(nodelist, first):
 
 def test_uneven_tasks_per_node(clean_env):
     env = {"SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}
-    assert ddp_dist._tasks_on_this_node(env) == 3
+    assert ddp_dist.tasks_on_this_node(env) == 3
 
 
 def test_device_cuda_requested_without_cuda_fails_clearly():

@@ -17,15 +17,16 @@ from helpers import (
     load_ckpt,
     read_scalars,
     resume_folder,
-    run_cli,
     run_on_ranks,
+    run_ranks,
 )
 from memory_probe import SavedTensorMeter
 from torch import nn
 
+import ddp_utils.models.moco as moco_module
 import train_moco
 from ddp_utils.models.backbones import build_model
-from ddp_utils.models.moco import MoCo, info_nce
+from ddp_utils.models.moco import MoCo, contrastive_loss, info_nce
 from ddp_utils.models.shuffle_bn import (
     SplitBatchNorm2d,
     gather_unshuffled,
@@ -246,14 +247,14 @@ def test_no_graph_outlives_its_step_and_no_autograd_errors(tmp_path, monkeypatch
         with _run(str(tmp_path / "a"), batch_size=32, bn_splits=4, moco_k=256, image_size=32) as run_meter:
             ours = _graph_bytes_after_steps(*run_meter)
         kept = []
-        real_loss = train_moco.contrastive_loss
+        real_loss = moco_module.contrastive_loss
 
         def leaky_loss(logits):
             kept.append(logits)  # the classic mistake: a graph-carrying tensor outlives its step
             return real_loss(logits)
 
         real_backward = torch.Tensor.backward
-        monkeypatch.setattr(train_moco, "contrastive_loss", leaky_loss)
+        monkeypatch.setattr(moco_module, "contrastive_loss", leaky_loss)
         monkeypatch.setattr(torch.Tensor, "backward",
                             lambda self, *a, **kw: real_backward(self, *a, **{**kw, "retain_graph": True}))
         with _run(str(tmp_path / "b"), batch_size=32, bn_splits=4, moco_k=256, image_size=32) as run_meter:
@@ -275,7 +276,7 @@ def test_debug_cli_runs_under_anomaly_detection_with_accumulation(tmp_path, caps
     assert ckpt["step"] == 2 * 8 and int(ckpt["model"]["queue_ptr"]) == (2 * 16 * 16) % 128
 
 
-# ----------------------------------------------------------------------------- real CLI, 2 ranks
+# ----------------------------------------------------------------------------- the script's main() on 2 ranks
 KNN_RUN = ["--device", "cpu", "--dataset", "digits", "--arch", "small_cnn", "--image-size", "16",
            "--batch-size", "32", "--moco-k", "128", "--moco-m", "0.99", "--lr", "0.06", "--epochs", "15",
            "--knn-every", "5", "--log-every", "10"]
@@ -284,7 +285,7 @@ KNN_RUN = ["--device", "cpu", "--dataset", "digits", "--arch", "small_cnn", "--i
 @pytest.mark.slow
 def test_moco_learns_digits_features_on_two_ranks(tmp_path):
     out = tmp_path / "run"
-    proc = run_cli("train_moco.py", KNN_RUN + ["--out", str(out)], nproc=2, timeout=600)
+    proc = run_ranks("train_moco.py", KNN_RUN + ["--out", str(out)], tmp_path, timeout=600)
     assert_ok(proc)
     scalars = read_scalars(out / "tb")
     for tag in ("train/loss", "train/contrastive_acc1", "train/lr", "train/moco_m", "train/images_per_sec"):
@@ -305,7 +306,7 @@ def test_resume_restores_queue_pointer_and_key_encoder_exactly(moco_reference, t
     """Step 9's checkpoint resumed on 2 ranks to step 30, across the end of epoch 1: encoders,
     queue, its pointer, the shuffle count and the momentum schedule equal the reference's."""
     part = resume_folder(moco_reference.checkpoint(9), tmp_path / "part")
-    assert_ok(run_cli("train_moco.py", MOCO_REF + ["--resume", "auto", "--out", str(part)], nproc=2))
+    assert_ok(run_ranks("train_moco.py", MOCO_REF + ["--resume", "auto", "--out", str(part)], tmp_path))
     ref, res = moco_reference.final, load_ckpt(part / "checkpoint_last.pt")
     assert ref["step"] == 30 and ref["epoch"] == 1
     assert_same_state(res, ref)  # queue, ptr, shuffle count, encoders, optimizer
@@ -318,10 +319,10 @@ def test_resume_restores_queue_pointer_and_key_encoder_exactly(moco_reference, t
 @pytest.mark.slow  # a 2-rank job; test_linear_probe_with_mocos_protocol keeps the probe in the fast tier
 def test_linear_probe_from_moco_checkpoint_keeps_backbone(trained_moco, tmp_path):
     probe_out = tmp_path / "probe"
-    proc = run_cli("train_classifier.py", ["--device", "cpu", "--image-size", "16", "--pretrained",
-                                           str(trained_moco / "run/checkpoint_last.pt"), "--linear-probe",
-                                           "--probe-bn", "--lr", "0.1", "--weight-decay", "0", "--epochs", "3",
-                                           "--out", str(probe_out)], nproc=2)
+    proc = run_ranks("train_classifier.py", ["--device", "cpu", "--image-size", "16", "--pretrained",
+                                             str(trained_moco / "run/checkpoint_last.pt"), "--linear-probe",
+                                             "--probe-bn", "--lr", "0.1", "--weight-decay", "0", "--epochs", "3",
+                                             "--out", str(probe_out)], tmp_path)
     assert_ok(proc)
     assert "frozen backbone unchanged" in proc.stdout
     moco_state = load_ckpt(trained_moco / "run/checkpoint_last.pt")["model"]
@@ -448,10 +449,10 @@ def test_bf16_autocast_keys_enter_the_fp32_queue_exactly(tmp_path, capsys):
     im_q, im_k = torch.randn(6, 3, 5, 5), torch.randn(6, 3, 5, 5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, keys = moco(im_q, im_k)
-        loss, _ = train_moco.contrastive_loss(logits)
+        loss, _ = contrastive_loss(logits)
     moco.enqueue(keys)
     assert keys.dtype == torch.bfloat16 and torch.isfinite(loss)
-    assert torch.equal(moco.queue[:, :6], keys.T.float()) and moco._ptr == int(moco.queue_ptr) == 6
+    assert torch.equal(moco.queue[:, :6], keys.T.float()) and moco.queue_position == int(moco.queue_ptr) == 6
     out = tmp_path / "bf16"
     assert_ok(in_process(train_moco.main, ["--debug", "--device", "cpu", "--amp", "bf16", "--image-size", "16",
                                            "--batch-size", "16", "--moco-k", "64", "--max-steps", "3",

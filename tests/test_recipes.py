@@ -60,7 +60,7 @@ def test_recipe_is_a_valid_config_of_its_script(name):
     script, world, extra = RECIPES[name]
     cls = CONFIGS[script]
     cfg = parse_config(cls, ["--config", str(REPO / "recipes" / f"{name}.json"), *extra])
-    cfg.validate(LaunchEnv("torchrun" if world > 1 else "single", 0, 0, world, min(world, 8)))
+    cfg.validate(LaunchEnv("torchrun" if world > 1 else "single", 0, 0, world, min(world, 8)), cuda_devices=0)
     values = {k: v for k, v in json.loads((REPO / "recipes" / f"{name}.json").read_text()).items()
               if not k.startswith("_")}
     assert {k: getattr(cfg, k) for k in values} == values  # every value arrived as written

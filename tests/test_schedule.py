@@ -7,12 +7,13 @@ import math
 
 import pytest
 import torch
-from helpers import bare_run, train_windows
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from ddp_utils.runtime.stopping import StepVerdict
+from ddp_utils.runtime.stopping import StepGuard, StepVerdict
+from ddp_utils.train.accumulation import optimizer_step
 from ddp_utils.train.schedule import LRSchedule, warmup_cosine_factor, warmup_step_factor
+from ddp_utils.train.state import RunState
 
 PEAK, TOTAL, MILESTONES = 0.05, 300, (120, 210)  # 0.05: not a power of two, so rounding would show
 KINDS = [("cosine", 0), ("cosine", 25), ("step", 0), ("step", 25), ("constant", 0), ("constant", 25)]
@@ -43,21 +44,20 @@ def test_lr_at_step_is_the_lambdalr_sequence_bit_for_bit(kind, warmup):
 
 
 def _applied_lrs(schedule: LRSchedule, skip=frozenset()) -> list[float]:
-    """The LR of every applied optimizer step (A=2, 40 windows through ``optimizer_step``); the
-    windows in ``skip`` are dropped as if their loss had been NaN on some rank."""
+    """The LR of every applied optimizer step over 40 steps through ``optimizer_step`` (plain
+    objects); the steps in ``skip`` are dropped as if their loss had been NaN on some rank."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=PEAK)
     seen: list[float] = []
     opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["lr"]))
-    windows = iter(range(10**6))
-
-    def guard(nonfinite, overflow=None, unreadable=False):  # what StepGuard would agree on, without the all_reduce
-        return StepVerdict(nonfinite_ranks=int(next(windows) in skip))
-
-    run = bare_run(model, opt, accum_steps=2, lr_schedule=schedule, guard=guard)
-    train_windows(run, [torch.randn(4, 3) for _ in range(80)], lambda net, x: net(x).pow(2).mean())
-    assert run.state.step == 40
+    state, scaler = RunState(), torch.amp.GradScaler("cpu", enabled=False)
+    for step in range(40):
+        loss = model(torch.randn(4, 3)).pow(2).mean()
+        loss.backward()
+        agree = lambda nonfinite, overflow, step=step: StepVerdict(nonfinite_ranks=int(step in skip))  # noqa: E731
+        optimizer_step(opt, scaler, loss.detach(), agree=agree, lr_at=schedule, state=state)
+    assert state.step == 40
     return seen
 
 
@@ -79,9 +79,12 @@ def test_a_resumed_run_continues_at_its_step():
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     schedule = LRSchedule(PEAK, "cosine", 100, 10)
-    run = bare_run(model, opt, lr_schedule=schedule, step=37)
-    train_windows(run, [torch.randn(2, 3)], lambda net, x: net(x).sum())
-    assert opt.param_groups[0]["lr"] == schedule(37) and run.state.step == 38  # the LR that step used
+    state = RunState(step=37)  # as a checkpoint of step 37 restores it
+    loss = model(torch.randn(2, 3)).sum()
+    loss.backward()
+    optimizer_step(opt, torch.amp.GradScaler("cpu", enabled=False), loss.detach(),
+                   agree=StepGuard(None, torch.device("cpu")), lr_at=schedule, state=state)
+    assert opt.param_groups[0]["lr"] == schedule(37) and state.step == 38  # the LR that step used
 
 
 # ----------------------------------------------------------------------------- cosine-epoch

@@ -202,7 +202,7 @@ def _worker(info: DistInfo) -> dict:
             moco.enqueue(everyone)
         for name, count in seen.reads.items():
             reads[name] = reads.get(name, 0) + count
-        ptrs.append((ref_ptr, moco._ptr, int(moco.queue_ptr)))
+        ptrs.append((ref_ptr, moco.queue_position, int(moco.queue_ptr)))
     out["enqueue"] = dict(ref_queue=ref_queue, queue=moco.queue.clone(), ptrs=ptrs, reads=reads, last=everyone)
 
     # checkpoint load and rank 0's state: the Python ints follow the buffers
@@ -211,7 +211,7 @@ def _worker(info: DistInfo) -> dict:
     state["shuffle_count"] = torch.tensor([3 + info.rank])
     fresh = MoCo(_encoder(), dim=C, K=K)
     fresh.load_state_dict(state)
-    counters = lambda m: (m._ptr, int(m.queue_ptr), m._shuffles, int(m.shuffle_count))  # noqa: E731
+    counters = lambda m: (m.queue_position, int(m.queue_ptr), m.key_batches_shuffled, int(m.shuffle_count))  # noqa: E731
     after_load = counters(fresh)
     fresh.sync_state_from_rank0()
     after_sync = counters(fresh)
@@ -234,7 +234,7 @@ def _worker(info: DistInfo) -> dict:
         other_seed.keys(x)
     out["resume"] = dict(perms=seen.perms, resumed_perms=after_resume.perms, then=then, again=again,
                          first=first, saved_count=int(state["shuffle_count"]),
-                         counts=(run._shuffles, int(run.shuffle_count), resumed._shuffles,
+                         counts=(run.key_batches_shuffled, int(run.shuffle_count), resumed.key_batches_shuffled,
                                  int(resumed.shuffle_count)),
                          other_seed_perm=seen_other.perms[0])
     return out
@@ -390,8 +390,8 @@ def test_one_process_keys_and_queue_without_host_reads():
     assert seen.reads == {} and seen.perms == []  # one process: the local shuffle, from the global RNG
     assert keys.shape == (2 * N, C)
     torch.testing.assert_close(keys, F.normalize(moco.encoder_k(x), dim=1), rtol=0, atol=1e-6)
-    assert moco._ptr == int(moco.queue_ptr) == (4 * 2 * N) % K
-    assert moco._shuffles == int(moco.shuffle_count) == 0
+    assert moco.queue_position == int(moco.queue_ptr) == (4 * 2 * N) % K
+    assert moco.key_batches_shuffled == int(moco.shuffle_count) == 0
     with pytest.raises(ValueError, match="do not fit"):
         moco.enqueue(torch.zeros(K + 1, C))
 
@@ -416,10 +416,10 @@ def test_compiled_key_encoder_gives_the_eager_keys_and_keeps_the_state_dict():
     try:
         assert list(compiled.state_dict()) == names  # not a submodule: no new keys
         assert dict(compiled.named_modules()).keys() == dict(eager.named_modules()).keys()
-        wrapper = compiled._compiled_encoder_k
-        assert eager._compiled_encoder_k is None and wrapper._orig_mod is compiled.encoder_k
+        wrapper = compiled.compiled_key_encoder
+        assert eager.compiled_key_encoder is None and wrapper._orig_mod is compiled.encoder_k
         calls = []  # the key path must go through the compiled wrapper: count its calls
-        object.__setattr__(compiled, "_compiled_encoder_k", lambda t: calls.append(1) or wrapper(t))
+        object.__setattr__(compiled, "compiled_key_encoder", lambda t: calls.append(1) or wrapper(t))
         x = torch.randn(8, 3, 5, 5)
         for _ in range(2):  # before and after a momentum update (in place, seen by the compiled code)
             torch.manual_seed(3)  # one process: the same local shuffle for both

@@ -22,8 +22,8 @@ from helpers import (
     load_ckpt,
     read_scalars,
     resume_folder,
-    run_cli,
     run_on_ranks,
+    run_ranks,
 )
 from host_sync_probe import count_per_micro_step
 from torch import nn
@@ -91,7 +91,7 @@ def test_symmetric_loss_is_the_sum_of_both_directions_by_hand(split):
     for (name, p), h in zip(moco.encoder_q.named_parameters(), hand.encoder_q.parameters()):
         torch.testing.assert_close(p.grad, h.grad, rtol=1e-5, atol=1e-6, msg=name)  # both crops' graphs
     assert all(p.grad is None for p in moco.encoder_k.parameters())
-    assert torch.equal(moco.queue, queue) and moco._ptr == 0  # the caller enqueues, after the step
+    assert torch.equal(moco.queue, queue) and moco.queue_position == 0  # the caller enqueues, after the step
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split-bn-shuffled", "no-shuffle"])
@@ -153,7 +153,7 @@ def _ranks_checks(run, info: DistInfo) -> dict:
 
     def enqueue(keys):
         real_enqueue(keys)
-        enqueued.append((keys.clone(), moco._ptr, int(moco.queue_ptr)))
+        enqueued.append((keys.clone(), moco.queue_position, int(moco.queue_ptr)))
 
     moco.keys, moco.symmetric_forward, moco.enqueue = keys, symmetric_forward, enqueue
     run.cfg.max_steps = STEPS
@@ -217,7 +217,7 @@ def test_queue_advances_by_both_key_sets_on_two_ranks_with_accumulation(tmp_path
 def test_symmetric_resume_is_bit_identical_on_two_ranks(symmetric_reference, tmp_path):
     stop, steps = 4, 10
     part = resume_folder(symmetric_reference.checkpoint(stop), tmp_path / "part")
-    assert_ok(run_cli("train_moco.py", SYMMETRIC_REF + ["--resume", "auto", "--out", str(part)], nproc=2))
+    assert_ok(run_ranks("train_moco.py", SYMMETRIC_REF + ["--resume", "auto", "--out", str(part)], tmp_path))
     ref, res = symmetric_reference.final, load_ckpt(part / "checkpoint_last.pt")
     assert ref["step"] == steps
     assert_same_state(res, ref)  # queue, ptr, shuffles, encoders

@@ -17,13 +17,15 @@ and gathers, never boolean masks or ``.item()``.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
+import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torchvision.ops import roi_align
 
 from .. import hashing
 from .recipes import EVAL_RESIZE, AugmentRecipe
@@ -32,7 +34,7 @@ _ATTEMPTS = 10  # torchvision's RandomResizedCrop tries 10 boxes before its cent
 # The uniforms of one view: a fixed slice per purpose, so a step left out (photometric_only drops
 # the crop) leaves the others' draws as they are. Crop: 10 areas, 10 aspects, 2 offsets; jitter:
 # apply, 4 factors, 4 order keys; grayscale: apply; blur: apply, sigma; flip: apply.
-_CROP, _JITTER, _GRAY, _BLUR, _FLIP = 0, 2 * _ATTEMPTS + 2, 2 * _ATTEMPTS + 11, 2 * _ATTEMPTS + 12, 2 * _ATTEMPTS + 14
+CROP_COLUMN, JITTER_COLUMN, GRAY_COLUMN, BLUR_COLUMN, FLIP_COLUMN = 0, 2 * _ATTEMPTS + 2, 2 * _ATTEMPTS + 11, 2 * _ATTEMPTS + 12, 2 * _ATTEMPTS + 14
 VIEW_COLUMNS = 2 * _ATTEMPTS + 15
 _LUMA = (0.2989, 0.587, 0.114)  # ITU-R 601-2 luma, with torchvision's 0.2989 for red
 _HUE_RAMPS = ((3.0, 2.0, 4.0), (1.0, -1.0, -1.0), (-1.0, 2.0, 2.0))  # centre, slope, offset for R, G, B
@@ -78,7 +80,7 @@ def _fallback_boxes(height: Tensor, width: Tensor, ratio: tuple[float, float]) -
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def _resized_crop_boxes(u: Tensor, height: int | Tensor, width: int | Tensor, scale: tuple[float, float],
+def resized_crop_boxes(u: Tensor, height: int | Tensor, width: int | Tensor, scale: tuple[float, float],
                         ratio: tuple[float, float]) -> Tensor:
     """``RandomResizedCrop.get_params`` vectorised: B x 4 boxes (top, left, h, w) from B x 22 uniforms,
     for images of one size (``height``, ``width`` ints) or each of its own (int64 tensors, B).
@@ -148,7 +150,30 @@ def _resample_boxes(x: Tensor, boxes: Tensor, out: int, offsets: Tensor | None =
         batch = torch.zeros(len(boxes), device=x.device, dtype=x.dtype)
         top, left = top + offsets[:, 0].to(x.dtype), left + offsets[:, 1].to(x.dtype)
     rois = torch.stack([batch, left, top, left + w, top + h], 1)  # B x 5: (b, x1, y1, x2, y2)
-    return roi_align(x, rois, output_size=out, spatial_scale=1.0, sampling_ratio=0, aligned=True)
+    return roi_align()(x, rois, 1.0, out, out, 0, True)  # scale 1, adaptive sampling, aligned
+
+
+@functools.lru_cache(maxsize=None)
+def roi_align() -> Callable:
+    """torchvision's ``roi_align`` kernel, ``(input, rois, spatial_scale, out_h, out_w,
+    sampling_ratio, aligned)``. Where torchvision's Python package is not imported yet, only its
+    compiled library is loaded: ``import torchvision`` imports torch._dynamo, about 2 s per
+    process, for this one operator (the same kernel either way)."""
+    if not hasattr(torch.ops.torchvision, "roi_align") and "torchvision" not in sys.modules:
+        spec = importlib.util.find_spec("torchvision")
+        libraries = sorted(Path(spec.origin).parent.glob("_C*.so")) if spec and spec.origin else []
+        for library in libraries:
+            try:
+                torch.ops.load_library(str(library))
+                break
+            except (OSError, RuntimeError):
+                continue
+    try:
+        return torch.ops.torchvision.roi_align
+    except (AttributeError, RuntimeError):  # no library found beside the package: its own loading
+        import torchvision.ops  # noqa: F401
+
+        return torch.ops.torchvision.roi_align
 
 
 def _crop_windows(x: Tensor, boxes: Tensor, pad: int, out: int) -> Tensor:
@@ -163,7 +188,7 @@ def _crop_windows(x: Tensor, boxes: Tensor, pad: int, out: int) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- colour
-def _gray(x: Tensor) -> Tensor:
+def luma(x: Tensor) -> Tensor:
     """B x 1 x H x W luma, the weights and op order of torchvision's ``rgb_to_grayscale``."""
     r, g, b = x.unbind(1)
     return r.mul(_LUMA[0]).add_(g, alpha=_LUMA[1]).add_(b, alpha=_LUMA[2]).unsqueeze(1)
@@ -173,14 +198,14 @@ def _per_sample(values: Tensor) -> Tensor:
     return values[:, None, None, None]  # B -> B x 1 x 1 x 1, to broadcast over images
 
 
-def _blend_step_(x: Tensor, op: Tensor, factor: Tensor) -> Tensor:
+def blend_step_(x: Tensor, op: Tensor, factor: Tensor) -> Tensor:
     """Brightness, contrast or saturation per sample (``op`` 0, 1 or 2; B each), in place.
 
     Each is torchvision's clamp(factor x + (1 - factor) target, 0, 1) with target 0, the mean of
     the grayscale image, or the grayscale image; a factor of 1 leaves a sample exactly unchanged.
     The mean is taken over columns, then rows, the same order whatever the batch.
     """
-    gray = _gray(x)  # B x 1 x H x W
+    gray = luma(x)  # B x 1 x H x W
     mean = gray.mean(3, keepdim=True).mean(2, keepdim=True)  # B x 1 x 1 x 1
     f = _per_sample(factor)
     target = gray.mul_(_per_sample(op == 2)).add_(mean * _per_sample(op == 1)).mul_(1 - f)  # B x 1 x H x W
@@ -215,7 +240,7 @@ def shift_hue(x: Tensor, shift: Tensor) -> Tensor:
     return ramp.mul_(maxc.sub_(minc).unsqueeze(1)).add_(minc.unsqueeze(1))
 
 
-def _jitter_draws(u: Tensor, strengths: tuple[float, float, float, float]) -> tuple[Tensor, Tensor]:
+def jitter_draws(u: Tensor, strengths: tuple[float, float, float, float]) -> tuple[Tensor, Tensor]:
     """Factors (B x 4: brightness, contrast, saturation, hue shift) and op orders (B x 4), drawn
     as ColorJitter draws them; the order is the argsort of four uniforms, a uniform permutation."""
     columns = []
@@ -225,7 +250,7 @@ def _jitter_draws(u: Tensor, strengths: tuple[float, float, float, float]) -> tu
     return torch.stack(columns, 1), u[:, 4:8].argsort(1)
 
 
-def _color_jitter_(x: Tensor, factors: Tensor, order: Tensor, applied: Tensor, hue: bool = True) -> Tensor:
+def color_jitter_(x: Tensor, factors: Tensor, order: Tensor, applied: Tensor, hue: bool = True) -> Tensor:
     """ColorJitter in place, each sample with its own factors and op order (0-3 = B, C, S, H),
     on the samples ``applied`` (B bools); the others come out unchanged.
 
@@ -241,13 +266,13 @@ def _color_jitter_(x: Tensor, factors: Tensor, order: Tensor, applied: Tensor, h
         for slot in range(3):
             active = (slot < hue_at) if before else (slot >= hue_at)  # B
             factor = torch.where(active, blend.gather(1, rest[:, slot:slot + 1]).squeeze(1), 1.0)
-            x = _blend_step_(x, rest[:, slot], factor)
+            x = blend_step_(x, rest[:, slot], factor)
         if before and hue:
-            x = _select_(x, applied, shift_hue(x, factors[:, 3]))
+            x = select_(x, applied, shift_hue(x, factors[:, 3]))
     return x
 
 
-def _gaussian_blur(x: Tensor, sigma: Tensor, size: int) -> Tensor:
+def gaussian_blur(x: Tensor, sigma: Tensor, size: int) -> Tensor:
     """torchvision's ``gaussian_blur`` with a per-sample sigma (B): separable, reflect padding.
     Each pass sums ``size`` shifted slices times per-sample tap weights: plain float32
     elementwise ops, so no convolution algorithm choice can change a sample with its batch."""
@@ -266,7 +291,7 @@ def _gaussian_blur(x: Tensor, sigma: Tensor, size: int) -> Tensor:
     return out
 
 
-def _select_(x: Tensor, chosen: Tensor, new: Tensor) -> Tensor:
+def select_(x: Tensor, chosen: Tensor, new: Tensor) -> Tensor:
     """Overwrites the samples ``chosen`` (B bools) of ``x`` with those of ``new``, bit for bit:
     ``lerp`` with a 0/1 weight is an exact selection, and faster than ``torch.where`` on CPU."""
     return x.lerp_(new, _per_sample(chosen.to(x.dtype)))
@@ -301,7 +326,7 @@ class BatchAugment:
             x = x.clone()  # the steps below work in place, on a buffer of our own
         x = self._photometric_(x, draw)
         if r.flip:
-            x = _select_(x, draw(_FLIP, 1)[:, 0] < 0.5, x.flip(3))
+            x = select_(x, draw(FLIP_COLUMN, 1)[:, 0] < 0.5, x.flip(3))
         return normalize(x, r.mean, r.std, layout)
 
     def apply_packed(self, atlas: Tensor, places: Tensor, u: Tensor,
@@ -313,13 +338,13 @@ class BatchAugment:
         r, draw = self.recipe, _drawer(u)
         heights, widths = places[:, 2], places[:, 3]
         if r.crop_scale is not None:
-            boxes = _resized_crop_boxes(draw(_CROP, 2 * _ATTEMPTS + 2), heights, widths, r.crop_scale, r.crop_ratio)
+            boxes = resized_crop_boxes(draw(CROP_COLUMN, 2 * _ATTEMPTS + 2), heights, widths, r.crop_scale, r.crop_ratio)
         else:
             boxes = centre_boxes(heights, widths, self.out_size, round(self.out_size * EVAL_RESIZE))
         x = _resample_boxes(atlas, boxes, self.out_size, offsets=places[:, :2])  # B x 3 x out x out
         x = self._photometric_(x, draw)
         if r.flip:
-            x = _select_(x, draw(_FLIP, 1)[:, 0] < 0.5, x.flip(3))
+            x = select_(x, draw(FLIP_COLUMN, 1)[:, 0] < 0.5, x.flip(3))
         return normalize(x, r.mean, r.std, layout)
 
     def crop_boxes(self, height: int, width: int, seed: int, epoch: int, index: Tensor, view: int = 0) -> Tensor:
@@ -330,10 +355,10 @@ class BatchAugment:
     def _boxes(self, height: int, width: int, draw: Draw) -> Tensor:
         r = self.recipe
         if r.crop_scale is not None:
-            return _resized_crop_boxes(draw(_CROP, 2 * _ATTEMPTS + 2), height, width, r.crop_scale, r.crop_ratio)
+            return resized_crop_boxes(draw(CROP_COLUMN, 2 * _ATTEMPTS + 2), height, width, r.crop_scale, r.crop_ratio)
         if r.pad_crop:
-            return _pad_crop_boxes(draw(_CROP, 2), height, width, r.pad_crop, self.out_size)
-        zeros = torch.zeros_like(draw(_CROP, 1)[:, 0], dtype=torch.int64)  # B, on the device (no host copy)
+            return _pad_crop_boxes(draw(CROP_COLUMN, 2), height, width, r.pad_crop, self.out_size)
+        zeros = torch.zeros_like(draw(CROP_COLUMN, 1)[:, 0], dtype=torch.int64)  # B, on the device (no host copy)
         return torch.stack([zeros, zeros, zeros + height, zeros + width], 1)
 
     def _geometry(self, x: Tensor, draw: Draw) -> Tensor:
@@ -352,21 +377,21 @@ class BatchAugment:
         if r.gray_before_jitter:
             x = self._maybe_gray_(x, draw)
         if r.jitter is not None and r.jitter_p > 0:
-            u = draw(_JITTER, 9)  # apply, 4 factors, 4 order keys
-            factors, order = _jitter_draws(u[:, 1:], r.jitter)
-            x = _color_jitter_(x, factors, order, u[:, 0] < r.jitter_p, hue=r.jitter[3] > 0)
+            u = draw(JITTER_COLUMN, 9)  # apply, 4 factors, 4 order keys
+            factors, order = jitter_draws(u[:, 1:], r.jitter)
+            x = color_jitter_(x, factors, order, u[:, 0] < r.jitter_p, hue=r.jitter[3] > 0)
         if not r.gray_before_jitter:
             x = self._maybe_gray_(x, draw)
         if r.blur_p > 0:
-            u = draw(_BLUR, 2)  # apply, sigma
+            u = draw(BLUR_COLUMN, 2)  # apply, sigma
             lo, hi = r.blur_sigma
-            x = _select_(x, u[:, 0] < r.blur_p, _gaussian_blur(x, lo + (hi - lo) * u[:, 1], r.blur_kernel))
+            x = select_(x, u[:, 0] < r.blur_p, gaussian_blur(x, lo + (hi - lo) * u[:, 1], r.blur_kernel))
         return x
 
     def _maybe_gray_(self, x: Tensor, draw: Draw) -> Tensor:
         if self.recipe.gray_p <= 0:
             return x
-        return _select_(x, draw(_GRAY, 1)[:, 0] < self.recipe.gray_p, _gray(x).expand_as(x))
+        return select_(x, draw(GRAY_COLUMN, 1)[:, 0] < self.recipe.gray_p, luma(x).expand_as(x))
 
 
 def normalize(x: Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] | None,

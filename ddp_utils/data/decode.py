@@ -12,6 +12,7 @@ by the worker that read it, never skipped.
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from io import BytesIO
@@ -21,11 +22,16 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
+
+@functools.lru_cache(maxsize=None)
+def _jpeg_decoder():
+    """(torchvision.io.decode_jpeg, its RGB mode), imported on first use (torchvision costs a
+    process about 2 s), its deprecation warning silenced once."""
+    warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision are "
+                                              "deprecated")
     from torchvision.io import ImageReadMode, decode_jpeg
 
-warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision are deprecated")
+    return decode_jpeg, ImageReadMode.RGB
 
 _SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
 _BASELINE = (0xC0, 0xC1)  # SOF0, SOF1: Huffman-coded sequential DCT, what nvJPEG's batched path decodes
@@ -74,8 +80,9 @@ def decode_cpu(data: Tensor) -> Tensor:
     named .JPEG, say) and for a JPEG torchvision refuses, so that what PIL reads is read
     (:func:`image_files.decode_rgb` decides what cannot be decoded). Raises on such a file."""
     if is_jpeg(data):
+        decode_jpeg, rgb = _jpeg_decoder()
         try:
-            return decode_jpeg(data, mode=ImageReadMode.RGB)
+            return decode_jpeg(data, mode=rgb)
         except RuntimeError:
             pass
     with Image.open(BytesIO(data.numpy().tobytes())) as image:
@@ -89,7 +96,8 @@ def decode_on(device: torch.device, images: list[Tensor]) -> list[Tensor]:
     encoded = [i for i, image in enumerate(images) if image.dim() == 1]
     out = [image.to(device, non_blocking=True) if image.dim() == 3 else None for image in images]
     if encoded:
-        decoded = decode_jpeg([images[i] for i in encoded], mode=ImageReadMode.RGB, device=device)
+        decode_jpeg, rgb = _jpeg_decoder()
+        decoded = decode_jpeg([images[i] for i in encoded], mode=rgb, device=device)
         for i, image in zip(encoded, decoded):
             out[i] = image.to(device, non_blocking=True)  # there already (a CPU decode's "cpu" is "cpu:0" too)
     return out

@@ -10,8 +10,8 @@ target, so every rank finishes the step and the per-step agreement stops them to
 """
 from __future__ import annotations
 
-import copy
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -19,10 +19,8 @@ from typing import Iterator
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset, Subset
-from torchvision import datasets
 
 from ..runtime.collectives import all_gather_object
-from .decode import decode_cpu, device_decodable, read_bytes
 
 PLACEHOLDER_SIDE = 8  # px: the placeholder's side (any transform resizes it)
 
@@ -53,50 +51,16 @@ def _reason(path: str, err: Exception) -> str:
     return text[0].lower() + text[1:]
 
 
-class ImageFiles(datasets.ImageFolder):
-    """torchvision's ImageFolder; each file as ``read`` says: "pil", a PIL RGB image
-    (:func:`decode_rgb`: the loader path, the reference); "tensor", 3 x H x W uint8 RGB
-    (``decode.decode_cpu``: workers of the device path); "encoded", the file's bytes (1-D uint8)
-    when the device can decode them (``decode.device_decodable``), else decoded as "tensor". A
-    file that cannot be decoded gives a black placeholder and target ``-1 - index`` (see the
-    module docstring)."""
-
-    read = "pil"
-
-    def reading(self, read: str) -> ImageFiles:
-        """The same files, read as ``read``."""
-        if read not in ("pil", "tensor", "encoded"):
-            raise ValueError(f"ImageFiles: read must be pil, tensor or encoded, not {read!r}")
-        other = copy.copy(self)
-        other.read = read
-        return other
-
-    def __getitem__(self, index: int):
-        path, target = self.samples[index]
-        try:
-            return self._load(path), target
-        except (UnreadableImage, OSError, RuntimeError, SyntaxError, ValueError):
-            if self.read == "pil":
-                return Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE)), -1 - index
-            return torch.zeros((3, PLACEHOLDER_SIDE, PLACEHOLDER_SIDE), dtype=torch.uint8), -1 - index
-
-    def _load(self, path: str):
-        if self.read == "pil":
-            return decode_rgb(path)
-        data = read_bytes(path)
-        if self.read == "encoded" and device_decodable(data):
-            return data
-        return decode_cpu(data)
-
-
-def image_files_of(ds: Dataset) -> ImageFiles | None:
-    """The ImageFiles under Subsets and wrappers (``base``), or None for other data."""
+def image_files_of(ds: Dataset) -> Dataset | None:
+    """The ImageFiles (``image_folder``) under Subsets and wrappers (``base``), or None for other
+    data (a run that loaded no image files never imported their module, or torchvision)."""
     while isinstance(ds, Subset) or hasattr(ds, "base"):
         ds = ds.dataset if isinstance(ds, Subset) else ds.base
-    return ds if isinstance(ds, ImageFiles) else None
+    folder = sys.modules.get(f"{__package__}.image_folder")
+    return ds if folder is not None and isinstance(ds, folder.ImageFiles) else None
 
 
-def unreadable_in(files: ImageFiles, targets: torch.Tensor) -> list[UnreadableImage]:
+def unreadable_in(files: Dataset, targets: torch.Tensor) -> list[UnreadableImage]:
     """The files behind the placeholder targets of a batch (a host tensor), with their reasons
     (each such file is decoded once more, here, to tell why)."""
     found = []
@@ -143,7 +107,7 @@ class CheckedBatches:
     comes with valid labels, the unreadable files go into ``unreadable``. Has the loader's
     length, data set and batch size."""
 
-    def __init__(self, loader, files: ImageFiles, unreadable: UnreadableFiles):
+    def __init__(self, loader, files: Dataset, unreadable: UnreadableFiles):
         self.loader, self.files, self.unreadable = loader, files, unreadable
         self.dataset, self.batch_size = loader.dataset, loader.batch_size
 
@@ -159,7 +123,7 @@ class CheckedBatches:
             yield batch
 
 
-def check_decodes(files: ImageFiles, threads: int) -> list[UnreadableImage]:
+def check_decodes(files: Dataset, threads: int) -> list[UnreadableImage]:
     """Decode every file of ``files`` on ``threads`` threads (PIL's decoder releases the GIL);
     the files that fail, in the data set's order."""
     paths = [path for path, _ in files.samples]

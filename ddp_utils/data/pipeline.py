@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..config import UsageError
 from .batch_augment import BatchAugment
-from .image_files import ImageFiles, UnreadableFiles
+from .image_files import UnreadableFiles, image_files_of
 from .loading import (
     EVAL_BATCH_FACTOR,
     DeviceAugment,
@@ -51,7 +51,6 @@ from .sets import (
     normalization_stats,
     num_classes_of,
 )
-from .transforms import TwoCrops, eval_transform, view_transform
 
 log = logging.getLogger("train")
 
@@ -144,6 +143,10 @@ def _in_memory_on_device(tensors, val_raw, bank_raw, sampler, *, plan, rank, wor
         subset = torch.as_tensor(list(bank_raw.indices)) if isinstance(bank_raw, Subset) else None
         bank = device_eval_batches(images, targets, augment.augment, rank=rank, world_size=world_size,
                                    batch_size=eval_batch, subset=subset)
+    if val is not None and (bank is not None or bank_raw is None):
+        return train, val, bank
+    from .transforms import eval_transform  # for splits stored at another size than the network's
+
     eval_tf = eval_transform(plan.dataset, plan.image_size, plan.normalization)
     options = dict(batch_size=eval_batch, workers=plan.workers, rank=rank, world_size=world_size,
                    pin_memory=device.type == "cuda", unreadable=unreadable)
@@ -176,6 +179,8 @@ def _files_on_device(train_raw, val_raw, bank_raw, sampler, *, plan, rank, world
 
 def _loader_path(train_raw, val_raw, bank_raw, sampler, *, plan, rank, world_size, device, unreadable):
     """torchvision's per-sample transforms in the workers: the reference path."""
+    from .transforms import TwoCrops, eval_transform, view_transform
+
     one_view = view_transform(plan.recipe, plan.dataset, plan.image_size)
     train_set = SeededTransform(train_raw, one_view if plan.views == 1 else TwoCrops(one_view), plan.seed)
     train = _train_loader(train_set, train_raw, sampler, plan, device, unreadable)
@@ -190,7 +195,7 @@ def read_as(raw: Dataset, read: str) -> Dataset:
     """``raw`` (ImageFiles, or a Subset of it) with its files read as ``read`` (ImageFiles.reading)."""
     if isinstance(raw, Subset):
         return Subset(read_as(raw.dataset, read), raw.indices)
-    if not isinstance(raw, ImageFiles):
+    if image_files_of(raw) is not raw:
         raise TypeError(f"read_as: image files expected, got {type(raw).__name__}")
     return raw.reading(read)
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 from torch.utils.data import default_collate
-from torchvision.transforms import v2 as T
-from torchvision.utils import make_grid
 
 from .image_files import UnreadableFiles, image_files_of, unreadable_in
 from .loading import DeviceBatches, DeviceFinish, Loaders, collate_files
@@ -32,8 +30,20 @@ def augmentation_grid(loaders: Loaders, dataset: str, size: int, count: int = 8,
     scale = -(-MIN_TILE // size)  # ceil
     tiles = torch.nn.functional.interpolate(torch.cat(rows), scale_factor=scale, mode="nearest") if scale > 1 \
         else torch.cat(rows)
-    grid = make_grid(tiles, nrow=1 + len(views), padding=PADDING, pad_value=1.0)
+    grid = _tile(tiles, columns=1 + len(views))
     return torch.cat([_header(COLUMNS[len(views)], grid.shape[2], size * scale), grid], dim=1)
+
+
+def _tile(tiles: torch.Tensor, columns: int) -> torch.Tensor:
+    """3 x H x W: ``tiles`` (N x 3 x h x w) row by row, ``columns`` per row, each framed by
+    PADDING white pixels (as torchvision's make_grid with pad_value 1)."""
+    n, channels, h, w = tiles.shape
+    rows = -(-n // columns)
+    grid = tiles.new_ones((channels, rows * (h + PADDING) + PADDING, columns * (w + PADDING) + PADDING))
+    for i, tile in enumerate(tiles):
+        top, left = PADDING + (i // columns) * (h + PADDING), PADDING + (i % columns) * (w + PADDING)
+        grid[:, top:top + h, left:left + w] = tile
+    return grid
 
 
 def _header(labels: tuple[str, ...], width: int, tile: int) -> torch.Tensor:
@@ -69,6 +79,8 @@ def _originals(raw, index: list[int], size: int, unreadable: UnreadableFiles) ->
     if tensors is not None:
         images = tensors[0].float() / (255.0 if tensors[0].dtype == torch.uint8 else 1.0)
     else:  # decoded from files
+        from torchvision.transforms import v2 as T
+
         to_tensor = T.Compose([T.ToImage(), T.Resize(size, antialias=True), T.CenterCrop(size),
                                T.ToDtype(torch.float32, scale=True)])
         samples = [raw[i] for i in index]

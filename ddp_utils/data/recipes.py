@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .sets import normalization_stats
 
 MOCO_AUGS = ("v1", "v2", "v2-noblur")
+AUG_ON = ("auto", "device", "loader")
 IMAGENET_CROP_SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop default
 EVAL_RESIZE = 256 / 224  # ImageFolder's evaluation view: the short side resized to this x the crop, then centre-cropped
 JITTER_V1 = (0.4, 0.4, 0.4, 0.4)   # brightness, contrast, saturation, hue
@@ -92,3 +95,11 @@ def moco_recipe(dataset: str, size: int, aug: str, crop_min: float = 0.2, normal
     # about a tenth of the side, odd: 23 px at 224, 5 px at 32
     blur = dict(blur_p=0.5, blur_kernel=2 * max(1, round(0.05 * size)) + 1) if aug == "v2" else {}
     return AugmentRecipe(**crop, jitter=JITTER_V2, jitter_p=0.8, gray_p=0.2, **blur)
+
+
+def augment_on_device(aug_on: str, dataset: str, device: torch.device) -> bool:
+    """``--aug-on``: device, loader, or auto = device, except ImageFolder on a CPU, where the
+    DataLoader workers' cores would otherwise sit idle while the training process augments."""
+    if aug_on == "auto":
+        return dataset != "imagefolder" or device.type == "cuda"
+    return aug_on == "device"

@@ -2,16 +2,19 @@
 loaded raw (no transform), and the checks that name what is wrong with a data location."""
 from __future__ import annotations
 
+import functools
+import gzip
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
-from torchvision import datasets
 
 from ..config import UsageError
-from .image_files import ImageFiles
 
 DATASETS = ("digits", "cifar10", "imagefolder", "synthetic")
 NATIVE_SIZE = {"digits": 32, "cifar10": 32, "imagefolder": 224, "synthetic": 32}
@@ -45,11 +48,9 @@ class DigitsDataset(Dataset):
     """
 
     def __init__(self, train: bool, size: int = 32):
-        from sklearn.datasets import load_digits  # imported here: only this data set needs it
-
-        bunch = load_digits()
-        images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0  # N x 1 x 8 x 8
-        labels = torch.tensor(bunch.target, dtype=torch.long)
+        pixels, targets = digits_arrays()
+        images = torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0  # N x 1 x 8 x 8
+        labels = torch.tensor(targets, dtype=torch.long)
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(DIGITS_SPLIT_SEED))
         n_val = round(len(labels) * DIGITS_VAL_FRACTION)
         keep = order[n_val:] if train else order[:n_val]
@@ -63,6 +64,23 @@ class DigitsDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return self.images[index].expand(3, -1, -1), int(self.targets[index])
+
+
+@functools.lru_cache(maxsize=1)
+def digits_arrays():
+    """(images N x 8 x 8 float64 in 0..16, labels N): the digits scikit-learn ships, as its
+    ``load_digits`` reads them, from its own file; importing sklearn itself would cost a
+    process about 1.5 s (its loader is the fallback where the file is elsewhere)."""
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    if path is None or not path.is_file():
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        return bunch.images, bunch.target
+    with gzip.open(path) as f:
+        data = np.loadtxt(f, delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
 
 
 class SyntheticImages(Dataset):
@@ -98,6 +116,8 @@ def check_data_dir(dataset: str, data_dir: str, download: bool) -> str | None:
 
 def download_cifar10(data_dir: str) -> None:
     """Fetch and verify both CIFAR-10 splits into ``data_dir`` (done by one process per node)."""
+    from torchvision import datasets
+
     try:
         for train in (True, False):
             datasets.CIFAR10(data_dir, train=train, download=True)
@@ -116,12 +136,16 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_sa
         n = synthetic_samples if train else max(1, synthetic_samples // 4)
         return SyntheticImages(n, size, seed=0 if train else 1)
     if dataset == "cifar10":
+        from torchvision import datasets  # here: importing torchvision costs a process about 2 s
+
         try:
             return datasets.CIFAR10(data_dir, train=train, download=False)
         except RuntimeError as err:  # torchvision's md5 check: a missing, truncated or foreign file
             raise UsageError(f"--data-dir {data_dir}: cifar-10-batches-py/ is incomplete or damaged ({err}); "
                              f"delete it and run once with --download") from None
     if dataset == "imagefolder":
+        from .image_folder import ImageFiles  # torchvision's ImageFolder underneath
+
         split = "train" if train else "val"
         try:
             return ImageFiles(os.path.join(data_dir, split))
@@ -151,7 +175,8 @@ def in_memory_tensors(ds: Dataset) -> tuple[torch.Tensor, torch.Tensor] | None:
         return whole[0][index], whole[1][index]
     if isinstance(ds, DigitsDataset):
         return ds.images, ds.targets
-    if isinstance(ds, datasets.CIFAR10):
+    cifar = sys.modules.get("torchvision.datasets.cifar")  # loaded by load_split for CIFAR-10, else not at all
+    if cifar is not None and isinstance(ds, cifar.CIFAR10):
         return torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets)  # uint8
     if isinstance(ds, SyntheticImages):
         return _generate(ds, range(len(ds)))

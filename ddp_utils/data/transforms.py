@@ -19,7 +19,6 @@ from .batch_augment import shift_hue
 from .recipes import EVAL_RESIZE, AugmentRecipe
 from .sets import normalization_stats
 
-AUG_ON = ("auto", "device", "loader")
 FROM_FILES = ("cifar10", "imagefolder")  # decoded from PIL images; the others are float tensors
 
 
@@ -131,11 +130,3 @@ class TwoCrops:
 
     def __call__(self, image):
         return self.transform(image), self.transform(image)
-
-
-def augment_on_device(aug_on: str, dataset: str, device: torch.device) -> bool:
-    """``--aug-on``: device, loader, or auto = device, except ImageFolder on a CPU, where the
-    DataLoader workers' cores would otherwise sit idle while the training process augments."""
-    if aug_on == "auto":
-        return dataset != "imagefolder" or device.type == "cuda"
-    return aug_on == "device"

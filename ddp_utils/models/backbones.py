@@ -3,7 +3,6 @@ projection head and the linear probe can swap it for a new classifier."""
 from __future__ import annotations
 
 import torch
-import torchvision
 from torch import nn
 
 ARCHS = ("lenet", "small_cnn", "resnet18", "resnet34", "resnet50")
@@ -65,6 +64,8 @@ def build_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
     if arch == "small_cnn":
         return SmallCNN(num_classes)
     if arch in ("resnet18", "resnet34", "resnet50"):
+        import torchvision  # here: importing it costs a process about 2 s (torch._dynamo), small CNNs need none
+
         model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
         if image_size <= CIFAR_STEM_MAX_SIZE:
             model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)

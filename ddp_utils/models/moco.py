@@ -13,6 +13,7 @@ losses are plain functions of the logits. Nothing here reads the device during t
 from __future__ import annotations
 
 import copy
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,11 +59,21 @@ class MoCo(nn.Module):
         # both counters also as Python ints, so that a step never reads them from the device
         self._ptr = self._shuffles = 0
         # --compile: torch.compile(encoder_k), kept out of the module tree (no new state-dict keys)
-        self._compiled_encoder_k: nn.Module | None = None
+        self.compiled_key_encoder: nn.Module | None = None
+
+    @property
+    def queue_position(self) -> int:
+        """Where the next key goes in the queue: ``queue_ptr``'s value, kept as a Python int."""
+        return self._ptr
+
+    @property
+    def key_batches_shuffled(self) -> int:
+        """Key batches shuffled across ranks so far: ``shuffle_count``'s value, as a Python int."""
+        return self._shuffles
 
     def compile_key_encoder(self) -> None:
         """Run the key encoder through ``torch.compile``; its parameters stay encoder_k's own."""
-        object.__setattr__(self, "_compiled_encoder_k", torch.compile(self.encoder_k))
+        object.__setattr__(self, "compiled_key_encoder", torch.compile(self.encoder_k))
 
     def forward_state(self) -> int:
         """What a training forward advances besides BatchNorm statistics: the number of key
@@ -98,7 +109,7 @@ class MoCo(nn.Module):
     def keys(self, im_k: Tensor) -> Tensor:
         """Unit keys of every rank's key images, (W*N) x C in rank order, identical on every
         rank, without a graph; this rank's are rows ``rank*N .. (rank+1)*N``."""
-        encode = self.encoder_k if self._compiled_encoder_k is None else self._compiled_encoder_k
+        encode = self.encoder_k if self.compiled_key_encoder is None else self.compiled_key_encoder
         if self.shuffle_bn and is_dist():
             world = get_world_size()
             perm = shuffle_permutation(self.shuffle_seed, self._shuffles, world * len(im_k))  # W*N, CPU
@@ -190,3 +201,31 @@ def symmetric_contrastive_loss(logits_12: Tensor, logits_21: Tensor) -> tuple[Te
     loss_12, acc_12 = contrastive_loss(logits_12)
     loss_21, acc_21 = contrastive_loss(logits_21)
     return loss_12 + loss_21, (acc_12 + acc_21) / 2
+
+
+# ----------------------------------------------------------------------------- a micro-step's loss
+class ContrastiveStep(NamedTuple):
+    """What one micro-step of MoCo training computes, whichever the loss."""
+
+    loss: Tensor      # this micro-batch's loss (0-dim), with a graph to encoder_q only
+    accuracy: Tensor  # how often the positive wins (0-dim, 0..1), no graph
+    keys: Tensor      # every rank's keys, to enqueue once the optimizer step is applied, no graph
+
+
+def asymmetric_step(moco: MoCo, im_q: Tensor, im_k: Tensor, query_encoder: nn.Module | None = None) -> ContrastiveStep:
+    """MoCo's loss: the queries of ``im_q`` against the keys of ``im_k`` (and the queue)."""
+    logits, keys = moco(im_q, im_k, query_encoder)  # logits: N x (1+K); keys: (W*N) x C
+    loss, accuracy = contrastive_loss(logits)
+    return ContrastiveStep(loss, accuracy, keys)
+
+
+def symmetric_step(moco: MoCo, im_1: Tensor, im_2: Tensor, query_encoder: nn.Module | None = None) -> ContrastiveStep:
+    """The authors' CIFAR-10 demo's loss(q1, k2) + loss(q2, k1); both crops' keys to enqueue."""
+    logits_12, logits_21, keys = moco.symmetric_forward(im_1, im_2, query_encoder)  # keys: (2*W*N) x C
+    loss, accuracy = symmetric_contrastive_loss(logits_12, logits_21)
+    return ContrastiveStep(loss, accuracy, keys)
+
+
+def contrastive_step(symmetric: bool) -> Callable[..., ContrastiveStep]:
+    """The micro-step of ``--symmetric`` or of MoCo's own loss: chosen once, before the loop."""
+    return symmetric_step if symmetric else asymmetric_step

@@ -79,7 +79,7 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first  # the range keeps its zero padding, e.g. "03"
 
 
-def _tasks_on_this_node(env: Mapping[str, str]) -> int:
+def tasks_on_this_node(env: Mapping[str, str]) -> int:
     """Tasks SLURM placed on this node, from e.g. SLURM_STEP_TASKS_PER_NODE="4(x2),3"."""
     spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     if not spec:
@@ -120,7 +120,7 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
                 rank=int(env["SLURM_PROCID"]),
                 local_rank=int(env.get("SLURM_LOCALID", "0")),
                 world_size=world_size,
-                local_world_size=_tasks_on_this_node(env),
+                local_world_size=tasks_on_this_node(env),
                 master_addr=env.get("MASTER_ADDR") or first_slurm_host(nodelist),
                 master_port=int(env.get("MASTER_PORT") or _PORT_BASE + job_id % _PORT_SPAN),
             )
@@ -171,19 +171,28 @@ def shared_gpu_problem(gpus: list[tuple[str, str | None]]) -> str | None:
     return None
 
 
-def check_device(requested: str, launch: LaunchEnv) -> None:
-    """Raise :class:`UsageError` (one line) if ``--device`` cannot work on this machine."""
+def visible_cuda_devices() -> int:
+    """The CUDA devices this process sees (0 without CUDA): the machine fact the device checks take."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_device(requested: str, launch: LaunchEnv, cuda_devices: int | None = None) -> None:
+    """Raise :class:`UsageError` (one line) if ``--device`` cannot work with ``cuda_devices``
+    visible devices (None: ask this machine)."""
+    cuda_devices = visible_cuda_devices() if cuda_devices is None else cuda_devices
     if requested not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device {requested}: choose auto, cpu or cuda")
-    if requested == "cuda" and not torch.cuda.is_available():
+    if requested == "cuda" and not cuda_devices:
         raise UsageError("--device cuda: CUDA is not available on this machine; use --device cpu (or auto)")
-    if requested != "cpu" and torch.cuda.is_available():
-        cuda_index(launch.local_rank, launch.local_world_size, torch.cuda.device_count(), launch.launcher)
+    if requested != "cpu" and cuda_devices:
+        cuda_index(launch.local_rank, launch.local_world_size, cuda_devices, launch.launcher)
 
 
-def device_type(requested: str) -> str:
-    """"cuda" or "cpu": what ``--device`` resolves to on this machine."""
-    return "cuda" if requested != "cpu" and torch.cuda.is_available() else "cpu"
+def device_type(requested: str, cuda_devices: int | None = None) -> str:
+    """"cuda" or "cpu": what ``--device`` resolves to with ``cuda_devices`` visible devices
+    (None: ask this machine)."""
+    cuda_devices = visible_cuda_devices() if cuda_devices is None else cuda_devices
+    return "cuda" if requested != "cpu" and cuda_devices else "cpu"
 
 
 def select_device(requested: str, launch: LaunchEnv) -> tuple[torch.device, str]:

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ContextManager
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
 
 from ..runtime.stopping import StepVerdict
+from .state import RunState
 
-if TYPE_CHECKING:
-    from .run import TrainRun
+# The ranks' agreement at a window's end: (this rank's non-finite-loss flag, its fp16 overflow
+# flag or None) -> what all ranks agreed (runtime.stopping.StepGuard, with the run's own inputs).
+Agreement = Callable[[torch.Tensor, "torch.Tensor | None"], StepVerdict]
 
 
 @dataclass(frozen=True)
@@ -92,30 +94,31 @@ def no_sync(network: nn.Module, enabled: bool) -> ContextManager:
     return contextlib.nullcontext()
 
 
-def optimizer_step(run: TrainRun, window_loss: torch.Tensor) -> StepResult:
-    """End an accumulation window on every rank alike: unscale (fp16) and clip the gradients, agree
-    across ranks (a NaN/Inf ``window_loss`` anywhere, a stop signal, an fp16 overflow, a file
-    that could not be decoded), set the LR of this step, step the optimizer unless the step must
-    be skipped, update the scaler, zero the gradients and count the step; a window that met an
-    undecodable file only zeroes the gradients (the caller stops the run). The agreement is the
-    step's one host read."""
-    optimizer, scaler, state = run.optimizer, run.scaler, run.state
-    grad_norm, overflow = _unscale_and_clip(optimizer, scaler, run.cfg.clip_grad)
-    verdict = run.agree(~torch.isfinite(window_loss.detach()), overflow)
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, window_loss: torch.Tensor, *,
+                   agree: Agreement, lr_at: Callable[[int], float], state: RunState, clip_grad: float = 0.0,
+                   zero_in_place: bool = False) -> StepResult:
+    """End an accumulation window on every rank alike: unscale (fp16) and clip the gradients to
+    ``clip_grad`` (0: off), ``agree`` across ranks (a NaN/Inf ``window_loss`` anywhere, a stop
+    signal, an fp16 overflow, a file that could not be decoded), set the LR of step
+    ``state.step`` (``lr_at``), step the optimizer unless the step must be skipped, update the
+    scaler, zero the gradients (in place with ``zero_in_place``: under DDP they are views into its
+    buckets) and count the step in ``state``; a window that met an undecodable file only zeroes the
+    gradients (the caller stops the run). The agreement is the step's one host read."""
+    grad_norm, overflow = _unscale_and_clip(optimizer, scaler, clip_grad)
+    verdict = agree(~torch.isfinite(window_loss.detach()), overflow)
     if verdict.unreadable_ranks:  # the window met a file that cannot be decoded: it is undone, not a step
-        optimizer.zero_grad(set_to_none=not run.info.is_distributed)
+        optimizer.zero_grad(set_to_none=not zero_in_place)
         return StepResult(False, verdict, grad_norm)
     applied = not verdict.nonfinite_ranks and not verdict.overflow
-    lr = run.lr_schedule(state.step)
+    lr = lr_at(state.step)
     for group in optimizer.param_groups:
         group["lr"] = lr
     if applied:
         optimizer.step()  # on the unscaled gradients: GradScaler.step would read the overflow again
     scaler.update()  # fp16: lowers the scale after an overflow, raises it after enough good steps
-    # Under DDP the gradients are views into its all-reduce buckets (gradient_as_bucket_view):
-    # zeroed in place they stay so; set to None, autograd would allocate new ones every step and
-    # DDP copy them into its buckets. One process frees them.
-    optimizer.zero_grad(set_to_none=not run.info.is_distributed)
+    # Zeroed in place, DDP's bucket views stay so; set to None, autograd would allocate new ones
+    # every step and DDP copy them into its buckets. One process frees them.
+    optimizer.zero_grad(set_to_none=not zero_in_place)
     state.step += 1
     return StepResult(applied, verdict, grad_norm)
 

@@ -16,30 +16,44 @@ from ..config import UsageError
 from ..data.image_files import describe_unreadable, fix_hint
 from ..data.loading import Loaders, steps_per_epoch
 from ..data.pipeline import DataPlan, default_workers, load_raw_splits, usable_cpus
-from ..data.recipes import AugmentRecipe
-from ..data.sets import download_cifar10
-from ..data.transforms import augment_on_device
+from ..data.preview import augmentation_grid
+from ..data.recipes import AugmentRecipe, augment_on_device
+from ..data.sets import check_data_dir, download_cifar10
 from ..runtime.collectives import all_gather_object, all_ranks_agree
-from ..runtime.dist import DistInfo, gpu_identity, restart_count, shared_gpu_problem
+from ..runtime.dist import DistInfo, barrier, gpu_identity, restart_count, shared_gpu_problem
+from ..runtime.faults import FaultPlan
+from .checkpoint import Resume
 from .fast_path import maybe_compile, sgd
+from .monitor import TensorBoard
 from .precision import grad_scaler
-from .resume import Resume, choose_resume
-from .run_folder import still_unreadable
+from .resume import choose_resume
+from .run_folder import (
+    TB_DIR,
+    UNREADABLE_MARKER,
+    check_out_dir,
+    prepare_run_folder,
+    still_unreadable,
+    write_run_record,
+)
 from .schedule import LRSchedule
+from .session import RunSession
 from .train_config import TrainConfig
 
 log = logging.getLogger("train")
 
 
-def preflight(cfg: TrainConfig, info: DistInfo) -> Resume | None:
-    """The checks every rank must pass before anything is built (folders, data, the checkpoint
-    to resume, GPUs not shared), agreed by all ranks so that all stop together, and the CIFAR-10
-    download. Returns the checkpoint to resume, or None. Nothing is written into --out."""
+def preflight(cfg: TrainConfig, session: RunSession) -> Resume | None:
+    """The checks every rank must pass before anything is built (folders, data, the fault plan,
+    the checkpoint to resume, GPUs not shared), agreed by all ranks so that all stop together,
+    and the CIFAR-10 download. Returns the checkpoint to resume, or None. Nothing is written into
+    --out."""
+    info = session.info
     # A node that comes back joins with a fresh torchrun agent (restart count 0) while the others'
     # count restarts: the job is restarted if any rank says so.
     restarted = any(all_gather_object(restart_count() > 0))
     with all_ranks_agree():
-        cfg.check_paths()
+        check_paths(cfg)
+        session.faults = FaultPlan.from_env()  # DDP_FAULT: the tests' fault injection
         resume = choose_resume(cfg.resume, cfg.out, cfg.overwrite, info.is_main, restarted)
         refuse_unfixed_files(cfg.out, resume, restarted)
     download_once_per_node(cfg, info)
@@ -48,6 +62,18 @@ def preflight(cfg: TrainConfig, info: DistInfo) -> Resume | None:
         if problem:
             raise UsageError(problem)
     return resume
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """The files and folders the config names: --out a folder this process can write in, the
+    data where --data-dir says, and each of ``cfg.required_paths()`` there (bad input if not)."""
+    check_out_dir(cfg.out)
+    problem = check_data_dir(cfg.dataset, cfg.data_dir, cfg.download)
+    if problem:
+        raise UsageError(problem)
+    for flag, path in cfg.required_paths().items():
+        if not Path(path).exists():
+            raise UsageError(f"{flag} {path}: no such file or folder")
 
 
 def refuse_unfixed_files(out: str, resume: Resume | None, restarted: bool) -> None:
@@ -141,3 +167,32 @@ def wrap_network(module: nn.Module, cfg: TrainConfig, info: DistInfo) -> nn.Modu
         module = DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None,
                      gradient_as_bucket_view=True)
     return maybe_compile(module, cfg.compile)
+
+
+def augmentation_preview(cfg: TrainConfig, loaders: Loaders, is_main: bool, resume: Resume | None):
+    """Rank 0 of a fresh run: the picture of the augmentation for TensorBoard, else None (an
+    image file among its samples that cannot be decoded stops the run at its first step)."""
+    if not is_main or resume is not None:
+        return None
+    return augmentation_grid(loaders, cfg.dataset, cfg.resolved_image_size(), normalization=cfg.normalization)
+
+
+def open_run_folder(cfg: TrainConfig, session: RunSession, resume: Resume | None, step: int,
+                    resolved: dict | None = None, preview: torch.Tensor | None = None) -> TensorBoard:
+    """Rank 0, once every check has passed: the folder (an old run cleared on --overwrite), its
+    config.json, TensorBoard from ``step`` on, and ``preview`` (:func:`augmentation_preview`).
+    Returns the TensorBoard writer (a no-op on other ranks). A resumed checkpoint in this folder
+    counts as saved."""
+    tb = TensorBoard(None)
+    if resume is not None and resume.path.parent == Path(cfg.out):
+        session.saved.step, session.saved.path = step, resume.path
+    if session.info.is_main:
+        prepare_run_folder(cfg.out, cfg.overwrite, resuming=resume is not None)
+        write_run_record(cfg, session.info.world_size, resume, step, resolved)
+        session.signals.clear_marker()
+        (Path(cfg.out) / UNREADABLE_MARKER).unlink(missing_ok=True)  # its files decode now (preflight)
+        tb = session.close_at_exit(TensorBoard(Path(cfg.out) / TB_DIR, purge_step=step + 1 if resume else None))
+        if preview is not None:  # what the augmentation does, once per run
+            tb.image("data/augmented_views", preview, step)
+    barrier()
+    return tb

@@ -18,10 +18,11 @@ from ..data.loading import ResumableDistributedSampler, require_a_batch, steps_p
 from ..data.pipeline import usable_cpus
 from ..data.sets import check_data_dir
 from ..runtime.dist import LaunchEnv, detect_launch, device_type, restart_count
+from ..runtime.faults import FaultPlan
 from ..runtime.stopping import EXIT_OK, EXIT_USAGE
-from .build import describe_settings, raw_splits, refuse_unfixed_files, resolved_settings
+from .build import check_paths, describe_settings, raw_splits, refuse_unfixed_files, resolved_settings
 from .resume import check_resume_fits, choose_resume
-from .run import describe_position
+from .state import describe_position
 from .train_config import RESUME_IF_RESTARTED, TrainConfig
 
 ScriptCheck = Callable[[Dataset], tuple[dict[str, Any], list[str]]]
@@ -51,7 +52,8 @@ def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCh
 
 
 def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck, launch: LaunchEnv) -> list[str]:
-    cfg.check_paths()
+    check_paths(cfg)
+    FaultPlan.from_env()  # DDP_FAULT, as the run's own pre-flight reads it
     resume = choose_resume(cfg.resume, cfg.out, cfg.overwrite, announce=False, restarted=restart_count() > 0)
     refuse_unfixed_files(cfg.out, resume, restarted=restart_count() > 0)
     device, world_size = torch.device(device_type(cfg.device)), launch.world_size

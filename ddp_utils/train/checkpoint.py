@@ -15,19 +15,16 @@ import pickle
 import random
 import re
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ..config import UsageError, config_dict
+from ..config import UsageError
 from ..runtime.collectives import all_gather_object, all_reduce_sum, broadcast_object
 from ..runtime.dist import get_rank, unwrap
-from ..runtime.stopping import EXIT_FAILURE, EXIT_NONFINITE, RunStopped
-
-if TYPE_CHECKING:
-    from .run import TrainRun
+from ..runtime.stopping import EXIT_FAILURE, RunStopped
 
 log = logging.getLogger("train")
 LAST = "checkpoint_last.pt"
@@ -37,6 +34,14 @@ REQUIRED_KEYS = ("script", "model", "step", "epoch", "batches_done", "config", "
 
 class UnreadableCheckpoint(Exception):
     """A checkpoint file that cannot be used; ``str()`` says why in a few words."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A checkpoint chosen to continue from (``resume.choose_resume``), read and checked to be one."""
+
+    path: Path
+    checkpoint: dict[str, Any]
 
 
 @dataclass
@@ -76,34 +81,24 @@ def newest_checkpoint_in(folder: str | Path, flag: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- writing
-def save_run(run: TrainRun) -> None:
-    """Checkpoint the run, unless this very step is on disk already (every rank calls; rank 0
-    writes). Weights that are NaN or Inf are never written over a good checkpoint."""
-    step = run.state.step
-    if run.session.saved.step == step:
-        return
-    if not weights_finite(run.model, run.info.device):
-        raise RunStopped(f"step {step}: the weights are NaN or Inf, so no checkpoint was written; "
-                         f"{run.session.saved.describe()}. Lower --lr or add --clip-grad", EXIT_NONFINITE)
-    path = write_checkpoint(checkpoint_of(run), run.cfg.out, run.cfg.keep_checkpoints)
-    run.session.saved.step, run.session.saved.path = step, path
-    log.info("saved checkpoint %s (%s)", path, run.state.describe())
-
-
-def checkpoint_of(run: TrainRun) -> dict[str, Any]:
+def checkpoint_contents(*, state: dict[str, Any], script: str, facts: dict[str, Any], world_size: int,
+                        config: dict[str, Any], resolved: dict[str, Any], model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                        device: torch.device) -> dict[str, Any]:
     """Everything a resume needs, as plain data (every rank must call: RNG states are gathered).
-    ``script`` and ``facts`` (e.g. the class count) let a resume refuse a checkpoint that cannot fit."""
+    ``state``: where the run stands (epoch, step, ...); ``script`` and ``facts`` (e.g. the class
+    count) let a resume refuse a checkpoint that cannot fit; ``model`` is unwrapped here."""
     return {
-        **asdict(run.state),
-        "script": run.script,
-        "facts": run.facts,
-        "world_size": run.info.world_size,
-        "config": config_dict(run.cfg),
-        "resolved": run.resolved,
-        "model": unwrap(run.model).state_dict(),
-        "optimizer": run.optimizer.state_dict(),
-        "grad_scaler": run.scaler.state_dict(),  # empty unless fp16
-        "rng": rng_states(run.info.device),
+        **state,
+        "script": script,
+        "facts": facts,
+        "world_size": world_size,
+        "config": config,
+        "resolved": resolved,
+        "model": unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "grad_scaler": scaler.state_dict(),  # empty unless fp16
+        "rng": rng_states(device),
     }
 
 

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..config import UsageError, config_dict, flag_name
+from ..config import UsageError, config_dict, fields_on_resume, flag_name
 from ..runtime.dist import DistInfo, get_rank, get_world_size, unwrap
 from ..runtime.stopping import EXIT_OK, RunStopped
 from .checkpoint import (
+    Resume,
     UnreadableCheckpoint,
     checkpoint_files,
     mismatch_detail,
@@ -26,21 +26,11 @@ from .checkpoint import (
     read_checkpoint,
 )
 from .monitor import last_accuracies
-from .run import RunState, describe_position, is_complete
 from .run_folder import TB_DIR
-from .train_config import RESUME_IF_RESTARTED, TrainConfig
+from .state import RunState, describe_position, is_complete
+from .train_config import RESUME_IF_RESTARTED, TrainConfig, config_changes
 
 log = logging.getLogger("train")
-# Config fields that name this invocation, not the training: they may differ without a word.
-RUN_ONLY_FIELDS = ("out", "resume", "overwrite", "allow_changes", "check", "check_data")
-
-
-@dataclass(frozen=True)
-class Resume:
-    """A checkpoint chosen by ``--resume`` (already read and checked to be a checkpoint)."""
-
-    path: Path
-    checkpoint: dict[str, Any]
 
 
 def _summary(path: Path) -> str:
@@ -102,31 +92,27 @@ def choose_resume(resume: str, out: str, overwrite: bool, announce: bool, restar
     return None
 
 
-def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[Any]]:
-    """{field: [checkpoint's value, this run's value]} for every setting that differs, this
-    invocation's own choices (--out, --resume, ...) left out."""
-    return {name: [saved[name], value] for name, value in config_dict(cfg).items()
-            if name in saved and saved[name] != value and name not in RUN_ONLY_FIELDS}
-
-
 def check_resume_fits(resume: Resume, cfg: TrainConfig, script: str, facts: dict[str, Any], world_size: int,
                       announce: bool) -> None:
     """Refuse (one line, every difference listed) a checkpoint of the other script or of another
-    model (``cfg.RESUME_FIXED``; ``facts`` such as the class count), and one whose run had other
-    settings outside ``cfg.RESUME_FREE`` unless --allow-changes; log the settings that changed."""
+    model (the fields declared ``on_resume="fixed"``; ``facts`` such as the class count), and one
+    whose run had other settings that make another experiment (``on_resume="experiment"``) unless
+    --allow-changes; log the settings that changed."""
     ckpt, path = resume.checkpoint, resume.path
     if ckpt["script"] != script:
         hint = "; to start a classifier from it use --pretrained" if ckpt["script"] == "train_moco.py" else ""
         raise UsageError(f"--resume {path}: a checkpoint of {ckpt['script']}, not of {script}{hint}")
     saved, now = {**ckpt["config"], **ckpt["facts"]}, {**config_dict(cfg), **facts}
     differences = [f"{_label(name)}: checkpoint {saved[name]}, now {now[name]}"
-                   for name in (*cfg.RESUME_FIXED, *facts) if name in saved and saved[name] != now[name]]
+                   for name in (*fields_on_resume(type(cfg), "fixed"), *facts)
+                   if name in saved and saved[name] != now[name]]
     if differences:
         raise UsageError(f"--resume {path} does not fit this run ({'; '.join(differences)}); resume with "
                          f"the checkpoint's settings, or start a new run in another --out")
     changes = config_changes(ckpt["config"], cfg)
     changed = [f"{_label(name)} {old} -> {new}" for name, (old, new) in changes.items()]
-    another_experiment = [text for name, text in zip(changes, changed) if name not in cfg.RESUME_FREE]
+    experiment = fields_on_resume(type(cfg), "experiment")
+    another_experiment = [text for name, text in zip(changes, changed) if name in experiment]
     if another_experiment and not cfg.allow_changes:
         raise UsageError(f"--resume {path}: its run had other settings ({', '.join(another_experiment)}), so this "
                          f"would be another experiment; resume with its settings, add --allow-changes to "
@@ -148,13 +134,13 @@ def restore_training_state(resume: Resume, cfg: TrainConfig, *, model: nn.Module
     ckpt, path = resume.checkpoint, resume.path
     try:
         unwrap(model).load_state_dict(ckpt["model"])
-        _load_optimizer_for_this_device(optimizer, ckpt["optimizer"])
+        load_optimizer_for_this_device(optimizer, ckpt["optimizer"])
     except (RuntimeError, ValueError, KeyError) as err:
         raise UsageError(f"--resume {path}: its model does not fit this one ({mismatch_detail(err)}); was it "
                          f"written with another --arch or --image-size?") from None
     if ckpt["grad_scaler"]:  # empty when the checkpoint's run did not use fp16
         scaler.load_state_dict(ckpt["grad_scaler"])
-    _restore_rng_states(ckpt["rng"], info.device)
+    restore_rng_states(ckpt["rng"], info.device)
     state = RunState(ckpt["epoch"], ckpt["step"], ckpt["batches_done"], ckpt["nonfinite_skipped"])
     old_world, old_batch = ckpt["world_size"], ckpt["config"]["batch_size"]
     geometry_changed = (old_world, old_batch) != (info.world_size, cfg.batch_size)
@@ -182,7 +168,7 @@ def stop_if_complete(cfg: TrainConfig, state: RunState, resume: Resume | None) -
                      f"{f'; last logged: {last}' if last else ''}. Raise --epochs to train longer", EXIT_OK)
 
 
-def _load_optimizer_for_this_device(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+def load_optimizer_for_this_device(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
     """``optimizer.load_state_dict(saved)``, keeping this device's implementation (fused on CUDA,
     foreach elsewhere: the saved param groups carry the writer's) and laying every state tensor
     out like its parameter (a GPU checkpoint holds channels_last momentum buffers; the fused and
@@ -198,7 +184,7 @@ def _load_optimizer_for_this_device(optimizer: torch.optim.Optimizer, saved: dic
                 state[name] = torch.empty_like(param).copy_(value)
 
 
-def _restore_rng_states(states: list[dict[str, Any]], device: torch.device) -> None:
+def restore_rng_states(states: list[dict[str, Any]], device: torch.device) -> None:
     """This rank's RNG streams as the checkpoint saved them; left as they are (with a warning)
     when the world size changed."""
     if len(states) != get_world_size():

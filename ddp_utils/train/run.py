@@ -15,6 +15,7 @@ from ..runtime.stopping import StepVerdict
 from .accumulation import MicroStep, WindowStart, plan_windows
 from .monitor import TensorBoard, WaitClock
 from .schedule import LRSchedule
+from .state import RunState, is_complete
 from .train_config import TrainConfig
 
 if TYPE_CHECKING:
@@ -22,22 +23,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("train")
 INPUT_BOUND = 0.2  # an epoch that waited for its batches longer than this share of its time is input-bound
-
-
-@dataclass
-class RunState:
-    epoch: int = 0              # epochs completed (0-based index of the epoch in progress)
-    step: int = 0               # optimizer steps taken, applied or skipped: the one step counter
-    batches_done: int = 0       # micro-batches of `epoch` this rank consumed (a multiple of accum_steps)
-    nonfinite_skipped: int = 0  # optimizer steps skipped for a non-finite loss (--skip-nonfinite)
-
-    @property
-    def epoch_number(self) -> int:
-        """The epoch of the last step, counted from 1, as every message counts epochs (0 = none yet)."""
-        return self.epoch if self.batches_done == 0 else self.epoch + 1
-
-    def describe(self) -> str:
-        return describe_position(self.step, self.epoch, self.batches_done)
 
 
 def input_advice(cfg: TrainConfig, resolved: dict[str, Any], device: str) -> str:
@@ -52,17 +37,6 @@ def input_advice(cfg: TrainConfig, resolved: dict[str, Any], device: str) -> str
     elif device == "cpu":
         tips.append("a GPU: on a CPU the batched augmentation shares the training process's cores")
     return "try " + "; ".join(tips) if tips else "faster storage for --data-dir"
-
-
-def is_complete(cfg: TrainConfig, state: RunState) -> bool:
-    """Nothing left to train: every epoch done, or --max-steps reached."""
-    return state.epoch >= cfg.epochs or bool(cfg.max_steps and state.step >= cfg.max_steps)
-
-
-def describe_position(step: int, epoch: int, batches_done: int) -> str:
-    if batches_done == 0:
-        return f"step {step}, end of epoch {epoch}" if epoch else f"step {step}"
-    return f"step {step}, in epoch {epoch + 1}"
 
 
 @dataclass(kw_only=True)

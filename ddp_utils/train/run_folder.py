@@ -9,21 +9,12 @@ import shutil
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..config import UsageError, command_line, flag_name, git_revision, save_config, write_json
 from ..data.image_files import UnreadableImage, decode_rgb
-from ..data.loading import Loaders
-from ..data.preview import augmentation_grid
-from ..runtime.dist import barrier
 from ..runtime.stopping import MARKER
-from .checkpoint import LAST, checkpoint_files
-from .monitor import TensorBoard
-
-if TYPE_CHECKING:
-    from .resume import Resume
-    from .session import RunSession
-    from .train_config import TrainConfig
+from .checkpoint import LAST, Resume, checkpoint_files
+from .train_config import TrainConfig, config_changes
 
 log = logging.getLogger("train")
 TB_DIR = "tb"
@@ -100,8 +91,6 @@ def write_run_record(cfg: TrainConfig, world_size: int, resume: Resume | None, s
     run), what its "auto" data flags resolved to (``resolved``), its world size, command and git
     revision; every resume appends to its "history" when, where from, with which command, what
     it changed (flag: [old, new]) and what the flags resolved to this time."""
-    from .resume import config_changes  # resume imports this module
-
     path = Path(cfg.out) / "config.json"
     entry = None
     if resume is not None:
@@ -120,32 +109,3 @@ def write_run_record(cfg: TrainConfig, world_size: int, resume: Resume | None, s
             return
     save_config(cfg, cfg.out, {"world_size": world_size, "resolved": resolved or {},
                                "history": [entry] if entry else []})
-
-
-def augmentation_preview(cfg: TrainConfig, loaders: Loaders, is_main: bool, resume: Resume | None):
-    """Rank 0 of a fresh run: the picture of the augmentation for TensorBoard, else None (an
-    image file among its samples that cannot be decoded stops the run at its first step)."""
-    if not is_main or resume is not None:
-        return None
-    return augmentation_grid(loaders, cfg.dataset, cfg.resolved_image_size(), normalization=cfg.normalization)
-
-
-def open_run_folder(cfg: TrainConfig, session: RunSession, resume: Resume | None, step: int,
-                    resolved: dict | None = None, preview=None) -> TensorBoard:
-    """Rank 0, once every check has passed: the folder (an old run cleared on --overwrite), its
-    config.json, TensorBoard from ``step`` on, and ``preview`` (:func:`augmentation_preview`).
-    Returns the TensorBoard writer (a no-op on other ranks). A resumed checkpoint in this folder
-    counts as saved."""
-    tb = TensorBoard(None)
-    if resume is not None and resume.path.parent == Path(cfg.out):
-        session.saved.step, session.saved.path = step, resume.path
-    if session.info.is_main:
-        prepare_run_folder(cfg.out, cfg.overwrite, resuming=resume is not None)
-        write_run_record(cfg, session.info.world_size, resume, step, resolved)
-        session.signals.clear_marker()
-        (Path(cfg.out) / UNREADABLE_MARKER).unlink(missing_ok=True)  # its files decode now (preflight)
-        tb = session.close_at_exit(TensorBoard(Path(cfg.out) / TB_DIR, purge_step=step + 1 if resume else None))
-        if preview is not None:  # what the augmentation does, once per run
-            tb.image("data/augmented_views", preview, step)
-    barrier()
-    return tb

@@ -55,7 +55,7 @@ class RunSession:
         self.cfg = cfg
         self.exit_code = EXIT_OK
         self.saved = SavedCheckpoint()  # what a failure message names
-        self.faults = FaultPlan.from_env()
+        self.faults = FaultPlan()  # the pre-flight reads DDP_FAULT (train.build.preflight)
         self._closing = contextlib.ExitStack()
 
     def __enter__(self) -> RunSession:
@@ -77,6 +77,7 @@ class RunSession:
         if self.info.is_distributed:
             log_placement(self.info)
         warn_if_restarts_can_hang(self.info)
+        self._closing.callback(torch.autograd.set_detect_anomaly, torch.is_anomaly_enabled())  # as it was
         torch.autograd.set_detect_anomaly(cfg.debug)
         if cfg.debug:
             log.info("--debug: autograd anomaly detection on, small data subsets, extra checks after every step")

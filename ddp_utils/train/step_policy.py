@@ -4,18 +4,38 @@ files that could not be decoded."""
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 
+from ..config import config_dict
 from ..data.image_files import describe_unreadable, fix_hint
 from ..data.loading import steps_per_epoch
 from ..runtime.logs import release_held_logs
 from ..runtime.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_USAGE, RunStopped
 from .accumulation import StepResult
-from .checkpoint import save_run
+from .checkpoint import checkpoint_contents, weights_finite, write_checkpoint
 from .monitor import Progress, StepMeter
 from .run import TrainRun
 from .run_folder import mark_unreadable
 
 log = logging.getLogger("train")
+
+
+def save_checkpoint(run: TrainRun) -> None:
+    """Checkpoint the run, unless this very step is on disk already (every rank calls; rank 0
+    writes). Weights that are NaN or Inf are never written over a good checkpoint."""
+    step = run.state.step
+    if run.session.saved.step == step:
+        return
+    if not weights_finite(run.model, run.info.device):
+        raise RunStopped(f"step {step}: the weights are NaN or Inf, so no checkpoint was written; "
+                         f"{run.session.saved.describe()}. Lower --lr or add --clip-grad", EXIT_NONFINITE)
+    contents = checkpoint_contents(state=asdict(run.state), script=run.script, facts=run.facts,
+                                   world_size=run.info.world_size, config=config_dict(run.cfg),
+                                   resolved=run.resolved, model=run.model, optimizer=run.optimizer,
+                                   scaler=run.scaler, device=run.info.device)
+    path = write_checkpoint(contents, run.cfg.out, run.cfg.keep_checkpoints)
+    run.session.saved.step, run.session.saved.path = step, path
+    log.info("saved checkpoint %s (%s)", path, run.state.describe())
 
 
 def start_training(run: TrainRun) -> StepMeter:
@@ -46,7 +66,7 @@ def after_optimizer_step(run: TrainRun, meter: StepMeter, stepped: StepResult, *
     if verdict.nonfinite_ranks:
         _skip_or_stop_nonfinite(run, verdict.nonfinite_ranks)
     if verdict.stop:
-        save_run(run)
+        save_checkpoint(run)
         if verdict.interrupted:
             raise RunStopped(f"interrupted at step {state.step}: checkpoint written in {cfg.out}; continue "
                              f"with the same command plus --resume auto", EXIT_INTERRUPTED)
@@ -55,7 +75,7 @@ def after_optimizer_step(run: TrainRun, meter: StepMeter, stepped: StepResult, *
         run.preempted = True
         return True
     if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
-        save_run(run)
+        save_checkpoint(run)
     run.session.faults.after_step(run.info.rank, state.step)  # DDP_FAULT=kill/raise (tests)
     return bool(cfg.max_steps and state.step >= cfg.max_steps)
 
@@ -95,6 +115,6 @@ def stop_if_files_unreadable(run: TrainRun, where: str) -> None:
         mark_unreadable(run.cfg.out, files)
     if run.state.step == 0 and run.session.saved.path is None:  # nothing trained yet: nothing to keep
         raise RunStopped(f"{where}: {describe_unreadable(files)}; {fix_hint(files)}, then start the run again", EXIT_USAGE)
-    save_run(run)
+    save_checkpoint(run)
     raise RunStopped(f"{where}: {describe_unreadable(files)}; {fix_hint(files)}, then continue with --resume auto; "
                      f"{run.session.saved.describe()}", EXIT_USAGE)

@@ -6,19 +6,24 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
 import torch
 
-from ..config import UsageError, flag_name, opt, parse_config, recorded_run
-from ..data.sets import DATASETS, NATIVE_SIZE, NORMALIZATIONS, check_data_dir
-from ..data.transforms import AUG_ON, augment_on_device
+from ..config import UsageError, config_dict, fields_on_resume, flag_name, opt, parse_config, recorded_run
+from ..data.recipes import AUG_ON, augment_on_device
+from ..data.sets import DATASETS, NATIVE_SIZE, NORMALIZATIONS
 from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
-from ..runtime.dist import LaunchEnv, check_device, detect_launch, device_type, restart_count
-from ..runtime.faults import FaultPlan
+from ..runtime.dist import (
+    LaunchEnv,
+    check_device,
+    detect_launch,
+    device_type,
+    restart_count,
+    visible_cuda_devices,
+)
 from ..runtime.stopping import EXIT_USAGE
 from .precision import AMP_MODES, resolve_amp
-from .run_folder import check_out_dir
 from .schedule import LR_SCHEDULES, parse_milestones
 
 C = TypeVar("C", bound="TrainConfig")
@@ -32,112 +37,121 @@ OUT_HELP = ("run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a f
 
 @dataclass
 class TrainConfig:
-    # What shapes the model: a checkpoint that differs in any of these cannot be resumed.
-    RESUME_FIXED: ClassVar[tuple[str, ...]] = ("arch",)
-    # How long and how a run goes, not what it learns: a resume may change these without
-    # --allow-changes (a changed LR, batch or data set makes it another experiment).
-    RESUME_FREE: ClassVar[tuple[str, ...]] = (
-        "epochs", "max_steps", "data_dir", "download", "aug_on", "decode_on", "workers", "amp", "tf32", "deterministic",
-        "compile", "device", "dist_timeout", "out", "resume", "overwrite", "allow_changes", "check",
-        "check_data", "ckpt_every", "keep_checkpoints", "skip_nonfinite", "log_every")
-    # --help's sections (ddp_utils.config.flag_groups)
-    FLAG_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "data": ("dataset", "data_dir", "download", "image_size", "synthetic_samples", "augment",
-                 "normalization", "aug_on", "decode_on", "workers"),
-        "model and optimisation": ("arch", "batch_size", "accum_steps", "epochs", "max_steps", "lr", "momentum",
-                                   "weight_decay", "lr_schedule", "lr_milestones", "warmup_steps", "clip_grad",
-                                   "seed"),
-        "precision and speed": ("amp", "tf32", "deterministic", "compile"),
-        "run folder and checkpoints": ("out", "resume", "overwrite", "allow_changes", "check", "check_data", "ckpt_every",
-                                       "keep_checkpoints", "skip_nonfinite", "log_every", "debug"),
-        "distributed": ("device", "dist_timeout"),
-    }
+    # --help's sections, in this order; each field names its own (opt(group=...))
+    SECTIONS: ClassVar[tuple[str, ...]] = ("data", "model and optimisation", "precision and speed",
+                                           "run folder and checkpoints", "distributed")
 
     # data
     dataset: str = opt("digits", "data set: digits (ships with scikit-learn, no download), cifar10, "
                        "imagefolder (DIR/train, DIR/val class folders) or synthetic (random tensors)",
-                       choices=DATASETS)
-    data_dir: str = opt("./data", "where cifar10 is (or is downloaded to) / the ImageFolder root")
-    download: bool = opt(False, "download cifar10 into --data-dir if it is not there (once per node, by its local rank 0)")
-    image_size: int = opt(0, "input side in pixels; 0 = the data set's own (32, or 224 for imagefolder)")
-    synthetic_samples: int = opt(2048, "training samples of the synthetic data set (val: a quarter)")
+                       choices=DATASETS, group="data")
+    data_dir: str = opt("./data", "where cifar10 is (or is downloaded to) / the ImageFolder root",
+                        group="data", on_resume="free")
+    download: bool = opt(False, "download cifar10 into --data-dir if it is not there (once per node, by its local rank 0)",
+                         group="data", on_resume="free")
+    image_size: int = opt(0, "input side in pixels; 0 = the data set's own (32, or 224 for imagefolder)",
+                          group="data")
+    synthetic_samples: int = opt(2048, "training samples of the synthetic data set (val: a quarter)",
+                                 group="data")
     augment: bool = opt(True, "random crop (+ flip) on training images; off = deterministic pipeline "
-                        "(train_moco.py refuses it: its two views must differ)")
+                        "(train_moco.py refuses it: its two views must differ)", group="data")
     normalization: str = opt("auto", "input mean/std: auto = the data set's own; cifar10-demo = the MoCo "
                              "authors' CIFAR-10 demo's (std 0.2023, 0.1994, 0.2010 instead of 0.2470, 0.2435, "
-                             "0.2616)", choices=NORMALIZATIONS)
+                             "0.2616)", choices=NORMALIZATIONS, group="data")
     aug_on: str = opt("auto", "where training images are augmented: device = whole batches on the training device "
                       "(in-memory data entirely; ImageFolder: workers decode, the device crops and does the rest, "
                       "evaluation's view too); loader = per sample in DataLoader workers (torchvision, the "
-                      "reference); auto = device, except ImageFolder on a CPU", choices=AUG_ON)
+                      "reference); auto = device, except ImageFolder on a CPU", choices=AUG_ON,
+                      group="data", on_resume="free")
     decode_on: str = opt("auto", "where image files (imagefolder) are decoded with --aug-on device: loader = in "
                          "the DataLoader workers (libjpeg-turbo); device = the workers only read the files and the "
                          "training process decodes each batch on its device (nvJPEG on CUDA; a file it may not "
                          "take, such as a CMYK or progressive JPEG or a PNG, is decoded by its worker); auto = loader",
-                         choices=("auto", "loader", "device"))
-    workers: int = opt(-1, "data-loader worker processes per rank; -1 = auto (0 for in-memory data)")
+                         choices=("auto", "loader", "device"), group="data", on_resume="free")
+    workers: int = opt(-1, "data-loader worker processes per rank; -1 = auto (0 for in-memory data)",
+                       group="data", on_resume="free")
     # model and optimisation
-    arch: str = opt("small_cnn", "network", choices=ARCHS)
+    arch: str = opt("small_cnn", "network", choices=ARCHS, group="model and optimisation", on_resume="fixed")
     batch_size: int = opt(64, "images per rank per micro-step; the global batch is "
-                          "world_size x accum_steps x batch_size")
-    accum_steps: int = opt(1, "micro-steps per optimizer step (gradient accumulation)")
-    epochs: int = opt(10, "passes over the training set; the LR schedule spans all of them")
+                          "world_size x accum_steps x batch_size", group="model and optimisation")
+    accum_steps: int = opt(1, "micro-steps per optimizer step (gradient accumulation)",
+                           group="model and optimisation")
+    epochs: int = opt(10, "passes over the training set; the LR schedule spans all of them",
+                      group="model and optimisation", on_resume="free")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = no limit); the schedule "
-                         "still spans --epochs")
-    lr: float = opt(0.1, "peak learning rate for the global batch (no automatic scaling)")
-    momentum: float = opt(0.9, "SGD momentum")
-    weight_decay: float = opt(5e-4, "SGD weight decay (L2), applied to every parameter")
+                         "still spans --epochs", group="model and optimisation", on_resume="free")
+    lr: float = opt(0.1, "peak learning rate for the global batch (no automatic scaling)",
+                    group="model and optimisation")
+    momentum: float = opt(0.9, "SGD momentum", group="model and optimisation")
+    weight_decay: float = opt(5e-4, "SGD weight decay (L2), applied to every parameter",
+                              group="model and optimisation")
     lr_schedule: str = opt("cosine", "after warm-up: cosine decay to 0 over --epochs, step (x0.1 at each "
                            "--lr-milestones epoch), constant, or cosine-epoch (the MoCo CIFAR-10 demo's: "
                            "lr x 0.5(1 + cos(pi e / epochs)) through epoch e = 1..epochs; a warm-up scales "
-                           "it)", choices=LR_SCHEDULES)
+                           "it)", choices=LR_SCHEDULES, group="model and optimisation")
     lr_milestones: str = opt("", "comma-separated epochs where the step schedule multiplies the LR by 0.1; "
-                             "N%% = N percent of --epochs")
-    warmup_steps: int = opt(0, "linear LR warm-up, in optimizer steps")
-    clip_grad: float = opt(0.0, "clip the global gradient L2 norm to this value; 0 = off")
+                             "N%% = N percent of --epochs", group="model and optimisation")
+    warmup_steps: int = opt(0, "linear LR warm-up, in optimizer steps", group="model and optimisation")
+    clip_grad: float = opt(0.0, "clip the global gradient L2 norm to this value; 0 = off",
+                           group="model and optimisation")
     amp: str = opt("auto", "mixed precision: auto = bf16 on CUDA and fp32 on CPU; bf16, fp16 (with a "
-                   "GradScaler) or none (fp32; TF32 matmuls on CUDA unless --no-tf32)", choices=AMP_MODES)
+                   "GradScaler) or none (fp32; TF32 matmuls on CUDA unless --no-tf32)", choices=AMP_MODES,
+                   group="precision and speed", on_resume="free")
     tf32: bool = opt(True, "CUDA: fp32 matmuls and convolutions on TF32 tensor cores (inputs rounded to "
-                     "10-bit mantissas); --no-tf32 computes them in full fp32")
+                     "10-bit mantissas); --no-tf32 computes them in full fp32",
+                     group="precision and speed", on_resume="free")
     deterministic: bool = opt(False, "CUDA: repeatable runs: cuDNN's deterministic algorithms without "
                               "autotuning, no TF32, torch.use_deterministic_algorithms (slower; an operation "
                               "without a deterministic CUDA kernel stops the run naming it). CPU runs repeat "
-                              "without it")
+                              "without it", group="precision and speed", on_resume="free")
     compile: bool = opt(False, "torch.compile the network(s) (MoCo: query and key encoder separately); "
-                        "slower start, faster steps")
-    seed: int = opt(0, "seed for model init (same on every rank), data order and augmentation")
+                        "slower start, faster steps", group="precision and speed", on_resume="free")
+    seed: int = opt(0, "seed for model init (same on every rank), data order and augmentation",
+                    group="model and optimisation")
     # runtime
     device: str = opt("auto", "auto = cuda:LOCAL_RANK with NCCL if CUDA is available, else CPU with gloo",
-                      choices=("auto", "cpu", "cuda"))
-    dist_timeout: float = opt(600.0, "seconds a collective may wait for a peer before the job fails")
-    out: str = opt("runs/run", OUT_HELP)
+                      choices=("auto", "cpu", "cuda"), group="distributed", on_resume="free")
+    dist_timeout: float = opt(600.0, "seconds a collective may wait for a peer before the job fails",
+                              group="distributed", on_resume="free")
+    out: str = opt("runs/run", OUT_HELP, group="run folder and checkpoints", on_resume="invocation")
     resume: str = opt("", "'auto' = continue from the newest readable checkpoint in OUT (start fresh if "
                       "there is none); a checkpoint file, or a run folder (its newest checkpoint); "
                       "'if-restarted' = start fresh, but 'auto' in a restarted attempt (torchrun "
-                      "--max-restarts, SLURM requeue: what launch/ adds); empty = start fresh")
+                      "--max-restarts, SLURM requeue: what launch/ adds); empty = start fresh",
+                      group="run folder and checkpoints", on_resume="invocation", from_file=False)
     overwrite: bool = opt(False, "start over in an OUT that holds a run: its checkpoints, TensorBoard "
-                          "events and config are deleted first")
+                          "events and config are deleted first",
+                          group="run folder and checkpoints", on_resume="invocation", from_file=False)
     allow_changes: bool = opt(False, "with --resume: continue although the checkpoint's run had other "
                               "settings that make it another experiment (data set, LR, batch, ...); the "
-                              "changes are recorded in OUT/config.json's history")
+                              "changes are recorded in OUT/config.json's history",
+                              group="run folder and checkpoints", on_resume="invocation", from_file=False)
     check: bool = opt(False, "check only: flags, paths, data and the checkpoint to resume; print the run "
                       "that would start and exit 0 (or 2, naming the problem); no process group, nothing "
-                      "written (launch/ scripts run it before starting the workers)")
+                      "written (launch/ scripts run it before starting the workers)",
+                      group="run folder and checkpoints", on_resume="invocation", from_file=False)
     check_data: bool = opt(False, "--check, and decode every image file of both splits (imagefolder) on every "
                            "CPU this process may use: each file that cannot be decoded is listed with its "
-                           "reason, exit 2 if there is one")
-    ckpt_every: int = opt(0, "also checkpoint every this many optimizer steps (0 = at epoch ends only)")
+                           "reason, exit 2 if there is one",
+                           group="run folder and checkpoints", on_resume="invocation", from_file=False)
+    ckpt_every: int = opt(0, "also checkpoint every this many optimizer steps (0 = at epoch ends only)",
+                          group="run folder and checkpoints", on_resume="free")
     keep_checkpoints: int = opt(2, "checkpoints kept in OUT: checkpoint_last.pt and N-1 older ones "
-                                "(checkpoint_prev1.pt, ...); the oldest goes only once a new one is on disk")
+                                "(checkpoint_prev1.pt, ...); the oldest goes only once a new one is on disk",
+                                group="run folder and checkpoints", on_resume="free")
     skip_nonfinite: int = opt(0, "optimizer steps with a NaN/Inf loss that may be skipped (nothing is "
-                              "updated) before the run stops with exit code 3")
-    log_every: int = opt(20, "optimizer steps between progress lines and train/* TensorBoard points")
-    debug: bool = opt(False, "one process, tiny data subset, autograd anomaly detection, extra checks")
+                              "updated) before the run stops with exit code 3",
+                              group="run folder and checkpoints", on_resume="free")
+    log_every: int = opt(20, "optimizer steps between progress lines and train/* TensorBoard points",
+                         group="run folder and checkpoints", on_resume="free")
+    debug: bool = opt(False, "one process, tiny data subset, autograd anomaly detection, extra checks",
+                      group="run folder and checkpoints")
 
-    def validate(self, launch: LaunchEnv) -> None:
+    def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
         """Raise UsageError (one line, with the fix) for flags that cannot train: checks of the
-        flags and the launch alone, the same answer on every rank, so no rank waits for another.
-        Files and folders are checked by :meth:`check_paths`, once the ranks can agree."""
+        flags, the launch and the CUDA devices visible alone (all given: nothing here reads the
+        environment or the file system), the same answer on every rank, so no rank waits for
+        another. Paths and the fault plan are checked in the pre-flight (``train.build``)."""
         positive = ("batch_size", "accum_steps", "epochs", "log_every", "synthetic_samples",
                     "keep_checkpoints")
         for name in positive:
@@ -180,13 +194,12 @@ class TrainConfig:
                              f"--normalization auto")
         if self.debug and launch.world_size > 1:
             raise UsageError("--debug runs one process; start it with plain `python`, not torchrun/srun")
-        check_device(self.device, launch)
-        device = torch.device(device_type(self.device))
+        check_device(self.device, launch, cuda_devices)
+        device = torch.device(device_type(self.device, cuda_devices))
         if self.decode_on == "device" and not augment_on_device(self.aug_on, self.dataset, device):
             raise UsageError(f"--decode-on device needs --aug-on device (the loader path decodes and augments each "
                              f"image in the workers; --aug-on {self.aug_on} means the loader on {device.type}); add "
                              f"--aug-on device or drop --decode-on")
-        FaultPlan.from_env()  # DDP_FAULT, the tests' fault injection
 
     def check_data_flags(self) -> None:
         """Data flags that the chosen data set would silently ignore are refused."""
@@ -199,16 +212,15 @@ class TrainConfig:
                 raise UsageError(f"{flag_name(name)} does nothing with --dataset {self.dataset}; drop it (it "
                                  f"applies to {DATA_FLAG_USERS[name]})")
 
-    def check_paths(self) -> None:
-        """Checks that read the file system (run on every rank inside an agreement)."""
-        check_out_dir(self.out)
-        problem = check_data_dir(self.dataset, self.data_dir, self.download)
-        if problem:
-            raise UsageError(problem)
+    def required_paths(self) -> dict[str, str]:
+        """{flag: path} of the files or folders this config names that must exist (the pre-flight
+        checks them); the data and --out are checked on their own."""
+        return {}
 
-    def resolved(self: C) -> C:
-        """The config with what "auto" means on this machine filled in (``--amp auto``)."""
-        return dataclasses.replace(self, amp=resolve_amp(self.amp, torch.device(device_type(self.device))))
+    def resolved(self: C, cuda_devices: int) -> C:
+        """The config with what "auto" means with ``cuda_devices`` visible devices filled in
+        (``--amp auto``)."""
+        return dataclasses.replace(self, amp=resolve_amp(self.amp, torch.device(device_type(self.device, cuda_devices))))
 
     def milestone_steps(self, steps_per_epoch: int) -> list[int]:
         return [epoch * steps_per_epoch for epoch in parse_milestones(self.lr_milestones, self.epochs)]
@@ -217,16 +229,28 @@ class TrainConfig:
         return self.image_size or NATIVE_SIZE[self.dataset]
 
 
-def parse_args(cls: type[C], argv: Sequence[str] | None, doc: str) -> C:
-    """The command line as a checked config, ``--amp auto`` resolved for this machine. Bad input:
+def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[Any]]:
+    """{field: [saved value, ``cfg``'s]} for every setting that differs from a saved config (a
+    checkpoint's), this invocation's own choices (``on_resume="invocation"``: --out, --resume,
+    ...) left out."""
+    own = fields_on_resume(type(cfg), "invocation")
+    return {name: [saved[name], value] for name, value in config_dict(cfg).items()
+            if name in saved and saved[name] != value and name not in own}
+
+
+def parse_args(cls: type[C], argv: Sequence[str] | None, doc: str,
+               resolve: Callable[[C], C] | None = None) -> C:
+    """The command line as a checked config, ``--amp auto`` resolved for this machine (and by
+    ``resolve``, the script's own, such as a probe's image size from its checkpoint). Bad input:
     one line on stderr (rank 0 only, and only in a job's first attempt: a torchrun restart or a
     requeue would repeat the same flags) and exit code 2."""
-    launch = detect_launch()
+    launch, cuda_devices = detect_launch(), visible_cuda_devices()
     says = launch.rank == 0 and restart_count() == 0
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = parse_config(cls, argv, doc, quiet=not says).resolved()  # argparse exits 2 itself
-        cfg.validate(launch)
+        cfg = parse_config(cls, argv, doc, quiet=not says).resolved(cuda_devices)  # argparse exits 2 itself
+        cfg = resolve(cfg) if resolve is not None else cfg
+        cfg.validate(launch, cuda_devices)
         recorded = recorded_run(argv)
     except UsageError as err:
         if says:
