@@ -1,8 +1,9 @@
 # Sourced by the launch scripts (not run on its own): the check before the launch and torchrun's
 # restart settings.
 #
-# Reads MAX_RESTARTS (default 3), `script` and the array `args` (the training script and its
-# arguments); sets `max_restarts`. Unless `args` already choose (--resume, --overwrite),
+# Reads MAX_RESTARTS (default 3), PYTHON, `script` and the array `args` (the training script and
+# its arguments); stops with one line and exit 2 when the script is not a file or PYTHON cannot
+# import torch; sets `max_restarts`. Unless `args` already choose (--resume, --overwrite),
 # --resume if-restarted is appended: the first attempt is a fresh run, refused like a plain one
 # if --out holds a run, and only restarted attempts (torchrun restarts, SLURM requeues) continue
 # from the newest checkpoint.
@@ -25,6 +26,17 @@ check_before_launch() {
         if [[ "$arg" == --check ]]; then exit 0; fi
     done
 }
+
+launcher=$(basename "$0")
+if [[ ! -f "$script" ]]; then
+    echo "$launcher: '$script' is not a file; the training script comes first, e.g. NPROC=2 $launcher train_moco.py ARGS" >&2
+    exit 2
+fi
+# find_spec, not import: this costs milliseconds, and the launch imports torch soon enough
+if ! "${PYTHON:-python}" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
+    echo "$launcher: '${PYTHON:-python}' cannot import torch; activate the project's environment (source .venv/bin/activate) or set PYTHON=.venv/bin/python" >&2
+    exit 2
+fi
 
 max_restarts=${MAX_RESTARTS:-3}
 if ! [[ $max_restarts =~ ^[0-9]+$ ]]; then

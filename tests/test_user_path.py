@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, assert_ok, assert_same_state, cli_env, in_process, load_ckpt
+from helpers import CLASSIFIER_REF, REPO, assert_ok, assert_same_state, cli_env, in_process, load_ckpt
 
 import train_classifier
 import train_moco
@@ -61,6 +61,24 @@ def test_the_digits_recipes_queue_fits(tmp_path, capsys):
     assert proc.returncode == 0 and "warning" not in proc.stdout
 
 
+def test_a_launcher_without_its_script_or_torch_says_so_in_one_line(tmp_path):
+    """Before anything imports torch: a missing script (NPROC given as an argument, say) and a
+    python without torch (the environment not activated) are one line each and exit 2."""
+    no_script = subprocess.run(["bash", str(REPO / "launch/torchrun_local.sh"), "2", "train_moco.py"], cwd=tmp_path,
+                               env=cli_env({"PYTHON": sys.executable}), capture_output=True, text=True, timeout=60)
+    assert (no_script.returncode, no_script.stdout) == (2, "")
+    assert no_script.stderr == ("torchrun_local.sh: '2' is not a file; the training script comes first, "
+                                "e.g. NPROC=2 torchrun_local.sh train_moco.py ARGS\n")
+    bare_python = tmp_path / "python"  # this interpreter without its site-packages, where torch is
+    bare_python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare_python.chmod(0o755)
+    for python in (bare_python, tmp_path / "missing-python"):
+        proc = launcher("torchrun_local.sh", ["--device", "cpu"], tmp_path, NPROC="2", PYTHON=str(python))
+        assert (proc.returncode, proc.stdout) == (2, "")
+        assert proc.stderr == (f"torchrun_local.sh: '{python}' cannot import torch; activate the project's "
+                               "environment (source .venv/bin/activate) or set PYTHON=.venv/bin/python\n")
+
+
 def test_a_launcher_stops_a_typo_with_one_line_and_no_restart(tmp_path):
     """The check runs once before torchrun: no worker starts, so nothing restarts a usage error."""
     proc = launcher("torchrun_local.sh", ["--device", "cpu", "--epoch", "3"], tmp_path, NPROC="2")
@@ -98,6 +116,17 @@ def test_a_finished_run_resumed_says_so_with_its_metrics_and_writes_nothing(fini
            "val/acc1 " in proc.stdout
     assert "Raise --epochs to train longer" in proc.stdout
     assert sorted((p.name, p.stat().st_mtime_ns) for p in finished.rglob("*")) == before
+
+
+def test_a_finished_run_on_two_ranks_resumed_in_one_process_names_no_rng_streams(classifier_reference, tmp_path,
+                                                                                 capsys):
+    """Nothing is trained, so the RNG streams of another world size, which a resume cannot restore,
+    go unmentioned."""
+    last = classifier_reference.out / "checkpoint_last.pt"
+    proc = in_process(train_classifier.main, CLASSIFIER_REF + ["--resume", str(last), "--out", str(tmp_path / "x")],
+                      capsys)
+    assert proc.returncode == 0 and "is complete (step 44, end of epoch 2, --epochs 2): nothing to train" in proc.stdout
+    assert "RNG" not in proc.stdout + proc.stderr
 
 
 def test_a_changed_experiment_is_refused_then_recorded_and_config_json_repeats_the_original(finished, tmp_path,

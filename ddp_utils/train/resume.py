@@ -140,8 +140,9 @@ def restore_training_state(resume: Resume, cfg: TrainConfig, *, model: nn.Module
                          f"written with another --arch or --image-size?") from None
     if ckpt["grad_scaler"]:  # empty when the checkpoint's run did not use fp16
         scaler.load_state_dict(ckpt["grad_scaler"])
-    restore_rng_states(ckpt["rng"], info.device)
     state = RunState(ckpt["epoch"], ckpt["step"], ckpt["batches_done"], ckpt["nonfinite_skipped"])
+    if not is_complete(cfg, state):  # a complete run trains nothing: its RNG streams do not matter
+        restore_rng_states(ckpt["rng"], info.device)
     old_world, old_batch = ckpt["world_size"], ckpt["config"]["batch_size"]
     geometry_changed = (old_world, old_batch) != (info.world_size, cfg.batch_size)
     if state.batches_done and (geometry_changed or state.batches_done % cfg.accum_steps):
