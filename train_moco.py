@@ -97,8 +97,7 @@ class MocoConfig(TrainConfig):
     preset: str = opt("v2", "the defaults of the flags marked (v1: ...): v1 = linear head, T 0.07, step "
                       "LR at 60%% and 80%% of --epochs, weak augmentation; v2 = MLP head, T 0.2, cosine LR, "
                       "strong augmentation with blur; a --config file and flags override it",
-                      choices=("v1", "v2"),
-        )
+                      choices=("v1", "v2"))
     out: str = opt("runs/moco", OUT_HELP, group="run folder and checkpoints", on_resume="invocation")
     lr: float = opt(0.03, "peak learning rate for the global batch (MoCo: 0.03 for 256)",
                     group="model and optimisation")

@@ -2,6 +2,8 @@
 checkpoint into a new run folder, and run functions on N gloo ranks."""
 from __future__ import annotations
 
+import importlib
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -14,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ddp_utils.runtime.spawn import preload_forkserver, spawn_local
+from ddp_utils.runtime.spawn import free_port, spawn_local
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -124,13 +126,14 @@ def _rank_entry(rank: int, fn: Callable, out_dir: str, args: tuple) -> None:
 
 
 # What the forkserver imports once for the whole session: every rank forked from it starts with
-# torch, torch._dynamo (which torch.optim imports) and both scripts loaded, in well under a
-# second, where a fresh interpreter spends about 5 s importing them.
+# torch, torch._dynamo (which torch.optim imports: the largest part of a training process's
+# start-up) and both scripts loaded, in well under a second, where a fresh interpreter spends
+# about 5 s importing them. Set before the server starts; later calls change nothing.
 FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "helpers", "train_classifier", "train_moco"]
 
 
 def _forkserver() -> str:
-    preload_forkserver(FORKSERVER_PRELOAD)  # no-op once the server runs
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # no-op once the server runs
     return "forkserver"
 
 
@@ -147,8 +150,6 @@ def _main_entry(rank: int, world_size: int, port: int, script: str, args: list[s
                 out_dir: str) -> None:
     """One rank of :func:`run_ranks`: the environment torchrun gives a worker, stdout and
     stderr into files, then the script's ``main(args)``; its return value is the exit code."""
-    import importlib
-
     os.environ.clear()
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -171,10 +172,6 @@ def run_ranks(script: str, args: list[str], tmp_path: Path, nproc: int = 2, time
     promises that are not about the launcher; those use :func:`run_cli`). ``returncode``: 0 when
     every rank exited 0, else the first rank's non-zero code (all of them in ``codes``); stdout
     and stderr: every rank's, in rank order."""
-    import multiprocessing
-
-    from ddp_utils.runtime.spawn import free_port
-
     out = Path(tempfile.mkdtemp(dir=tmp_path, prefix="ranks-"))
     context = multiprocessing.get_context(_forkserver())
     port, child_env = free_port(), cli_env(env)

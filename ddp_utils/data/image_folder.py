@@ -17,8 +17,8 @@ class ImageFiles(datasets.ImageFolder):
     (:func:`decode_rgb`: the loader path, the reference); "tensor", 3 x H x W uint8 RGB
     (``decode.decode_cpu``: workers of the device path); "encoded", the file's bytes (1-D uint8)
     when the device can decode them (``decode.device_decodable``), else decoded as "tensor". A
-    file that cannot be decoded gives a black placeholder and target ``-1 - index`` (see the
-    module docstring)."""
+    file that cannot be decoded gives a black placeholder and target ``-1 - index`` (see
+    ``image_files``' module docstring)."""
 
     read = "pil"
 

@@ -143,17 +143,18 @@ def _in_memory_on_device(tensors, val_raw, bank_raw, sampler, *, plan, rank, wor
         subset = torch.as_tensor(list(bank_raw.indices)) if isinstance(bank_raw, Subset) else None
         bank = device_eval_batches(images, targets, augment.augment, rank=rank, world_size=world_size,
                                    batch_size=eval_batch, subset=subset)
-    if val is not None and (bank is not None or bank_raw is None):
-        return train, val, bank
-    from .transforms import eval_transform  # for splits stored at another size than the network's
 
-    eval_tf = eval_transform(plan.dataset, plan.image_size, plan.normalization)
-    options = dict(batch_size=eval_batch, workers=plan.workers, rank=rank, world_size=world_size,
-                   pin_memory=device.type == "cuda", unreadable=unreadable)
+    def per_sample(raw: Dataset):  # a split stored at another size than the network's: resized per sample
+        from .transforms import eval_transform
+
+        return eval_loader(raw, eval_transform(plan.dataset, plan.image_size, plan.normalization),
+                           batch_size=eval_batch, workers=plan.workers, rank=rank, world_size=world_size,
+                           pin_memory=device.type == "cuda", unreadable=unreadable)
+
     if val is None:
-        val = eval_loader(val_raw, eval_tf, **options)
+        val = per_sample(val_raw)
     if bank is None and bank_raw is not None:
-        bank = eval_loader(bank_raw, eval_tf, **options)
+        bank = per_sample(bank_raw)
     return train, val, bank
 
 

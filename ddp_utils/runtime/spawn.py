@@ -26,16 +26,9 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any, start_metho
     """Run ``fn(rank, *args)`` in ``world_size`` processes with torchrun's environment variables
     (a free port on 127.0.0.1); ``init_distributed()`` in ``fn`` then forms the group. ``fn``
     must be importable (module level). Raises if any process fails. ``start_method``
-    "forkserver" forks each process from one server that imported the modules of
-    :func:`preload_forkserver` once, instead of starting a fresh interpreter each time."""
+    "forkserver" forks each process from one server that imported the modules given to
+    ``multiprocessing.set_forkserver_preload`` once, instead of starting a fresh interpreter
+    each time."""
     mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
                        join=True, start_method=start_method)
 
-
-def preload_forkserver(modules: list[str]) -> None:
-    """The modules the forkserver imports once, before it forks any process (call before the
-    first "forkserver" start; later calls change nothing). torch._dynamo is among what a
-    training process imports anyway (torch.optim does), and the largest part of its start-up."""
-    import multiprocessing
-
-    multiprocessing.set_forkserver_preload(modules)
