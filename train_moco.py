@@ -1,8 +1,12 @@
 """MoCo v1/v2 self-supervised pretraining with DistributedDataParallel.
 
+The bare command learns on the embedded digits (scikit-learn's, no download) with their own
+defaults (16 px, batch 32, K 256, m 0.99, LR 0.06, 15 epochs, kNN every 5 epochs): about a
+minute on 2 CPU cores, kNN accuracy about 10 points above its step-0 value; flags override them:
+    torchrun --nproc_per_node=4 train_moco.py --out runs/moco_digits
+
 One process (CPU or one GPU; BatchNorm is split into --bn-splits groups to emulate shuffle BN):
-    python train_moco.py --dataset digits --arch small_cnn --moco-k 1024 --batch-size 64 \\
-        --epochs 20 --out runs/moco_digits
+    python train_moco.py --out runs/moco_digits
 
 The MoCo authors' CIFAR-10 demo, exactly (recipes/: one GPU, batch 512, split BN groups of 64):
     python train_moco.py --config recipes/moco_cifar10_demo.json --data-dir ./data --download
@@ -88,10 +92,21 @@ PRESETS = {
     "v2": dict(lr_schedule="cosine", lr_milestones="", moco_t=0.2, mlp=True, aug="v2"),
 }
 
+# The embedded data set's own defaults, over the preset's and the fields' ImageNet values, so that
+# the bare command shows MoCo learning in a minute: a queue of 65,536 would hold 45 stale keys of
+# each of digits' 1,438 training images (256 still takes 8 ranks x 32), m = 0.999 barely moves the
+# key encoder in a few hundred steps, and one process splits its batch of 32 into 2 BatchNorm
+# groups, not 8 groups of 4. A --config file and flags override them.
+DATASET_DEFAULTS = {
+    "digits": dict(image_size=16, batch_size=32, epochs=15, lr=0.06, moco_k=256, moco_m=0.99, bn_splits=2,
+                   knn_every=5),
+}
+
 
 @dataclass
 class MocoConfig(TrainConfig):
     PRESETS: ClassVar[dict[str, dict]] = PRESETS
+    DATASET_DEFAULTS: ClassVar[dict[str, dict]] = DATASET_DEFAULTS
     SECTIONS: ClassVar[tuple[str, ...]] = (*TrainConfig.SECTIONS, "MoCo", "kNN monitor")
 
     preset: str = opt("v2", "the defaults of the flags marked (v1: ...): v1 = linear head, T 0.07, step "

@@ -5,8 +5,9 @@ the fields into ``--kebab-case`` flags, so the dataclass is the single source of
 defaults, the ``--help`` table, ``config.json`` and the config stored in checkpoints.
 
 Where a value comes from, lowest first: the field's default; the class's preset (``PRESETS``,
-chosen by a ``preset`` field); ``--config FILE`` (JSON: a recipe, or a run's own
-``config.json``); the command line. ``--help`` shows the defaults that result.
+chosen by a ``preset`` field); the data set's own defaults (``DATASET_DEFAULTS``, chosen by the
+``dataset`` field); ``--config FILE`` (JSON: a recipe, or a run's own ``config.json``); the
+command line. ``--help`` shows the defaults that result.
 """
 from __future__ import annotations
 
@@ -164,13 +165,13 @@ def build_parser(cls: type, doc: str = "", quiet: bool = False) -> argparse.Argu
         kind = field_type(hints[f.name])  # `float | None`: None = "set by the preset"
         meta = f.metadata
         if kind is bool:
-            where.add_argument(flag, dest=f.name, default=f.default, help=meta["help"],
+            where.add_argument(flag, dest=f.name, default=f.default, help=help_text(cls, f),
                                action=argparse.BooleanOptionalAction)
             continue
         if kind not in (int, float, str):
             raise TypeError(f"config field {f.name} has unsupported type {kind}")
         where.add_argument(flag, dest=f.name, type=finite_float if kind is float else kind,
-                           default=f.default, help=meta["help"], choices=meta.get("choices"),
+                           default=f.default, help=help_text(cls, f), choices=meta.get("choices"),
                            metavar=None if meta.get("choices") else f.name.upper())
     return parser
 
@@ -188,11 +189,13 @@ def parse_config(cls: type[T], argv: Sequence[str] | None = None, doc: str = "",
     exit 2 with one line (none if quiet), a bad file raises :class:`UsageError`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(cls, doc, quiet)
-    given = _config_and_preset(argv)
+    given = _pre_parsed(argv)
     from_file = read_config_file(cls, given.config) if given.config else {}
     presets = getattr(cls, "PRESETS", None) or {}
     chosen = given.preset if given.preset in presets else None  # an unknown name: argparse says so below
-    parser.set_defaults(**{**preset_values(cls, chosen or from_file.get("preset")), **from_file})
+    dataset = given.dataset or from_file.get("dataset") or _default(cls, "dataset")
+    parser.set_defaults(**{**preset_values(cls, chosen or from_file.get("preset")),
+                           **dataset_values(cls, dataset), **from_file})
     args = vars(parser.parse_args(argv))
     args.pop("config")
     return cls(**args)
@@ -208,6 +211,22 @@ def preset_values(cls: type, name: str | None) -> dict[str, Any]:
     if name not in presets:  # from a file: the command line's choices check never saw it
         raise UsageError(f"preset {name!r}: choose one of {', '.join(presets)}")
     return {"preset": name, **presets[name]}
+
+
+def dataset_values(cls: type, dataset: str | None) -> dict[str, Any]:
+    """The defaults ``cls.DATASET_DEFAULTS`` gives ``dataset`` (empty for a data set it names not)."""
+    return dict((getattr(cls, "DATASET_DEFAULTS", None) or {}).get(dataset, {}))
+
+
+def _default(cls: type, name: str) -> Any:
+    return next((f.default for f in dataclasses.fields(cls) if f.name == name), None)
+
+
+def help_text(cls: type, field: dataclasses.Field) -> str:
+    """A field's help, followed by the data sets' own defaults of it: "...; --dataset digits: 128"."""
+    own = [f"--dataset {dataset}: {values[field.name]}" for dataset, values in
+           (getattr(cls, "DATASET_DEFAULTS", None) or {}).items() if field.name in values]
+    return field.metadata["help"] + (f"; {', '.join(own)}" if own else "")
 
 
 def read_config_file(cls: type, path: str) -> dict[str, Any]:
@@ -241,18 +260,19 @@ def read_config_file(cls: type, path: str) -> dict[str, Any]:
     return values
 
 
-def _config_and_preset(argv: Sequence[str]) -> argparse.Namespace:
-    """``--config`` and ``--preset`` alone, read before the full parse (they set its defaults)."""
+def _pre_parsed(argv: Sequence[str]) -> argparse.Namespace:
+    """``--config``, ``--preset`` and ``--dataset`` alone, read before the full parse (they set
+    its defaults)."""
     first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    first.add_argument("--config", default=None)
-    first.add_argument("--preset", default=None)
+    for flag in ("--config", "--preset", "--dataset"):
+        first.add_argument(flag, default=None)
     return first.parse_known_args(argv)[0]
 
 
 def recorded_run(argv: Sequence[str]) -> tuple[str, dict[str, Any]] | None:
     """(path, contents) when ``--config`` names a run's own config.json (it records the world size
     beside the flags); None for a recipe or no --config."""
-    path = _config_and_preset(argv).config
+    path = _pre_parsed(argv).config
     if not path:
         return None
     data = json.loads(Path(path).read_text())  # parse_config has read it already
@@ -322,7 +342,7 @@ def markdown_flag_table(cls: type) -> str:
             default = "empty"
         else:
             default = f"`{f.default}`"
-        meaning = meta["help"].replace("%%", "%")
+        meaning = help_text(cls, f).replace("%%", "%")
         choices = [str(c) for c in meta.get("choices") or ()]
         if choices and not all(c in meaning for c in choices):
             meaning += "; one of " + ", ".join(choices)

@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import (
     SYMMETRIC_REF,
@@ -27,10 +28,11 @@ from helpers import (
 )
 from host_sync_probe import count_per_micro_step
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import train_moco
 from ddp_utils.config import parse_config
-from ddp_utils.models.moco import MoCo, contrastive_loss, symmetric_contrastive_loss
+from ddp_utils.models.moco import Encoder, MoCo, contrastive_loss, symmetric_contrastive_loss
 from ddp_utils.models.shuffle_bn import split_batchnorm
 from ddp_utils.runtime.dist import DistInfo
 from ddp_utils.train.session import RunSession
@@ -42,8 +44,8 @@ N, C, K, T = 8, 16, 40, 0.2  # one-process checks: batch, key size, queue length
 # ----------------------------------------------------------------------------- one process
 def _moco(split: bool) -> MoCo:
     torch.manual_seed(0)
-    encoder = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, C))
+    encoder = Encoder(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                    nn.AdaptiveAvgPool2d(1), nn.Flatten()), 8, C, mlp=False)
     if split:  # what train_moco does on one process with shuffle BN
         encoder = split_batchnorm(encoder, 2)
     return MoCo(encoder, dim=C, K=K, T=T, shuffle_bn=split)
@@ -139,6 +141,7 @@ def _ranks_checks(run, info: DistInfo) -> dict:
         return allreduce_hook(state, bucket)
 
     run.network.register_comm_hook(None, counting_hook)
+    ddp_forwards = rewrite_buffers_before_each_forward(run.network)  # torch 2.11's DDP, on any torch
     key_passes, crops, enqueued = [], [], []
     real_keys, real_forward, real_enqueue = moco.keys, moco.symmetric_forward, moco.enqueue
 
@@ -160,13 +163,14 @@ def _ranks_checks(run, info: DistInfo) -> dict:
     train_moco.train_one_epoch(run, start_training(run))
     del moco.keys, moco.symmetric_forward, moco.enqueue
     out = dict(queue=moco.queue.clone(), key_passes=key_passes, crops=crops, enqueued=enqueued,
+               ddp_forwards=list(ddp_forwards),
                bytes_per_step=rounds["bytes"] / STEPS,
                grad_bytes=sum(p.numel() * p.element_size() for p in moco.encoder_q.parameters()),
                q=[p.detach().clone() for p in moco.encoder_q.parameters()],
                k=[p.clone() for p in moco.encoder_k.parameters()])
 
-    # Two forwards of the DDP module, one backward: the gradient is the ranks' mean of the summed
-    # loss's gradient, which a plain copy of the module (no DDP) computes for this rank alone.
+    # Both crops in one forward of the DDP module, one backward: the gradient is the ranks' mean of
+    # the summed loss's gradient, which a plain copy of the module (no DDP) computes for this rank alone.
     torch.manual_seed(10 + info.rank)  # different images on each rank
     im1, im2 = torch.randn(8, 3, 16, 16), torch.randn(8, 3, 16, 16)
     moco.encoder_q.zero_grad(set_to_none=True)
@@ -185,6 +189,8 @@ def test_queue_advances_by_both_key_sets_on_two_ranks_with_accumulation(tmp_path
     per_micro = 2 * 2 * 8  # 2 crops x 2 ranks x batch 8
     micro_steps = 2 * STEPS
     assert len(r0["crops"]) == micro_steps and len(r0["key_passes"]) == 2 * micro_steps
+    # One DDP forward per micro-step, of both crops, though every forward rewrote the buffers
+    assert r0["ddp_forwards"] == [2] * micro_steps
     expected_window = []
     for micro, (im_1, im_2) in enumerate(r0["crops"]):
         (first_in, first_keys), (second_in, second_keys) = r0["key_passes"][2 * micro:2 * micro + 2]
@@ -204,13 +210,74 @@ def test_queue_advances_by_both_key_sets_on_two_ranks_with_accumulation(tmp_path
         assert torch.equal(r["queue"], r0["queue"])
         assert all(torch.equal(a[0], b[0]) for a, b in zip(r["enqueued"], r0["enqueued"]))
         assert all(torch.equal(a, b) for a, b in zip(r["q"] + r["k"], r0["q"] + r0["k"]))
-    # Two forwards, one backward: one all-reduce round per optimizer step, and the right gradient.
+    # Both crops, one backward: one all-reduce round per optimizer step, and the right gradient.
     assert r0["bytes_per_step"] == r0["grad_bytes"]
     for i, (g0, g1) in enumerate(zip(ranks[0]["ddp_grads"], ranks[1]["ddp_grads"])):
         assert torch.equal(g0, g1)
         mean = (ranks[0]["local_grads"][i] + ranks[1]["local_grads"][i]) / 2
         torch.testing.assert_close(g0, mean, rtol=1e-5, atol=1e-7)
     assert not torch.equal(ranks[0]["local_grads"][0], ranks[1]["local_grads"][0])  # the ranks differ
+
+
+def rewrite_buffers_before_each_forward(ddp: DDP) -> list[int]:
+    """Make every forward of ``ddp`` first copy rank 0's buffers into this rank's in place, as
+    torch 2.11's DDP does (``broadcast_buffers=True``), which bumps their version counters; newer
+    DDP leaves them alone. Returns the list that gets each forward's number of inputs."""
+    forwards: list[int] = []
+
+    def rewrite(module: DDP, inputs: tuple) -> None:
+        with torch.no_grad():
+            for buffer in module.module.buffers():
+                rank0 = buffer.clone()
+                dist.broadcast(rank0, src=0)
+                buffer.copy_(rank0)
+        forwards.append(len(inputs))
+
+    ddp.register_forward_pre_hook(rewrite)
+    return forwards
+
+
+def _backward_after(crops: list[torch.Tensor], one_forward: bool, rewrite: bool) -> tuple[str, int]:
+    """Forward ``crops`` through a fresh DDP module with BatchNorm in one call or one call each
+    (``rewrite``: under :func:`rewrite_buffers_before_each_forward`), then one backward of the
+    summed outputs. Returns the error message ("" when backward ran) and how often the forwards
+    bumped the BatchNorm buffers' version."""
+    ddp = DDP(_moco(split=False).encoder_q)
+    if rewrite:
+        rewrite_buffers_before_each_forward(ddp)
+    running_mean = next(m for m in ddp.modules() if isinstance(m, nn.BatchNorm2d)).running_mean
+    before = running_mean._version
+    outputs = ddp(*crops) if one_forward else tuple(ddp(crop) for crop in crops)
+    bumps = running_mean._version - before
+    try:
+        sum(out.sum() for out in outputs).backward()
+    except RuntimeError as error:
+        return str(error), bumps
+    return "", bumps
+
+
+def _two_forwards_worker(info: DistInfo) -> dict:
+    torch.manual_seed(0)
+    crops = [torch.randn(4, 3, 6, 6) for _ in range(2)]
+    return {(rewrite, one_forward): _backward_after(crops, one_forward, rewrite)
+            for rewrite in (False, True) for one_forward in (False, True)}
+
+
+def test_two_ddp_forwards_before_one_backward_fail_where_ddp_rewrites_buffers(tmp_path):
+    """The failure that one forward per micro-step avoids, on 2 gloo ranks: two forwards of a DDP
+    module with BatchNorm before one backward fail exactly when DDP's forward rewrites the
+    buffers in place (torch 2.11 does at every forward; 2.12 and newer do not), and always under
+    the rewrite that torch 2.11 does; both crops in one forward never fail."""
+    inplace = "modified by an inplace operation"
+    for r in run_on_ranks(_two_forwards_worker, tmp_path):
+        (two_error, two_bumps), (one_error, one_bumps) = r[False, False], r[False, True]
+        if torch.__version__ < (2, 12):  # a TorchVersion: compares with tuples
+            assert two_bumps == 2 and one_bumps == 1  # the cause, on the oldest supported torch
+        assert (inplace in two_error) == (two_bumps > 0), two_error
+        # the rewrite bumps once per forward, on top of whatever DDP does
+        assert r[True, False][1] == two_bumps + 2 and r[True, True][1] == one_bumps + 1
+        assert inplace in r[True, False][0]
+        assert one_error == r[True, True][0] == ""  # one forward of both crops
 
 
 # ----------------------------------------------------------------------------- real CLI

@@ -4,6 +4,7 @@ a finished run resumed, run folders where a checkpoint is expected, --help in se
 warnings for a queue or probe that do not fit."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from helpers import CLASSIFIER_REF, REPO, assert_ok, assert_same_state, cli_env,
 
 import train_classifier
 import train_moco
-from ddp_utils.config import build_parser, flag_groups
+from ddp_utils.config import build_parser, flag_groups, parse_config
 
 TINY = ["--device", "cpu", "--dataset", "digits", "--arch", "lenet", "--image-size", "16", "--batch-size", "64",
         "--log-every", "1"]
@@ -41,18 +42,50 @@ def finished(tmp_path_factory) -> Path:
 
 # ----------------------------------------------------------------------------- --check and the launchers
 def test_check_prints_the_run_and_writes_nothing(tmp_path, capsys):
-    proc = in_process(train_moco.main, ["--check", "--device", "cpu", "--image-size", "16", "--out",
-                                        str(tmp_path / "runs/m")], capsys)
+    """The bare command's run: the embedded data set's own defaults, said in the data line, and
+    nothing to warn about."""
+    proc = in_process(train_moco.main, ["--check", "--device", "cpu", "--out", str(tmp_path / "runs/m")], capsys)
     assert proc.returncode == 0
     lines = proc.stdout.splitlines()
     assert lines[0] == "train_moco.py --check: ok, nothing written; the run:"
     assert ("  data: digits, 1,438 training and 359 validation images; 16 px, augmentation on the device (--aug-on "
-            "auto), 0 DataLoader worker(s) per rank (--workers -1: in-memory data needs none)") in lines
-    assert "  steps: 22 per epoch, 220 in 10 epochs" in lines
-    # the default queue is ImageNet's: on digits it would hold each image's keys 45 times over
-    assert any(line.startswith("  warning: --moco-k 65536 is 45.6x the 1,438 training images") for line in lines)
+            "auto), 0 DataLoader worker(s) per rank (--workers -1: in-memory data needs none); the digits data set's "
+            "own defaults: --image-size 16, --batch-size 32, --epochs 15, --lr 0.06, --moco-k 256, --moco-m 0.99, "
+            "--bn-splits 2, --knn-every 5") in lines
+    assert "  steps: 44 per epoch, 660 in 15 epochs" in lines
+    assert "warning" not in proc.stdout and proc.stderr == "" and not (tmp_path / "runs").exists()
+
+
+def test_the_data_sets_own_defaults_yield_to_flags_files_and_other_data_sets(tmp_path, capsys):
+    """digits' defaults are used only where nothing else gave a value: a flag and a --config file
+    win, and another --dataset keeps the fields' (ImageNet's) values. --help says both."""
+    own = train_moco.DATASET_DEFAULTS["digits"]
+    fields = {f.name: f.default for f in dataclasses.fields(train_moco.MocoConfig)}
+    bare = parse_config(train_moco.MocoConfig, [])
+    assert {name: getattr(bare, name) for name in own} == own != {name: fields[name] for name in own}
+    cifar = parse_config(train_moco.MocoConfig, ["--dataset", "cifar10"])
+    assert {name: getattr(cifar, name) for name in own} == {name: fields[name] for name in own}
+    assert (cifar.moco_k, cifar.moco_m, cifar.lr) == (65536, 0.999, 0.03)
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"moco_k": 64, "dataset": "digits"}))
+    mixed = parse_config(train_moco.MocoConfig, ["--config", str(recipe), "--lr", "0.5"])
+    assert (mixed.moco_k, mixed.lr, mixed.moco_m) == (64, 0.5, own["moco_m"])
+    from_file = tmp_path / "cifar.json"
+    from_file.write_text(json.dumps({"dataset": "cifar10"}))
+    assert parse_config(train_moco.MocoConfig, ["--config", str(from_file)]).moco_k == 65536
+    for dataset, shown in (("digits", 256), ("imagefolder", 65536)):  # --help: the defaults this run would use
+        with pytest.raises(SystemExit):
+            parse_config(train_moco.MocoConfig, ["--dataset", dataset, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"must be >= the global batch; --dataset digits: 256 (default: {shown})" in text
+
+
+def test_imagenets_queue_on_digits_is_warned_about(tmp_path, capsys):
+    proc = in_process(train_moco.main, ["--check", "--device", "cpu", "--moco-k", "65536", "--out",
+                                        str(tmp_path / "runs/m")], capsys)
+    assert proc.returncode == 0  # it would hold each image's keys 45 times over
+    assert "  warning: --moco-k 65536 is 45.6x the 1,438 training images" in proc.stdout
     assert "use --moco-k 1024 or less" in proc.stdout
-    assert proc.stderr == "" and not (tmp_path / "runs").exists()
 
 
 def test_the_digits_recipes_queue_fits(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """MoCo: Momentum Contrast (He et al. 2020, v1; Chen et al. 2020, "Improved Baselines", v2).
 
-* ``encoder_q``: backbone + projection head, trained by SGD; only it goes into DDP, so DDP never
-  broadcasts the queue or the key encoder.
+* ``encoder_q``: backbone + projection head (an :class:`Encoder`, which takes one crop or
+  several in one call), trained by SGD; only it goes into DDP, so DDP never broadcasts the queue
+  or the key encoder. A micro-step calls it once, on all its query crops (:meth:`MoCo.queries`).
 * ``encoder_k``: a copy without gradients, never in DDP or the optimizer, moved only by
   :meth:`MoCo.momentum_update`, once per optimizer step on every rank.
 * ``queue`` (C x K) and ``queue_ptr``: buffers (so in checkpoints) that only ever receive the
@@ -36,12 +37,17 @@ class Encoder(nn.Module):
         else:    # v1: one linear layer
             self.head = nn.Linear(feature_dim, out_dim)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.backbone(x))
+    def forward(self, *crops: Tensor) -> Tensor | tuple[Tensor, ...]:
+        """The projection (N x out_dim) of one crop; of several crops, a tuple of them in order.
+        Each crop is its own batch (its own BatchNorm statistics) however many come in one call."""
+        outputs = tuple(self.head(self.backbone(x)) for x in crops)
+        return outputs if len(outputs) > 1 else outputs[0]
 
 
 class MoCo(nn.Module):
-    """``dim``: key size C; ``K``: queue length; ``T``: softmax temperature; ``shuffle_bn``: see
+    """``encoder_q``: one crop (N x 3 x H x W) to N x ``dim``; for :meth:`symmetric_forward` it
+    also takes two crops in one call and returns both outputs, as :class:`Encoder` does.
+    ``dim``: key size C; ``K``: queue length; ``T``: softmax temperature; ``shuffle_bn``: see
     ``shuffle_bn``; ``shuffle_seed``: the same on every rank (the scripts pass ``--seed``)."""
 
     def __init__(self, encoder_q: nn.Module, dim: int = 128, K: int = 65536, T: float = 0.07,
@@ -145,16 +151,24 @@ class MoCo(nn.Module):
         which must never touch a tensor that a graph saved for its backward."""
         return self.queue.clone()
 
-    def queries(self, im: Tensor, query_encoder: nn.Module | None = None) -> Tensor:
-        """Unit queries (N x C) with a graph. ``query_encoder``: the DDP wrapper of encoder_q when
-        distributed, so that backward all-reduces its gradients."""
-        return F.normalize((self.encoder_q if query_encoder is None else query_encoder)(im), dim=1)
+    def queries(self, *crops: Tensor, query_encoder: nn.Module | None = None) -> tuple[Tensor, ...]:
+        """Unit queries (N x C) of each crop, with a graph, from one call of the query encoder.
+        ``query_encoder``: the DDP wrapper of encoder_q when distributed, so that backward
+        all-reduces its gradients.
+
+        One call is one DDP forward per micro-step whatever the number of crops. DDP may rewrite
+        the BatchNorm buffers in place before each forward (torch 2.11 broadcasts rank 0's at
+        every one); a second forward before backward would change running statistics that the
+        first crop's BatchNorm saved for it, and backward would refuse ("modified by an inplace
+        operation")."""
+        out = (self.encoder_q if query_encoder is None else query_encoder)(*crops)
+        return tuple(F.normalize(q, dim=1) for q in (out if len(crops) > 1 else (out,)))
 
     def forward(self, im_q: Tensor, im_k: Tensor, query_encoder: nn.Module | None = None) -> tuple[Tensor, Tensor]:
         """Logits N x (1+K) of queries ``im_q`` against the keys of ``im_k`` (positive first),
         and every rank's keys ((W*N) x C) to enqueue once the optimizer step is applied."""
         keys = self.keys(im_k)                                   # (W*N) x C, no graph
-        q = self.queries(im_q, query_encoder)                    # N x C
+        q, = self.queries(im_q, query_encoder=query_encoder)     # N x C
         return info_nce(q, _own_rows(keys, len(q)), self.negatives(), self.T), keys
 
     def symmetric_forward(self, im_1: Tensor, im_2: Tensor,
@@ -164,7 +178,7 @@ class MoCo(nn.Module):
         ((2*W*N) x C). Each key pass has its own shuffle, crop 2's first (the demo's order)."""
         k2, k1 = self.keys(im_2), self.keys(im_1)                # (W*N) x C each
         negatives = self.negatives()                             # C x K
-        q1, q2 = self.queries(im_1, query_encoder), self.queries(im_2, query_encoder)  # N x C each
+        q1, q2 = self.queries(im_1, im_2, query_encoder=query_encoder)  # N x C each, one forward
         logits_12 = info_nce(q1, _own_rows(k2, len(q1)), negatives, self.T)
         logits_21 = info_nce(q2, _own_rows(k1, len(q2)), negatives, self.T)
         return logits_12, logits_21, torch.cat([k1, k2])

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
-from ..config import UsageError
+from ..config import UsageError, dataset_values, flag_name
 from ..data.image_files import describe_unreadable, fix_hint
 from ..data.loading import Loaders, steps_per_epoch
 from ..data.pipeline import DataPlan, default_workers, load_raw_splits, usable_cpus
@@ -102,14 +102,20 @@ def download_once_per_node(cfg: TrainConfig, info: DistInfo) -> None:
 def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, device: torch.device) -> dict[str, Any]:
     """What the data flags left to this machine resolve to: the image side (``--image-size 0``),
     DataLoader workers per rank (``--workers -1``) and where augmentation runs (``--aug-on
-    auto``). The start-up log, ``--check``, config.json and checkpoints give them beside the
-    flags as asked, which stay what a ``--config`` re-run reads."""
+    auto``); and under "dataset_defaults", the data set's own defaults the run uses
+    (``DATASET_DEFAULTS``). The start-up log, ``--check``, config.json and checkpoints give them
+    beside the flags as asked, which stay what a ``--config`` re-run reads."""
     # torchrun's workers share the agent's CPUs; srun gives each task its own (--cpus-per-task)
     sharing = 1 if launcher == "slurm" else local_world_size
-    return {"image_size": cfg.resolved_image_size(),
-            "workers": cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing),
-            "aug_on": "device" if augment_on_device(cfg.aug_on, cfg.dataset, device) else "loader",
-            "decode_on": "device" if cfg.decode_on == "device" else "loader"}
+    resolved = {"image_size": cfg.resolved_image_size(),
+                "workers": cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing),
+                "aug_on": "device" if augment_on_device(cfg.aug_on, cfg.dataset, device) else "loader",
+                "decode_on": "device" if cfg.decode_on == "device" else "loader"}
+    own = {name: value for name, value in dataset_values(type(cfg), cfg.dataset).items()
+           if getattr(cfg, name) == value}
+    if own:  # the data set's own defaults (the script's DATASET_DEFAULTS) that the run uses
+        resolved["dataset_defaults"] = own
+    return resolved
 
 
 def describe_settings(cfg: TrainConfig, resolved: dict[str, Any], launcher: str, local_world_size: int) -> str:
@@ -128,7 +134,11 @@ def describe_settings(cfg: TrainConfig, resolved: dict[str, Any], launcher: str,
             "workers": f"{resolved['workers']} DataLoader worker(s) per rank"}
     if cfg.dataset != "imagefolder":
         del said["decode_on"]  # only image files are decoded
-    return ", ".join(text + (f" ({auto[name]})" if auto[name] else "") for name, text in said.items())
+    text = ", ".join(text + (f" ({auto[name]})" if auto[name] else "") for name, text in said.items())
+    own = resolved.get("dataset_defaults")
+    if own:
+        text += f"; the {cfg.dataset} data set's own defaults: " + ", ".join(f"{flag_name(name)} {value}" for name, value in own.items())
+    return text
 
 
 def data_plan(cfg: TrainConfig, resolved: dict[str, Any], recipe: AugmentRecipe, views: int,

@@ -25,18 +25,17 @@ log = logging.getLogger("train")
 INPUT_BOUND = 0.2  # an epoch that waited for its batches longer than this share of its time is input-bound
 
 
-def input_advice(cfg: TrainConfig, resolved: dict[str, Any], device: str) -> str:
-    """What feeds an input-bound run faster, given where its batches are made (``device``:
-    "cpu" or "cuda")."""
+def input_advice(cfg: TrainConfig, resolved: dict[str, Any]) -> str:
+    """What feeds an input-bound run faster, given where its batches are made; "" where nothing
+    does: in-memory data augmented on the device waits only for that augmentation's own work,
+    which on a CPU is the training process's (the epoch's line still says how long)."""
     workers, where = resolved.get("workers", cfg.workers), resolved.get("aug_on", "loader")
     tips = []
     if where == "loader" or cfg.dataset == "imagefolder":  # DataLoader workers make (part of) each batch
         tips.append(f"more --workers (now {workers} per rank; -1 sizes them to the CPUs this process may use)")
     if where == "loader":
         tips.append("--aug-on device (augmentation as whole batches on the training device)")
-    elif device == "cpu":
-        tips.append("a GPU: on a CPU the batched augmentation shares the training process's cores")
-    return "try " + "; ".join(tips) if tips else "faster storage for --data-dir"
+    return "try " + "; ".join(tips) if tips else ""
 
 
 @dataclass(kw_only=True)
@@ -124,10 +123,11 @@ class TrainRun:
         waited = (self.data_wait.seconds - waited_before) / seconds
         log.info("epoch %d trained in %.1f s (%s%s img/s, waited for data %.0f%% of it)", state.epoch_number,
                  seconds, "resumed part way, " if first_batch else "", f"{images / seconds:,.0f}", 100 * waited)
-        if waited > INPUT_BOUND and not first_batch and not self.said_input_bound and self.info.is_main:
+        advice = input_advice(self.cfg, self.resolved)
+        if waited > INPUT_BOUND and advice and not first_batch and not self.said_input_bound and self.info.is_main:
             self.said_input_bound = True
             log.warning("input-bound: the training loop waited for its batches %.0f%% of epoch %d (rank 0); %s",
-                        100 * waited, state.epoch_number, input_advice(self.cfg, self.resolved, self.info.device.type))
+                        100 * waited, state.epoch_number, advice)
         state.epoch, state.batches_done = state.epoch + 1, 0
 
     def finished(self) -> bool:
