@@ -123,7 +123,7 @@ CASES = [
     ("moco", ["--moco-k", "48", "--batch-size", "32", "--accum-steps", "2"], "accum steps 2 x batch 32 = 64"),
     ("moco", ["--symmetric", "--moco-k", "48", "--batch-size", "32"],
      "with --symmetric (2 crops x world size 1 x accum steps 1 x batch 32 = 64)"),
-    ("moco", ["--batch-size", "30"], "must be a multiple of --bn-splits 8"),
+    ("moco", ["--batch-size", "31"], "must be a multiple of --bn-splits 2"),
     ("moco", ["--bn-splits", "0"], "--bn-splits must be positive"),
     ("moco", ["--moco-m", "1.0"], "--moco-m must be in [0, 1)"),
     ("moco", ["--moco-t", "nan"], "argument --moco-t: nan is not a finite number"),

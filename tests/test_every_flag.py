@@ -17,7 +17,8 @@ import train_moco
 COMMON = ["--device", "cpu", "--dataset", "digits", "--image-size", "16", "--batch-size", "32", "--epochs", "2",
           "--max-steps", "2", "--log-every", "20"]
 BASE = {"classifier": COMMON + ["--arch", "lenet"],
-        "moco": COMMON + ["--arch", "small_cnn", "--moco-k", "64", "--knn-every", "0", "--bn-splits", "4"]}
+        "moco": COMMON + ["--arch", "small_cnn", "--moco-k", "64", "--knn-every", "0", "--bn-splits", "4",
+                          "--lr", "0.03", "--moco-m", "0.999"]}  # not digits' own LR and momentum: see KNN runs
 MAIN = {"classifier": train_classifier.main, "moco": train_moco.main}
 CONFIG = {"classifier": train_classifier.ClassifierConfig, "moco": train_moco.MocoConfig}
 KNN = ["--knn-every", "1"]  # the base run's monitor is off

@@ -377,7 +377,7 @@ def test_exported_backbone_loads_into_torchvision_resnet(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--moco-k", "16", "--batch-size", "32"], "--moco-k 16 is smaller than the global batch"),
     (["--moco-k", "48", "--batch-size", "32", "--accum-steps", "2"], "accum steps 2 x batch 32 = 64"),
-    (["--batch-size", "30"], "must be a multiple of --bn-splits 8"),
+    (["--batch-size", "31"], "must be a multiple of --bn-splits 2"),
     (["--moco-m", "1.0"], "--moco-m must be in [0, 1)"),
     (["--preset", "v3"], "invalid choice: 'v3'"),
     (["--knn-every", "-1"], "--knn-every must be >= 0"),

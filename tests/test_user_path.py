@@ -49,7 +49,7 @@ def test_check_prints_the_run_and_writes_nothing(tmp_path, capsys):
     lines = proc.stdout.splitlines()
     assert lines[0] == "train_moco.py --check: ok, nothing written; the run:"
     assert ("  data: digits, 1,438 training and 359 validation images; 16 px, augmentation on the device (--aug-on "
-            "auto), 0 DataLoader worker(s) per rank (--workers -1: in-memory data needs none); the digits data set's "
+            "auto), 0 DataLoader worker(s) per rank (--workers -1: in-memory data needs none); at the digits data set's "
             "own defaults: --image-size 16, --batch-size 32, --epochs 15, --lr 0.06, --moco-k 256, --moco-m 0.99, "
             "--bn-splits 2, --knn-every 5") in lines
     assert "  steps: 44 per epoch, 660 in 15 epochs" in lines

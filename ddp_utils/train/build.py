@@ -102,8 +102,8 @@ def download_once_per_node(cfg: TrainConfig, info: DistInfo) -> None:
 def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, device: torch.device) -> dict[str, Any]:
     """What the data flags left to this machine resolve to: the image side (``--image-size 0``),
     DataLoader workers per rank (``--workers -1``) and where augmentation runs (``--aug-on
-    auto``); and under "dataset_defaults", the data set's own defaults the run uses
-    (``DATASET_DEFAULTS``). The start-up log, ``--check``, config.json and checkpoints give them
+    auto``); and under "dataset_defaults", the settings at the data set's own defaults
+    (``DATASET_DEFAULTS``), however they came. The start-up log, ``--check``, config.json and checkpoints give them
     beside the flags as asked, which stay what a ``--config`` re-run reads."""
     # torchrun's workers share the agent's CPUs; srun gives each task its own (--cpus-per-task)
     sharing = 1 if launcher == "slurm" else local_world_size
@@ -113,7 +113,7 @@ def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, de
                 "decode_on": "device" if cfg.decode_on == "device" else "loader"}
     own = {name: value for name, value in dataset_values(type(cfg), cfg.dataset).items()
            if getattr(cfg, name) == value}
-    if own:  # the data set's own defaults (the script's DATASET_DEFAULTS) that the run uses
+    if own:  # the settings at the data set's own defaults (the script's DATASET_DEFAULTS)
         resolved["dataset_defaults"] = own
     return resolved
 
@@ -137,7 +137,7 @@ def describe_settings(cfg: TrainConfig, resolved: dict[str, Any], launcher: str,
     text = ", ".join(text + (f" ({auto[name]})" if auto[name] else "") for name, text in said.items())
     own = resolved.get("dataset_defaults")
     if own:
-        text += f"; the {cfg.dataset} data set's own defaults: " + ", ".join(f"{flag_name(name)} {value}" for name, value in own.items())
+        text += f"; at the {cfg.dataset} data set's own defaults: " + ", ".join(f"{flag_name(name)} {value}" for name, value in own.items())
     return text
 
 
