@@ -47,7 +47,7 @@ from bench.imagenet_like import write_imagenet_like  # noqa: E402
 from ddp_utils import hashing  # noqa: E402
 from ddp_utils.data.batch_augment import BatchAugment  # noqa: E402
 from ddp_utils.data.decode import decode_cpu, read_bytes  # noqa: E402
-from ddp_utils.data.image_files import decode_rgb  # noqa: E402
+from ddp_utils.data.image_files import UnreadableFiles, decode_rgb  # noqa: E402
 from ddp_utils.data.image_folder import ImageFiles  # noqa: E402
 from ddp_utils.data.loading import DeviceAugment, DeviceFinish, SeededTransform, collate_files  # noqa: E402
 from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, moco_recipe  # noqa: E402
@@ -173,7 +173,7 @@ def rows(files: ImageFiles) -> dict[str, callable]:
 def device_side(tensor_files: ImageFiles, recipe: AugmentRecipe):
     """What DeviceFinish does per image with the CPU as the device, batches packed beforehand."""
     finish = DeviceFinish(torch.utils.data.DataLoader([]), DeviceAugment(BatchAugment(recipe, SIZE), 0, 2),
-                          torch.device("cpu"))
+                          torch.device("cpu"), tensor_files, UnreadableFiles())
     dataset = SeededTransform(tensor_files, None, 0, with_key=True)
     cache: dict[tuple[int, ...], list] = {}
 

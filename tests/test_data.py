@@ -348,10 +348,13 @@ def test_auto_workers_count_the_cpus_this_process_may_use(tmp_path, monkeypatch,
                             env=cli_env(), capture_output=True, text=True, timeout=60)
     assert pinned.stdout.split() == ["1", "1"], pinned.stderr  # one CPU: one worker, not the machine's
     monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert [pipeline.default_workers("imagefolder", n) for n in (1, 2, 4, 8)] == [8, 7, 3, 1]
+    assert [pipeline.default_workers("imagefolder", n) for n in (1, 2, 4, 8)] == [15, 7, 3, 1]
     assert pipeline.default_workers("digits", 1) == 0  # in-memory data needs none
+    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: set(range(112)))  # a DGX H100: 8 GPUs
+    assert pipeline.default_workers("imagefolder", 8) == 13  # every core but the rank's own, no cap
+    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: set(range(16)))
     cfg = train_classifier.ClassifierConfig(dataset="imagefolder", workers=-1)
-    for launcher, per_rank in (("torchrun", 7), ("slurm", 8)):  # torchrun's 2 workers share the CPUs
+    for launcher, per_rank in (("torchrun", 7), ("slurm", 15)):  # torchrun's 2 workers share the CPUs
         resolved = resolved_settings(cfg, launcher, 2, torch.device("cpu"))
         assert resolved["workers"] == per_rank
     assert describe_settings(cfg, resolved_settings(cfg, "torchrun", 2, torch.device("cpu")), "torchrun", 2).endswith(

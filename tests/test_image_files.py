@@ -16,7 +16,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, assert_ok, assert_same_state, cli_env, in_process, load_ckpt, read_scalars
+from helpers import (
+    REPO,
+    assert_ok,
+    assert_same_state,
+    cli_env,
+    in_process,
+    load_ckpt,
+    read_scalars,
+    run_ranks,
+)
 
 import train_classifier
 import train_moco
@@ -40,9 +49,17 @@ FOLDER_RUN = ["--dataset", "imagefolder", "--device", "cpu", "--arch", "small_cn
 
 
 def damage(path: Path, how: str) -> None:
-    """Make ``path`` a file no decoder can read: cut to a third, emptied, or text."""
+    """Make ``path`` a file no decoder can read: cut to a third, emptied, text, or (a baseline
+    JPEG) "undefined-table": whole, with the markers the device decoder's check reads, but its
+    frame names a quantization table that no DQT defines, so only decoding finds it."""
     if how == "truncated":
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    elif how == "undefined-table":
+        data, at = path.read_bytes(), 2
+        while data[at + 1] not in (0xC0, 0xC1):  # to the frame header (SOF0/1)
+            at += 2 + int.from_bytes(data[at + 2:at + 4], "big")
+        tq = at + 12  # after marker, length, precision, height, width, components, and its id and sampling
+        path.write_bytes(data[:tq] + b"\x03" + data[tq + 1:])
     elif how == "empty":
         path.write_bytes(b"")
     else:
@@ -53,13 +70,17 @@ def copy_of(folder: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(folder, tmp_path / "data"))
 
 
-def file_met_at_batch(data: Path, batch: int, batch_size: int, world_size: int = 1, rank: int = 0) -> Path:
-    """The training file rank ``rank`` of a run (seed 0) meets in batch ``batch`` of its first epoch."""
+def file_met_at_batch(data: Path, batch: int, batch_size: int, world_size: int = 1, rank: int = 0,
+                      baseline: bool = False) -> Path:
+    """The training file rank ``rank`` of a run (seed 0) meets in batch ``batch`` of its first
+    epoch (``baseline``: one that the device decoder is given)."""
     files = ImageFiles(str(data / "train"))
+    encoded = files.reading("encoded")
     sampler = ResumableDistributedSampler(files, world_size, rank, seed=0)
     sampler.set_epoch(0)
     order = [i for _, i in sampler][batch * batch_size:(batch + 1) * batch_size]
-    index = next(i for i in order if i >= 8)  # the preview's samples (0..7) are tested on their own
+    # the preview's samples (0..7) are tested on their own
+    index = next(i for i in order if i >= 8 and (not baseline or encoded[i][0].dim() == 1))
     return Path(files.samples[index][0])
 
 
@@ -148,21 +169,28 @@ def test_check_data_lists_every_file_that_cannot_be_decoded(jpeg_folder, tmp_pat
 
 
 # ----------------------------------------------------------------------------- a file met during a run
-@pytest.mark.parametrize("path", [[], ["--aug-on", "device"], ["--aug-on", "device", "--decode-on", "device"]],
-                         ids=["loader", "device", "decode-on-device"])
+DECODE_ON_DEVICE = ["--aug-on", "device", "--decode-on", "device"]
+
+
+@pytest.mark.parametrize("path, how, reason", [
+    ([], "truncated", "image file is truncated"),
+    (["--aug-on", "device"], "truncated", "image file is truncated"),
+    (DECODE_ON_DEVICE, "truncated", "image file is truncated"),  # its worker decodes it: no end marker
+    (DECODE_ON_DEVICE, "undefined-table", "broken data stream"),  # the device's batched decode fails
+], ids=["loader", "device", "decode-on-device", "decode-on-device-batch-fails"])
 def test_a_damaged_file_mid_epoch_stops_after_a_checkpoint_and_the_fixed_run_ends_as_if_never_met(
-        jpeg_folder, tmp_path, capsys, path):
+        jpeg_folder, tmp_path, capsys, path, how, reason):
     data = copy_of(jpeg_folder, tmp_path)
-    bad = file_met_at_batch(data, batch=5, batch_size=4)  # in step 6 of 9 in epoch 1
+    bad = file_met_at_batch(data, batch=5, batch_size=4, baseline=how == "undefined-table")  # step 6 of 9
     original = bad.read_bytes()
-    damage(bad, "truncated")
+    damage(bad, how)
     args = FOLDER_RUN + path + ["--data-dir", str(data), "--batch-size", "4", "--epochs", "2"]
     out = tmp_path / "run"
     proc = in_process(train_classifier.main, args + ["--out", str(out)], capsys)
     assert proc.returncode == 2
     said = proc.stdout + proc.stderr
     assert said.count(str(bad)) == 1 and "Traceback" not in said
-    assert re.search(rf"ERROR step 6 \(not taken\): cannot decode {re.escape(str(bad))} \(image file is truncated.*\); "
+    assert re.search(rf"ERROR step 6 \(not taken\): cannot decode {re.escape(str(bad))} \({reason}.*\); "
                      r"fix or remove it \(--check-data lists every such file\), then continue with --resume auto; "
                      rf"the last good checkpoint is {re.escape(str(out))}/checkpoint_last.pt \(step 5\)", said)
     stopped = load_ckpt(out / "checkpoint_last.pt")
@@ -177,6 +205,23 @@ def test_a_damaged_file_mid_epoch_stops_after_a_checkpoint_and_the_fixed_run_end
     reference = tmp_path / "reference"  # the same run on the intact folder
     assert_ok(in_process(train_classifier.main, args + ["--out", str(reference)], capsys))
     assert_same_state(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(reference / "checkpoint_last.pt"))
+
+
+def test_a_file_the_devices_batched_decode_refuses_on_one_rank_stops_both_ranks_once(jpeg_folder, tmp_path):
+    """--decode-on device on 2 ranks: a baseline JPEG whose data cannot be decoded, in rank 1's
+    step 3, fails that rank's batched decode; it is decoded alone, becomes a placeholder, both
+    ranks stop with exit 2 after rank 0's checkpoint of step 2, the file named once."""
+    data = copy_of(jpeg_folder, tmp_path)
+    bad = file_met_at_batch(data, batch=2, batch_size=4, world_size=2, rank=1, baseline=True)
+    damage(bad, "undefined-table")
+    out = tmp_path / "run"
+    proc = run_ranks("train_moco.py", FOLDER_RUN + DECODE_ON_DEVICE + [
+        "--data-dir", str(data), "--batch-size", "4", "--epochs", "1", "--moco-k", "32", "--knn-every", "0",
+        "--out", str(out)], tmp_path)
+    assert proc.codes == [2, 2], proc.stdout + proc.stderr
+    said = proc.stdout + proc.stderr
+    assert said.count(f"cannot decode {bad} (broken data stream") == 1 and "Traceback" not in said
+    assert load_ckpt(out / "checkpoint_last.pt")["step"] == 2 and (out / "UNREADABLE").exists()
 
 
 def test_a_damaged_validation_file_stops_after_the_epochs_checkpoint(jpeg_folder, tmp_path, capsys):

@@ -16,11 +16,15 @@ import functools
 import os
 import warnings
 from io import BytesIO
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
+
+from .image_files import PLACEHOLDER_SIDE
+from .packed import host_empty
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,14 +94,69 @@ def decode_cpu(data: Tensor) -> Tensor:
         return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
 
 
-def decode_on(device: torch.device, images: list[Tensor]) -> list[Tensor]:
-    """``images`` on ``device``, 3 x H x W uint8 each: encoded ones (1-D, device-decodable JPEGs)
-    decoded there as one batch (nvJPEG on CUDA, libjpeg-turbo on the CPU), decoded ones copied."""
+class EncodedBatch(NamedTuple):
+    """A batch's images for ``--decode-on device`` in one buffer, so that a worker hands over one
+    tensor (one shared-memory segment) per batch, not one per image. ``data``: every image end to
+    end, a file's bytes or, for a file its worker decoded, its 3 x h x w pixels; ``spans``: B x 4
+    int64, (offset, length, h, w) of each, h = w = 0 for bytes."""
+
+    data: Tensor
+    spans: Tensor
+
+    @staticmethod
+    def join(images: list[Tensor]) -> EncodedBatch:
+        """``images`` (1-D bytes or 3 x h x w uint8 each) in one buffer (in shared memory in a
+        DataLoader worker)."""
+        flat = [image.contiguous().view(-1) for image in images]
+        lengths = [len(part) for part in flat]
+        offsets = np.cumsum([0, *lengths[:-1]]).tolist()
+        data = host_empty(sum(lengths))
+        torch.cat(flat, out=data)
+        sides = [tuple(image.shape[1:]) if image.dim() == 3 else (0, 0) for image in images]
+        return EncodedBatch(data, torch.tensor([[o, n, h, w] for o, n, (h, w) in zip(offsets, lengths, sides)],
+                                               dtype=torch.int64))
+
+    def images(self) -> list[Tensor]:
+        """Each image as a view into ``data``: 1-D bytes, or 3 x h x w pixels."""
+        return [self.data[o:o + n] if h == 0 else self.data[o:o + n].view(3, h, w)
+                for o, n, h, w in self.spans.tolist()]
+
+
+def decode_on(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor], list[int]]:
+    """The batch's images on ``device``, 3 x H x W uint8 each: the encoded ones (device-decodable
+    JPEGs) decoded there as one batch (nvJPEG on CUDA, libjpeg-turbo on the CPU), the decoded ones
+    copied; and the positions of those that could not be decoded at all.
+
+    One file the batched decoder refuses fails the whole batch (its header passed the worker's
+    check, its data did not): the batch is then decoded image by image, on the device, else on
+    the CPU (PIL reads some files that libjpeg-turbo refuses), else the image becomes the black
+    placeholder a worker gives such a file, and its position is returned."""
+    images = batch.images()
     encoded = [i for i, image in enumerate(images) if image.dim() == 1]
     out = [image.to(device, non_blocking=True) if image.dim() == 3 else None for image in images]
+    failed: list[int] = []
     if encoded:
         decode_jpeg, rgb = _jpeg_decoder()
-        decoded = decode_jpeg([images[i] for i in encoded], mode=rgb, device=device)
+        try:
+            decoded = decode_jpeg([images[i] for i in encoded], mode=rgb, device=device)
+        except RuntimeError:
+            decoded = [_decode_one(device, images[i]) for i in encoded]
         for i, image in zip(encoded, decoded):
+            if image is None:
+                failed.append(i)
+                image = torch.zeros((3, PLACEHOLDER_SIDE, PLACEHOLDER_SIDE), dtype=torch.uint8)
             out[i] = image.to(device, non_blocking=True)  # there already (a CPU decode's "cpu" is "cpu:0" too)
-    return out
+    return out, failed
+
+
+def _decode_one(device: torch.device, data: Tensor) -> Tensor | None:
+    """One JPEG's pixels: decoded on ``device``, else on the CPU, else None."""
+    decode_jpeg, rgb = _jpeg_decoder()
+    try:
+        return decode_jpeg(data, mode=rgb, device=device)
+    except RuntimeError:
+        pass
+    try:
+        return decode_cpu(data)
+    except (OSError, RuntimeError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return None

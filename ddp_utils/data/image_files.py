@@ -61,17 +61,24 @@ def image_files_of(ds: Dataset) -> Dataset | None:
 
 
 def unreadable_in(files: Dataset, targets: torch.Tensor) -> list[UnreadableImage]:
-    """The files behind the placeholder targets of a batch (a host tensor), with their reasons
-    (each such file is decoded once more, here, to tell why)."""
-    found = []
-    for code in targets[targets < 0].tolist():
-        path = files.samples[-1 - code][0]
-        try:
-            decode_rgb(path)
-            found.append(UnreadableImage(path, "could not be decoded in a DataLoader worker"))
-        except UnreadableImage as err:
-            found.append(err)
-    return found
+    """The files behind the placeholder targets of a batch (a host tensor), with their reasons."""
+    return [why_unreadable(files.samples[-1 - code][0]) for code in targets[targets < 0].tolist()]
+
+
+def why_unreadable(path: str) -> UnreadableImage:
+    """A file that could not be decoded, with the reason PIL gives when it decodes it once more."""
+    try:
+        decode_rgb(path)
+    except UnreadableImage as err:
+        return err
+    return UnreadableImage(path, "could not be decoded where the run decoded it")
+
+
+def sample_path(raw: Dataset, index: int) -> str:
+    """The file behind sample ``index`` of ``raw`` (ImageFiles, or Subsets of it)."""
+    while isinstance(raw, Subset):
+        raw, index = raw.dataset, raw.indices[index]
+    return raw.samples[index][0]
 
 
 @dataclass

@@ -21,8 +21,8 @@ from .. import hashing
 from ..config import UsageError
 from ..runtime.dist import memory_format
 from .batch_augment import VIEW_COLUMNS, BatchAugment, as_float_rgb, draws, normalize
-from .decode import decode_on
-from .image_files import CheckedBatches, UnreadableFiles, image_files_of
+from .decode import EncodedBatch, decode_on
+from .image_files import CheckedBatches, UnreadableFiles, image_files_of, sample_path, why_unreadable
 from .packed import pack
 
 Transform = Callable[[torch.Tensor], object]
@@ -140,10 +140,11 @@ class DeviceBatches:
 def collate_files(samples: list) -> list:
     """A batch of image files for the device path, from (image, target, epoch, index) samples:
     decoded images (3 x h x w uint8, each its own size) packed into (atlas, places) here, in the
-    worker; a batch that holds encoded ones (1-D bytes: ``--decode-on device``) as the list."""
+    worker; a batch that holds encoded ones (1-D bytes: ``--decode-on device``) joined into one
+    :class:`decode.EncodedBatch`."""
     images = [sample[0] for sample in samples]
     rest = default_collate([sample[1:] for sample in samples])  # targets, epochs, index
-    return [images if any(image.dim() == 1 for image in images) else pack(images), *rest]
+    return [EncodedBatch.join(images) if any(image.dim() == 1 for image in images) else pack(images), *rest]
 
 
 class DeviceFinish:
@@ -151,10 +152,15 @@ class DeviceFinish:
     each image (or only read its bytes, decoded here as a batch: ``--decode-on device``) and
     pack the batch (:mod:`packed`); here every view is cropped, resized, coloured, blurred,
     flipped and normalised as a batch, keyed by (seed, epoch, index). With an evaluation
-    augmentation (no crop in its recipe) it makes the evaluation view."""
+    augmentation (no crop in its recipe) it makes the evaluation view. A file decoded here that
+    cannot be decoded becomes a worker's placeholder and goes into ``unreadable``, named by its
+    path in ``files`` (the loader's raw data set), as :class:`image_files.CheckedBatches` records
+    a worker's."""
 
-    def __init__(self, loader: DataLoader | CheckedBatches, augment: DeviceAugment, device: torch.device):
+    def __init__(self, loader: DataLoader | CheckedBatches, augment: DeviceAugment, device: torch.device,
+                 files: Dataset, unreadable: UnreadableFiles):
         self.loader, self.augment, self.device = loader, augment, device
+        self.files, self.unreadable = files, unreadable
         self.batch_size = loader.batch_size
 
     def __len__(self) -> int:
@@ -170,8 +176,10 @@ class DeviceFinish:
     def finish(self, batch: list) -> tuple:
         """(views, targets) of one collated batch (:func:`collate_files`)."""
         images, targets, epochs, index = batch
-        if isinstance(images, list):  # encoded: decoded and packed on the device
-            atlas, places = pack(decode_on(self.device, images))
+        if isinstance(images, EncodedBatch):  # decoded and packed on the device
+            decoded, failed = decode_on(self.device, images)
+            self.unreadable.found += [why_unreadable(sample_path(self.files, int(index[i]))) for i in failed]
+            atlas, places = pack(decoded)
         else:
             atlas, places = images
             atlas = atlas.to(self.device, non_blocking=True)

@@ -45,13 +45,20 @@ def pack(images: list[Tensor]) -> tuple[Tensor, Tensor]:
 
 
 def _new_atlas(like: Tensor, height: int, width: int) -> Tensor:
-    """An uninitialised H x W x 3 uint8 tensor: nothing reads between the images' borders. In a
-    DataLoader worker it is made in shared memory, as ``default_collate`` makes its batches, so
-    handing it to the training process copies nothing."""
+    """An uninitialised H x W x 3 uint8 tensor where ``like`` is (in a DataLoader worker: in
+    shared memory, :func:`host_empty`): nothing reads between the images' borders."""
     if like.device.type == "cpu" and torch.utils.data.get_worker_info() is not None:
-        storage = like.untyped_storage()._new_shared(height * width * 3)
-        return torch.empty(0, dtype=torch.uint8).set_(storage).view(height, width, 3)
+        return host_empty(height * width * 3).view(height, width, 3)
     return like.new_empty((height, width, 3))
+
+
+def host_empty(numel: int) -> Tensor:
+    """An uninitialised 1-D uint8 host tensor. In a DataLoader worker it is made in shared memory,
+    as ``default_collate`` makes its batches, so handing it to the training process copies nothing."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(numel, dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(numel)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 def unpack(atlas: Tensor, places: Tensor) -> list[Tensor]:

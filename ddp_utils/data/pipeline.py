@@ -164,7 +164,7 @@ def _files_on_device(train_raw, val_raw, bank_raw, sampler, *, plan, rank, world
     train_set = SeededTransform(read_as(train_raw, read), None, plan.seed, with_key=True)
     augment = DeviceAugment(BatchAugment(plan.recipe, plan.image_size), plan.seed, plan.views)
     train = DeviceFinish(_train_loader(train_set, train_raw, sampler, plan, device, unreadable, collate_files),
-                         augment, device)
+                         augment, device, train_raw, unreadable)
     evaluate = DeviceAugment(BatchAugment(_eval_recipe(plan), plan.image_size), seed=0)
 
     def eval_batches(raw: Dataset) -> DeviceFinish:
@@ -173,7 +173,7 @@ def _files_on_device(train_raw, val_raw, bank_raw, sampler, *, plan, rank, world
                             sampler=ShardedEvalSampler(data, world_size, rank), num_workers=plan.workers,
                             pin_memory=device.type == "cuda", collate_fn=collate_files,
                             generator=private_generator())
-        return DeviceFinish(checked(loader, raw, unreadable), evaluate, device)
+        return DeviceFinish(checked(loader, raw, unreadable), evaluate, device, raw, unreadable)
 
     return train, eval_batches(val_raw), None if bank_raw is None else eval_batches(bank_raw)
 
@@ -206,7 +206,8 @@ def default_workers(dataset: str, sharing: int) -> int:
     affinity: SLURM's cpuset, taskset), shared by ``sharing`` ranks, one CPU kept for the rank."""
     if dataset in ("digits", "synthetic"):
         return 0  # in-memory tensors: worker processes only add start-up time
-    return max(1, min(8, usable_cpus() // max(1, sharing) - 1))
+    # No cap: decoding JPEGs is what starves a GPU, and a node may give each rank 13 cores or more.
+    return max(1, usable_cpus() // max(1, sharing) - 1)
 
 
 def usable_cpus() -> int:
