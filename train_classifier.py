@@ -133,8 +133,8 @@ class ClassifierRun(TrainRun):
 # ----------------------------------------------------------------------------- building
 def build_loaders(cfg: ClassifierConfig, info: DistInfo, resolved: dict) -> Loaders:
     recipe = classifier_recipe(cfg.dataset, resolved["image_size"], cfg.augment, cfg.normalization)
-    return build_data(data_plan(cfg, resolved, recipe, views=1), rank=info.rank, world_size=info.world_size,
-                      device=info.device)
+    return build_data(data_plan(cfg, resolved, recipe), rank=info.rank, world_size=info.world_size,
+                      device=info.device, ranks_on_node=info.local_world_size)
 
 
 def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn.Module:

@@ -108,6 +108,7 @@ class MocoConfig(TrainConfig):
     PRESETS: ClassVar[dict[str, dict]] = PRESETS
     DATASET_DEFAULTS: ClassVar[dict[str, dict]] = DATASET_DEFAULTS
     SECTIONS: ClassVar[tuple[str, ...]] = (*TrainConfig.SECTIONS, "MoCo", "kNN monitor")
+    VIEWS: ClassVar[int] = 2  # the query's and the key's
 
     preset: str = opt("v2", "the defaults of the flags marked (v1: ...): v1 = linear head, T 0.07, step "
                       "LR at 60%% and 80%% of --epochs, weak augmentation; v2 = MLP head, T 0.2, cosine LR, "
@@ -230,8 +231,8 @@ def build_loaders(cfg: MocoConfig, info: DistInfo, resolved: dict) -> Loaders:
     """Two-view training batches, validation batches, and the un-augmented train split (or
     --knn-bank-samples of it) as the kNN monitor's bank."""
     recipe = moco_recipe(cfg.dataset, resolved["image_size"], cfg.aug, cfg.crop_min, cfg.normalization)
-    return build_data(data_plan(cfg, resolved, recipe, views=2, bank_samples=cfg.knn_bank_samples),
-                      rank=info.rank, world_size=info.world_size, device=info.device)
+    return build_data(data_plan(cfg, resolved, recipe, bank_samples=cfg.knn_bank_samples), rank=info.rank,
+                      world_size=info.world_size, device=info.device, ranks_on_node=info.local_world_size)
 
 
 def queue_remarks(cfg: MocoConfig, train_images: int) -> list[str]:

@@ -108,7 +108,7 @@ def resized_crop_boxes(u: Tensor, height: int | Tensor, width: int | Tensor, sca
 
 
 def centre_boxes(height: Tensor, width: Tensor, out: int, resize: int) -> Tensor:
-    """B x 4 float boxes (top, left, h, w), in each image's pixels, of the evaluation view:
+    """B x 4 float64 boxes (top, left, h, w), in each image's pixels, of the evaluation view:
     torchvision's Resize(``resize``) (the short side to ``resize``, the long one truncated) then
     CenterCrop(``out``) (offsets rounded half to even, as Python's round), so that only the
     resampling differs from it."""
@@ -118,7 +118,7 @@ def centre_boxes(height: Tensor, width: Tensor, out: int, resize: int) -> Tensor
     new_w = torch.where(height <= width, new_long, float(resize))
     top, left = torch.round((new_h - out) / 2), torch.round((new_w - out) / 2)
     scale_h, scale_w = height.double() / new_h, width.double() / new_w
-    return torch.stack([top * scale_h, left * scale_w, out * scale_h, out * scale_w], 1).to(torch.float32)
+    return torch.stack([top * scale_h, left * scale_w, out * scale_h, out * scale_w], 1)
 
 
 def _pad_crop_boxes(u: Tensor, height: int, width: int, pad: int, out: int) -> Tensor:
@@ -331,10 +331,10 @@ class BatchAugment:
 
     def apply_packed(self, atlas: Tensor, places: Tensor, u: Tensor,
                      layout: torch.memory_format = torch.contiguous_format) -> Tensor:
-        """:meth:`apply` for images of different sizes packed in one atlas (1 x 3 x H x W float in
-        [0, 1]; ``places`` B x 4: top, left, height, width, as ``packed.pack`` made them): each
-        sample's crop drawn for its own size and resampled from its place. A recipe without a
-        crop gives the evaluation view (:func:`centre_boxes`)."""
+        """:meth:`apply` for images of different sizes packed in one atlas (1 x 3 x H x W, from
+        :func:`atlas_as_float`; ``places`` B x 4: top, left, height, width, as ``packed.pack``
+        made them): each sample's crop drawn for its own size and resampled from its place. A
+        recipe without a crop gives the evaluation view (:func:`centre_boxes`)."""
         r, draw = self.recipe, _drawer(u)
         heights, widths = places[:, 2], places[:, 3]
         if r.crop_scale is not None:
@@ -342,7 +342,7 @@ class BatchAugment:
         else:
             boxes = centre_boxes(heights, widths, self.out_size, round(self.out_size * EVAL_RESIZE))
         x = _resample_boxes(atlas, boxes, self.out_size, offsets=places[:, :2])  # B x 3 x out x out
-        x = self._photometric_(x, draw)
+        x = self._photometric_(x.to(torch.float32), draw)
         if r.flip:
             x = select_(x, draw(FLIP_COLUMN, 1)[:, 0] < 0.5, x.flip(3))
         return normalize(x, r.mean, r.std, layout)
@@ -401,6 +401,16 @@ def normalize(x: Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] 
         return x.contiguous(memory_format=layout)
     mean_, std_ = (_constant(v, x.device, x.dtype).view(1, -1, 1, 1) for v in (mean, std))
     return torch.sub(x, mean_, out=torch.empty_like(x, memory_format=layout)).div_(std_)
+
+
+def atlas_as_float(atlas: Tensor) -> Tensor:
+    """1 x 3 x H x W float64 in [0, 1] of an H x W x 3 uint8 atlas (:mod:`packed`), the input of
+    :meth:`BatchAugment.apply_packed`. Float64, since an atlas is tens of thousands of rows tall:
+    there, float32 positions are 1/512 px apart, and a sample far into the atlas would be
+    resampled at other positions than alone. In float64 its views are the same wherever it lies,
+    to float32 rounding (the views are float32)."""
+    # contiguous (planar) in the same pass: roi_align would otherwise copy the whole atlas per view
+    return atlas.permute(2, 0, 1)[None].to(torch.float64, memory_format=torch.contiguous_format).div_(255)
 
 
 def as_float_rgb(images: Tensor) -> Tensor:

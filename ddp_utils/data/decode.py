@@ -16,7 +16,7 @@ import functools
 import os
 import warnings
 from io import BytesIO
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -130,7 +130,46 @@ def decode_on(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor], 
     One file the batched decoder refuses fails the whole batch (its header passed the worker's
     check, its data did not): the batch is then decoded image by image, on the device, else on
     the CPU (PIL reads some files that libjpeg-turbo refuses), else the image becomes the black
-    placeholder a worker gives such a file, and its position is returned."""
+    placeholder a worker gives such a file, and its position is returned.
+
+    On CUDA the images are ready for the caller's (the training) stream when this returns, and
+    safe to free there: see :func:`_on_decode_stream`."""
+    if device.type != "cuda":
+        return _decode_all(device, batch)
+    return _on_decode_stream(device, lambda: _decode_all(device, batch))
+
+
+def _on_decode_stream(device: torch.device, decode: Callable[[], tuple[list[Tensor], list[int]]]):
+    """``decode()`` on a stream of its own, its images then handed to the current stream.
+
+    torchvision's batched decoder allocates its outputs on the current stream and writes them
+    from a private stream (nvJPEG's hardware engine does not follow stream order either). On the
+    training stream, an output could take a block that autograd has just freed while queued
+    backward kernels still read it, and the decoder would overwrite it under them. On a stream
+    of its own, the caching allocator hands the decoder only blocks freed on that stream, which
+    no other stream's queued kernel can still be using:
+
+    * the decode stream never waits for the training stream (its inputs are host memory);
+    * the decoder makes the decode stream wait for its private stream, the training stream then
+      waits for the decode stream (``wait_stream``), so that it reads whole images;
+    * ``record_stream`` keeps each output's block out of the decode stream's pool until the
+      training stream's kernels that read it (packing) are done."""
+    consumer = torch.cuda.current_stream(device)
+    stream = _decode_stream(device)
+    with torch.cuda.stream(stream):
+        images, failed = decode()
+    consumer.wait_stream(stream)
+    for image in images:
+        image.record_stream(consumer)
+    return images, failed
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _decode_all(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor], list[int]]:
     images = batch.images()
     encoded = [i for i, image in enumerate(images) if image.dim() == 1]
     out = [image.to(device, non_blocking=True) if image.dim() == 3 else None for image in images]

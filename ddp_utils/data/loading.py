@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 from .. import hashing
 from ..config import UsageError
 from ..runtime.dist import memory_format
-from .batch_augment import VIEW_COLUMNS, BatchAugment, as_float_rgb, draws, normalize
+from .batch_augment import VIEW_COLUMNS, BatchAugment, as_float_rgb, atlas_as_float, draws, normalize
 from .decode import EncodedBatch, decode_on
 from .image_files import CheckedBatches, UnreadableFiles, image_files_of, sample_path, why_unreadable
 from .packed import pack
@@ -28,6 +28,7 @@ from .packed import pack
 Transform = Callable[[torch.Tensor], object]
 log = logging.getLogger("train")
 EVAL_BATCH_FACTOR = 4  # evaluation batches are this many training micro-batches: no activations kept
+EVAL_PREFETCH = 1      # batches each evaluation worker prepares ahead: the larger batches (host_memory)
 Key = tuple[int, int]  # (epoch, sample index): what the training sampler yields
 
 
@@ -82,7 +83,7 @@ class DeviceAugment:
         device; ``places`` B x 4): each cropped from its place (``BatchAugment.apply_packed``)."""
         u = draws(self.seed, epoch, index, self.views)
         layout = memory_format(index.device)
-        x = as_float_rgb(atlas.permute(2, 0, 1)[None])  # 1 x 3 x H x W float, made once for every view
+        x = atlas_as_float(atlas)  # 1 x 3 x H x W, made once for every view
         views = [self.augment.apply_packed(x, places, u[:, v * VIEW_COLUMNS:(v + 1) * VIEW_COLUMNS], layout)
                  for v in range(self.views)]
         return views[0] if self.views == 1 else tuple(views)
@@ -331,7 +332,7 @@ def eval_loader(raw: Dataset, transform: Transform | None, *, batch_size: int, w
     data = SeededTransform(raw, transform, seed=0)
     loader = DataLoader(data, batch_size=batch_size, sampler=ShardedEvalSampler(data, world_size, rank),
                         num_workers=workers, pin_memory=pin_memory, persistent_workers=False,
-                        generator=private_generator())
+                        prefetch_factor=EVAL_PREFETCH if workers else None, generator=private_generator())
     return checked(loader, raw, UnreadableFiles() if unreadable is None else unreadable)
 
 

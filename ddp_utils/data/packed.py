@@ -18,14 +18,17 @@ ATLAS_WIDTH = 2048  # px: rows of the atlas are at least this wide (wider for a 
 
 def placements(sizes: list[tuple[int, int]], width: int | None = None) -> tuple[list[tuple[int, int, int, int]],
                                                                               int, int]:
-    """Where each (h, w) image goes, row by row in the given order, each inside a one-pixel
-    border: ([(top, left, h, w), ...], atlas height, atlas width)."""
+    """Where each (h, w) image goes, each inside a one-pixel border: ([(top, left, h, w), ...] in
+    the order of ``sizes``, atlas height, atlas width). Rows (shelves) are filled tallest image
+    first, so that images of one row have similar heights: a row is as tall as its tallest."""
     width = max(width or ATLAS_WIDTH, max(w for _, w in sizes) + 2)
-    places, x, y, row = [], 0, 0, 0
-    for h, w in sizes:
+    places: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * len(sizes)
+    x, y, row = 0, 0, 0
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i][0]):  # stable: ties keep their order
+        h, w = sizes[i]
         if x + w + 2 > width:
             x, y, row = 0, y + row, 0
-        places.append((y + 1, x + 1, h, w))
+        places[i] = (y + 1, x + 1, h, w)
         x, row = x + w + 2, max(row, h + 2)
     return places, y + row, width
 

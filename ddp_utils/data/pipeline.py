@@ -22,9 +22,10 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..config import UsageError
 from .batch_augment import BatchAugment
+from .host_memory import TRAIN_PREFETCH, check_shared_memory, eval_batch_size, loader_memory
 from .image_files import UnreadableFiles, image_files_of
 from .loading import (
-    EVAL_BATCH_FACTOR,
+    EVAL_PREFETCH,
     DeviceAugment,
     DeviceBatches,
     DeviceFinish,
@@ -89,11 +90,14 @@ def load_raw_splits(dataset: str, data_dir: str, image_size: int, synthetic_samp
     return train, val
 
 
-def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.device) -> Loaders:
+def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.device, ranks_on_node: int = 1
+               ) -> Loaders:
     """Every rank's batches for ``plan``: training (sharded, shuffled, drop_last; resumable),
-    evaluation (sharded, each sample once) and, with ``plan.bank_samples`` set, the kNN bank."""
+    evaluation (sharded, each sample once) and, with ``plan.bank_samples`` set, the kNN bank.
+    Bad input when ``/dev/shm`` cannot hold the workers' batches of ``ranks_on_node`` ranks."""
     train_raw, val_raw = load_raw_splits(plan.dataset, plan.data_dir, plan.image_size, plan.synthetic_samples,
                                          plan.debug)
+    check_shared_memory(plan_memory(plan, train_raw), ranks_on_node, plan.workers)
     bank_raw = None
     if plan.bank_samples is not None:
         bank_raw = bank_subset(train_raw, plan.bank_samples, plan.seed) if plan.bank_samples else train_raw
@@ -114,6 +118,13 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
     return Loaders(train, val, sampler, train_raw, num_classes_of(train_raw), plan.aug_on_device, unreadable, bank)
 
 
+def plan_memory(plan: DataPlan, train_raw: Dataset):
+    """The host memory ``plan``'s workers fill (``host_memory.loader_memory``)."""
+    return loader_memory(train_raw, batch_size=plan.batch_size, workers=plan.workers, views=plan.views,
+                         image_size=plan.image_size, aug_on_device=plan.aug_on_device,
+                         decode_on_device=plan.decode_on_device)
+
+
 def _eval_recipe(plan: DataPlan) -> AugmentRecipe:
     mean, std = normalization_stats(plan.dataset, plan.normalization) or (None, None)
     return AugmentRecipe(mean=mean, std=std)
@@ -124,6 +135,7 @@ def _train_loader(data: Dataset, raw: Dataset, sampler, plan: DataPlan, device: 
     # drop_last: every micro-batch has batch_size samples, so the 1/window loss scale is exact.
     loader = DataLoader(data, batch_size=plan.batch_size, sampler=sampler, drop_last=True, num_workers=plan.workers,
                         pin_memory=device.type == "cuda", persistent_workers=plan.workers > 0,
+                        prefetch_factor=TRAIN_PREFETCH if plan.workers else None,
                         generator=private_generator(), **({"collate_fn": collate} if collate else {}))
     return checked(loader, raw, unreadable)
 
@@ -134,7 +146,7 @@ def _in_memory_on_device(tensors, val_raw, bank_raw, sampler, *, plan, rank, wor
     augment = DeviceAugment(BatchAugment(plan.recipe, plan.image_size), plan.seed, plan.views)
     images, targets = (t.to(device) for t in tensors)
     train = DeviceBatches(fit_for_pad_crop(images, augment.augment), targets, sampler, plan.batch_size, augment)
-    eval_batch = EVAL_BATCH_FACTOR * plan.batch_size
+    eval_batch = eval_batch_size(plan.batch_size, image_files=False)
     val_images, val_targets = (t.to(device) for t in in_memory_tensors(val_raw))
     val = device_eval_batches(val_images, val_targets, augment.augment, rank=rank, world_size=world_size,
                               batch_size=eval_batch)
@@ -169,10 +181,10 @@ def _files_on_device(train_raw, val_raw, bank_raw, sampler, *, plan, rank, world
 
     def eval_batches(raw: Dataset) -> DeviceFinish:
         data = SeededTransform(read_as(raw, read), None, seed=0, with_key=True)
-        loader = DataLoader(data, batch_size=EVAL_BATCH_FACTOR * plan.batch_size,
+        loader = DataLoader(data, batch_size=eval_batch_size(plan.batch_size, image_files=True),
                             sampler=ShardedEvalSampler(data, world_size, rank), num_workers=plan.workers,
                             pin_memory=device.type == "cuda", collate_fn=collate_files,
-                            generator=private_generator())
+                            prefetch_factor=EVAL_PREFETCH if plan.workers else None, generator=private_generator())
         return DeviceFinish(checked(loader, raw, unreadable), evaluate, device, raw, unreadable)
 
     return train, eval_batches(val_raw), None if bank_raw is None else eval_batches(bank_raw)
@@ -186,7 +198,8 @@ def _loader_path(train_raw, val_raw, bank_raw, sampler, *, plan, rank, world_siz
     train_set = SeededTransform(train_raw, one_view if plan.views == 1 else TwoCrops(one_view), plan.seed)
     train = _train_loader(train_set, train_raw, sampler, plan, device, unreadable)
     eval_tf = eval_transform(plan.dataset, plan.image_size, plan.normalization)
-    options = dict(batch_size=EVAL_BATCH_FACTOR * plan.batch_size, workers=plan.workers, rank=rank,
+    options = dict(batch_size=eval_batch_size(plan.batch_size, image_files_of(train_raw) is not None),
+                   workers=plan.workers, rank=rank,
                    world_size=world_size, pin_memory=device.type == "cuda", unreadable=unreadable)
     return train, eval_loader(val_raw, eval_tf, **options), \
         None if bank_raw is None else eval_loader(bank_raw, eval_tf, **options)

@@ -141,14 +141,14 @@ def describe_settings(cfg: TrainConfig, resolved: dict[str, Any], launcher: str,
     return text
 
 
-def data_plan(cfg: TrainConfig, resolved: dict[str, Any], recipe: AugmentRecipe, views: int,
+def data_plan(cfg: TrainConfig, resolved: dict[str, Any], recipe: AugmentRecipe,
               bank_samples: int | None = None) -> DataPlan:
     """The run's data, as ``data.pipeline.build_data`` takes it: the flags with what the "auto"
-    ones resolved to, the script's training view (``recipe``, ``views`` per sample) and MoCo's
+    ones resolved to, the script's training view (``recipe``, ``cfg.VIEWS`` per sample) and MoCo's
     kNN bank (``bank_samples``; None: no bank)."""
     return DataPlan(dataset=cfg.dataset, data_dir=cfg.data_dir, image_size=resolved["image_size"],
                     synthetic_samples=cfg.synthetic_samples, debug=cfg.debug, seed=cfg.seed, batch_size=cfg.batch_size,
-                    workers=resolved["workers"], normalization=cfg.normalization, recipe=recipe, views=views,
+                    workers=resolved["workers"], normalization=cfg.normalization, recipe=recipe, views=cfg.VIEWS,
                     aug_on_device=resolved["aug_on"] == "device", decode_on_device=resolved["decode_on"] == "device",
                     bank_samples=bank_samples)
 

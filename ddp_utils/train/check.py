@@ -13,14 +13,23 @@ import torch
 from torch.utils.data import Dataset
 
 from ..config import UsageError
+from ..data.host_memory import check_shared_memory, describe_memory
 from ..data.image_files import UnreadableImage, check_decodes, image_files_of
 from ..data.loading import ResumableDistributedSampler, require_a_batch, steps_per_epoch
-from ..data.pipeline import usable_cpus
+from ..data.pipeline import plan_memory, usable_cpus
+from ..data.recipes import AugmentRecipe
 from ..data.sets import check_data_dir
 from ..runtime.dist import LaunchEnv, detect_launch, device_type, restart_count
 from ..runtime.faults import FaultPlan
 from ..runtime.stopping import EXIT_OK, EXIT_USAGE
-from .build import check_paths, describe_settings, raw_splits, refuse_unfixed_files, resolved_settings
+from .build import (
+    check_paths,
+    data_plan,
+    describe_settings,
+    raw_splits,
+    refuse_unfixed_files,
+    resolved_settings,
+)
 from .resume import check_resume_fits, choose_resume
 from .state import describe_position
 from .train_config import RESUME_IF_RESTARTED, TrainConfig
@@ -71,6 +80,10 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         batches = require_a_batch(samples_per_rank // cfg.batch_size, len(train), world_size, cfg.batch_size)
         steps = steps_per_epoch(batches, cfg.accum_steps)
         lines.append(f"data: {cfg.dataset}, {len(train):,} training and {len(val):,} validation images; {settings}")
+        memory = plan_memory(data_plan(cfg, resolved, AugmentRecipe()), train)
+        check_shared_memory(memory, launch.local_world_size, resolved["workers"])
+        if memory is not None:
+            lines.append(describe_memory(memory, launch.local_world_size))
         if cfg.check_data:
             lines.append(_decode_every_file(train, val))
         lines.append(f"steps: {steps:,} per epoch, {steps * cfg.epochs:,} in {_count(cfg.epochs, 'epoch')}"

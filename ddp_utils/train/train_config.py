@@ -40,6 +40,7 @@ class TrainConfig:
     # --help's sections, in this order; each field names its own (opt(group=...))
     SECTIONS: ClassVar[tuple[str, ...]] = ("data", "model and optimisation", "precision and speed",
                                            "run folder and checkpoints", "distributed")
+    VIEWS: ClassVar[int] = 1  # augmented views of each training sample the script trains on
 
     # data
     dataset: str = opt("digits", "data set: digits (ships with scikit-learn, no download), cifar10, "
