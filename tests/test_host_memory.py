@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from bench.host_memory import peak_shm_while
-from ddp_utils.data.host_memory import SHM_DIR, LoaderMemory, eval_batch_size, shm_problem
+from ddp_utils.data.host_memory import SHM_DIR, LoaderMemory, shm_problem
+from ddp_utils.data.loading import eval_batch_size
 from ddp_utils.data.pipeline import DataPlan, build_data, plan_memory
 from ddp_utils.data.recipes import moco_recipe
 from tests.helpers import run_cli, run_ranks
@@ -27,12 +28,12 @@ def test_evaluation_batches_of_image_files_are_capped():
 
 
 def test_the_line_for_a_small_shm_names_the_room_the_need_and_the_fix(tmp_path):
-    huge = LoaderMemory(train_batch=10**15, eval_batch=10**14, train_batches=5, eval_batches=3)
-    line = shm_problem(huge, ranks_on_node=8, workers=2, shm_dir=str(tmp_path))
+    huge = LoaderMemory(train_batch=10**15, eval_batch=10**14, workers=2)
+    line = shm_problem(huge, ranks_on_node=8, shm_dir=str(tmp_path))
     assert "\n" not in line and " free; " in line and "8 rank(s) need up to" in line
     assert "--shm-size=" in line and "--ipc=host" in line and "--workers" in line
-    assert shm_problem(LoaderMemory(1, 1, 5, 3), 8, 2, shm_dir=str(tmp_path)) is None
-    assert shm_problem(huge, 8, 2, shm_dir=str(tmp_path / "absent")) is None
+    assert shm_problem(LoaderMemory(1, 1, workers=2), 8, shm_dir=str(tmp_path)) is None
+    assert shm_problem(huge, 8, shm_dir=str(tmp_path / "absent")) is None
 
 
 @needs_shm

@@ -16,7 +16,7 @@ import functools
 import os
 import warnings
 from io import BytesIO
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -133,14 +133,14 @@ def decode_on(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor], 
     placeholder a worker gives such a file, and its position is returned.
 
     On CUDA the images are ready for the caller's (the training) stream when this returns, and
-    safe to free there: see :func:`_on_decode_stream`."""
+    safe to free there: see :func:`_decode_on_cuda`."""
     if device.type != "cuda":
         return _decode_all(device, batch)
-    return _on_decode_stream(device, lambda: _decode_all(device, batch))
+    return _decode_on_cuda(device, batch)
 
 
-def _on_decode_stream(device: torch.device, decode: Callable[[], tuple[list[Tensor], list[int]]]):
-    """``decode()`` on a stream of its own, its images then handed to the current stream.
+def _decode_on_cuda(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor], list[int]]:
+    """:func:`decode_on` on a stream of its own, its images then handed to the current stream.
 
     torchvision's batched decoder allocates its outputs on the current stream and writes them
     from a private stream (nvJPEG's hardware engine does not follow stream order either). On the
@@ -157,7 +157,7 @@ def _on_decode_stream(device: torch.device, decode: Callable[[], tuple[list[Tens
     consumer = torch.cuda.current_stream(device)
     stream = _decode_stream(device)
     with torch.cuda.stream(stream):
-        images, failed = decode()
+        images, failed = _decode_all(device, batch)
     consumer.wait_stream(stream)
     for image in images:
         image.record_stream(consumer)

@@ -20,32 +20,29 @@ from torch.utils.data import Dataset
 from ..config import UsageError
 from .decode import device_decodable, read_bytes
 from .image_files import image_files_of
-from .loading import EVAL_BATCH_FACTOR, EVAL_PREFETCH
+from .loading import EVAL_PREFETCH, TRAIN_PREFETCH, eval_batch_size
 
-TRAIN_PREFETCH = 2      # batches each training worker prepares ahead (DataLoader's prefetch_factor)
-EVAL_MAX_IMAGES = 256   # images per evaluation batch of image files, at most (or one training batch)
 ATLAS_PADDING = 1.4     # an atlas's pixels over its images' pixels, at most (packed.placements: 1.33 seen at 32)
 SIZE_SAMPLE = 64        # image files whose headers give the mean image size
 SHM_DIR = "/dev/shm"
 
 
-def eval_batch_size(batch_size: int, image_files: bool) -> int:
-    """Evaluation (and kNN-bank) batch size for a training micro-batch of ``batch_size``:
-    ``EVAL_BATCH_FACTOR`` times it, capped for image files, whose batches go through shared memory."""
-    if not image_files:
-        return EVAL_BATCH_FACTOR * batch_size
-    return min(EVAL_BATCH_FACTOR * batch_size, max(batch_size, EVAL_MAX_IMAGES))
-
-
 @dataclass(frozen=True)
 class LoaderMemory:
-    """Bytes of one training and one evaluation batch as workers hand them over, and how many of
-    each a rank may hold at once."""
+    """Bytes of one training and one evaluation batch as ``workers`` workers per rank hand them
+    over, and how many of each a rank may hold at once."""
 
     train_batch: int
     eval_batch: int
-    train_batches: int   # workers x TRAIN_PREFETCH + 1
-    eval_batches: int    # workers x EVAL_PREFETCH + 1
+    workers: int
+
+    @property
+    def train_batches(self) -> int:
+        return self.workers * TRAIN_PREFETCH + 1
+
+    @property
+    def eval_batches(self) -> int:
+        return self.workers * EVAL_PREFETCH + 1
 
     @property
     def per_rank(self) -> int:
@@ -72,7 +69,7 @@ def loader_memory(train: Dataset, *, batch_size: int, workers: int, views: int, 
         eval_sample = 3 * image_size * image_size * 4
         train_sample = views * eval_sample
     return LoaderMemory(train_batch=round(batch_size * train_sample), eval_batch=round(eval_batch * eval_sample),
-                        train_batches=workers * TRAIN_PREFETCH + 1, eval_batches=workers * EVAL_PREFETCH + 1)
+                        workers=workers)
 
 
 def _sample_paths(files) -> list[str]:
@@ -95,8 +92,8 @@ def mean_encoded_bytes(files) -> float:
             data = read_bytes(path)
         except OSError:
             continue
-        size = _image_size(path)
-        sizes.append(data.numel() if device_decodable(data) or size is None else 3 * size[0] * size[1])
+        size = None if device_decodable(data) else _image_size(path)
+        sizes.append(data.numel() if size is None else 3 * size[0] * size[1])
     return sum(sizes) / len(sizes) if sizes else 0.0
 
 
@@ -109,14 +106,14 @@ def _image_size(path: str) -> tuple[int, int] | None:
         return None  # named when it is read; its placeholder is small
 
 
-def check_shared_memory(memory: LoaderMemory | None, ranks_on_node: int, workers: int) -> None:
+def check_shared_memory(memory: LoaderMemory | None, ranks_on_node: int) -> None:
     """Bad input when this node's ``/dev/shm`` cannot hold its ranks' worker batches."""
-    problem = shm_problem(memory, ranks_on_node, workers)
+    problem = shm_problem(memory, ranks_on_node)
     if problem:
         raise UsageError(problem)
 
 
-def shm_problem(memory: LoaderMemory | None, ranks_on_node: int, workers: int, shm_dir: str = SHM_DIR) -> str | None:
+def shm_problem(memory: LoaderMemory | None, ranks_on_node: int, shm_dir: str = SHM_DIR) -> str | None:
     """One line when ``shm_dir`` has less room than this node's ranks' workers need, with the fix;
     None when it has room (or does not exist: no POSIX shared memory there to check)."""
     if memory is None or not os.path.isdir(shm_dir):
@@ -126,7 +123,7 @@ def shm_problem(memory: LoaderMemory | None, ranks_on_node: int, workers: int, s
     if need <= free:
         return None
     return (f"{shm_dir} has {_size(free)} free; the DataLoader workers of this node's {ranks_on_node} rank(s) need "
-            f"up to {_size(need)} ({workers} workers per rank, training batches of {_size(memory.train_batch)}, "
+            f"up to {_size(need)} ({memory.workers} workers per rank, training batches of {_size(memory.train_batch)}, "
             f"evaluation batches of {_size(memory.eval_batch)}); give {shm_dir} more room (a container: docker run "
             f"--shm-size={_size_flag(need)} or --ipc=host) or lower --workers or --batch-size")
 

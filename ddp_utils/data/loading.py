@@ -28,6 +28,8 @@ from .packed import pack
 Transform = Callable[[torch.Tensor], object]
 log = logging.getLogger("train")
 EVAL_BATCH_FACTOR = 4  # evaluation batches are this many training micro-batches: no activations kept
+EVAL_MAX_IMAGES = 256  # images per evaluation batch of image files, at most (or one training batch)
+TRAIN_PREFETCH = 2     # batches each training worker prepares ahead (DataLoader's prefetch_factor)
 EVAL_PREFETCH = 1      # batches each evaluation worker prepares ahead: the larger batches (host_memory)
 Key = tuple[int, int]  # (epoch, sample index): what the training sampler yields
 
@@ -280,6 +282,14 @@ def checked(loader: DataLoader, raw: Dataset, unreadable: UnreadableFiles) -> Da
     data as it is."""
     files = image_files_of(raw)
     return loader if files is None else CheckedBatches(loader, files, unreadable)
+
+
+def eval_batch_size(batch_size: int, image_files: bool) -> int:
+    """Evaluation (and kNN-bank) batch size for a training micro-batch of ``batch_size``:
+    ``EVAL_BATCH_FACTOR`` times it, capped for image files, whose batches go through shared memory."""
+    if not image_files:
+        return EVAL_BATCH_FACTOR * batch_size
+    return min(EVAL_BATCH_FACTOR * batch_size, max(batch_size, EVAL_MAX_IMAGES))
 
 
 def require_a_batch(batches: int, samples: int, world_size: int, batch_size: int) -> int:

@@ -22,10 +22,11 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..config import UsageError
 from .batch_augment import BatchAugment
-from .host_memory import TRAIN_PREFETCH, check_shared_memory, eval_batch_size, loader_memory
+from .host_memory import check_shared_memory, loader_memory
 from .image_files import UnreadableFiles, image_files_of
 from .loading import (
     EVAL_PREFETCH,
+    TRAIN_PREFETCH,
     DeviceAugment,
     DeviceBatches,
     DeviceFinish,
@@ -37,6 +38,7 @@ from .loading import (
     checked,
     collate_files,
     device_eval_batches,
+    eval_batch_size,
     eval_loader,
     fit_for_pad_crop,
     private_generator,
@@ -97,7 +99,7 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
     Bad input when ``/dev/shm`` cannot hold the workers' batches of ``ranks_on_node`` ranks."""
     train_raw, val_raw = load_raw_splits(plan.dataset, plan.data_dir, plan.image_size, plan.synthetic_samples,
                                          plan.debug)
-    check_shared_memory(plan_memory(plan, train_raw), ranks_on_node, plan.workers)
+    check_shared_memory(plan_memory(plan, train_raw), ranks_on_node)
     bank_raw = None
     if plan.bank_samples is not None:
         bank_raw = bank_subset(train_raw, plan.bank_samples, plan.seed) if plan.bank_samples else train_raw

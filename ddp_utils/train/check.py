@@ -81,7 +81,7 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         steps = steps_per_epoch(batches, cfg.accum_steps)
         lines.append(f"data: {cfg.dataset}, {len(train):,} training and {len(val):,} validation images; {settings}")
         memory = plan_memory(data_plan(cfg, resolved, AugmentRecipe()), train)
-        check_shared_memory(memory, launch.local_world_size, resolved["workers"])
+        check_shared_memory(memory, launch.local_world_size)
         if memory is not None:
             lines.append(describe_memory(memory, launch.local_world_size))
         if cfg.check_data:
