@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import train_moco
 from bench.host_memory import peak_shm_while
 from ddp_utils.data.host_memory import SHM_DIR, LoaderMemory, shm_problem
 from ddp_utils.data.loading import eval_batch_size
 from ddp_utils.data.pipeline import DataPlan, build_data, plan_memory
 from ddp_utils.data.recipes import moco_recipe
-from tests.helpers import run_cli, run_ranks
+from tests.helpers import in_process, run_ranks
 
 needs_shm = pytest.mark.skipif(not Path(SHM_DIR).is_dir(), reason="no /dev/shm on this OS")
 
@@ -68,14 +69,14 @@ def _workers_to_fill_shm() -> int:
 
 
 @needs_shm
-def test_check_says_in_one_line_that_shm_is_too_small(jpeg_folder, tmp_path):
+def test_check_says_in_one_line_that_shm_is_too_small(jpeg_folder, tmp_path, capsys):
     args = ["--dataset", "imagefolder", "--data-dir", str(jpeg_folder), "--aug-on", "loader", "--image-size", "1024",
             "--batch-size", "8", "--workers", str(_workers_to_fill_shm()), "--arch", "small_cnn",
             "--out", str(tmp_path / "run"), "--check"]
-    proc = run_cli("train_moco.py", args)
+    proc = in_process(train_moco.main, args, capsys)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert proc.stderr.count("\n") == 1 and f"{SHM_DIR} has " in proc.stderr and "--shm-size=" in proc.stderr
-    ok = run_cli("train_moco.py", [*args[:-5], "--workers", "1", "--out", str(tmp_path / "run"), "--check"])
+    ok = in_process(train_moco.main, [*args[:-5], "--workers", "1", "--out", str(tmp_path / "run"), "--check"], capsys)
     assert ok.returncode == 0 and "host memory: the DataLoader workers' batches take up to" in ok.stdout
 
 
