@@ -20,6 +20,14 @@ batch, as ``DeviceAugment`` runs it; a dispatch-mode counter, views and metadata
 on a GPU each is a launch the host must issue, so the count bounds how early the next batch
 can be queued. Side by side: the uniforms drawn in one hash call for both views, against one
 call per purpose and view (5 purposes x 2 views).
+
+A fourth is the ImageNet path's device side: both MoCo v2 views at 224 px of packed batches of
+an ImageNet-like folder (``bench/imagenet_like.py``), as ``DeviceAugment.packed`` makes them
+with the CPU as the device (the code a GPU runs, eager), against the same at commit 8719b0f
+(read from git: ``bench/at_commit.py``): CPU time per image on one thread, and the bytes its
+ops write per image (a dispatch-mode counter summing each op's outputs, in-place ones
+included): on a GPU these passes are memory-bound, so bytes written is what they cost there.
+``--packed-only`` runs this table alone.
 """
 from __future__ import annotations
 
@@ -79,17 +87,71 @@ def jitter_order_ms(size: int, batch: int, repeats: int) -> tuple[float, float]:
     0.4, 0.1) applied to every sample."""
     x = torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
     factors, order = ba.jitter_draws(ba.draws(0, 0, torch.arange(batch))[:, :8], (0.4, 0.4, 0.4, 0.1))
-    applied = torch.ones(batch, dtype=torch.bool)
 
     def fixed():
         y = x.clone()
         for op in range(3):
             y = ba.blend_step_(y, torch.full((batch,), op), factors[:, op])
-        return ba.select_(y, applied, ba.shift_hue(y, factors[:, 3]))
+        return ba.shift_hue(y, factors[:, 3], out=y)
 
-    random_order, fixed_order = _best_seconds(
-        [lambda: ba.color_jitter_(x.clone(), factors, order, applied), fixed], repeats)
+    random_order, fixed_order = _best_seconds([lambda: ba.color_jitter_(x.clone(), factors, order), fixed], repeats)
     return 1e3 * random_order, 1e3 * fixed_order
+
+
+class BytesWritten(TorchDispatchMode):
+    """Sums the bytes of every tensor an op writes (its outputs, in-place and ``out=`` ones
+    included; views write nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.bytes += t.numel() * t.element_size()
+        return out
+
+
+def packed_views(images: int = 64, batch: int = 32, repeats: int = 3) -> dict[str, tuple[float, float]]:
+    """{"8719b0f" | "now": (CPU ms per image, MB written per image)} for both MoCo v2 views of
+    packed batches of an ImageNet-like folder (see the module docstring)."""
+    import tempfile
+
+    from bench.at_commit import module_at
+    from bench.imagenet_like import write_imagenet_like
+    from ddp_utils.data import packed
+    from ddp_utils.data.decode import decode_cpu, read_bytes
+    from ddp_utils.data.image_folder import ImageFiles
+
+    with tempfile.TemporaryDirectory() as root:
+        write_imagenet_like(root, classes=4, train_per_class=-(-images // 4), val_per_class=1)
+        files = ImageFiles(f"{root}/train")
+        decoded = [decode_cpu(read_bytes(files.samples[i][0])) for i in range(images)]
+    batches = [(packed.pack(decoded[s:s + batch]), torch.arange(s, min(s + batch, images)))
+               for s in range(0, images, batch)]
+    recipe = moco_recipe("imagefolder", 224, "v2")
+    now = DeviceAugment(BatchAugment(recipe, 224), seed=0, views=2)
+    old = module_at("8719b0f", "ddp_utils/data/batch_augment.py")
+    old_augment = old.BatchAugment(recipe, 224)
+
+    def at_8719b0f(atlas, places, index):  # its DeviceAugment.packed, the atlas packed by today's pack
+        u = old.draws(0, 0, index, 2)
+        x = old.as_float_rgb(atlas.permute(2, 0, 1)[None])
+        return [old_augment.apply_packed(x, places, u[:, v * ba.VIEW_COLUMNS:(v + 1) * ba.VIEW_COLUMNS])
+                for v in range(2)]
+
+    runs = {"8719b0f": lambda: [at_8719b0f(atlas, places, index) for (atlas, places), index in batches],
+            "now": lambda: [now.packed(atlas, places, 0, index) for (atlas, places), index in batches]}
+    seconds = _best_seconds(list(runs.values()), repeats)
+    written = []
+    for run in runs.values():
+        with BytesWritten() as counter:
+            run()
+        written.append(counter.bytes)
+    return {name: (1e3 * t / images, b / images / 1e6) for name, t, b in zip(runs, seconds, written)}
 
 
 class KernelCounter(TorchDispatchMode):
@@ -163,7 +225,19 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=512, help="images for the per-sample side")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--packed-only", action="store_true", help="only the ImageNet path's table")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = packed_views(repeats=args.repeats)
+    (old_ms, old_mb), (ms, mb) = rows["8719b0f"], rows["now"]
+    print("ImageNet path, both MoCo v2 views at 224 px of packed batches of 32, the CPU as the device, "
+          f"{args.threads} thread(s), best of {args.repeats}")
+    print(f"{'':>9} {'CPU ms/img':>11} {'MB written/img':>15}")
+    print(f"{'8719b0f':>9} {old_ms:>11.2f} {old_mb:>15.1f}")
+    print(f"{'now':>9} {ms:>11.2f} {mb:>15.1f}")
+    print(f"{'ratio':>9} {old_ms / ms:>10.2f}x {old_mb / mb:>14.2f}x\n")
+    if args.packed_only:
+        return
     benchmark(tuple(args.sizes), args.batch_size, args.samples, batched=8 * args.batch_size,  # eight batches
               repeats=args.repeats, threads=args.threads)
 

@@ -10,10 +10,11 @@
 # missing and the script exits 2 at once (on a machine without a GPU too). Then one markdown
 # table, ready for the README, one row per figure:
 #
-# - throughput (bench/throughput.py, synthetic data, bf16): ResNet-18 32 px classifier and MoCo
-#   with the CIFAR-10 demo's settings at batch 512; ResNet-50 224 px MoCo v2 at batch 256 with
-#   plain BatchNorm (--bn-splits 1, as each of 8 GPUs would run it). Synthetic data is noise:
-#   its MoCo augmentation is crops and flips only.
+# - throughput (bench/throughput.py, bf16): ResNet-18 32 px classifier and MoCo with the CIFAR-10
+#   demo's settings at batch 512 on synthetic data (noise: its MoCo augmentation is crops and flips
+#   only); ResNet-50 224 px MoCo v2 at batch 256 with plain BatchNorm (--bn-splits 1, as each of 8
+#   GPUs would run it) on the noise CIFAR-10 folder below, so that the full v2 recipe runs at 224 px
+#   (colour jitter, grayscale, blur on the crops, resized up from 32 px).
 # - the CIFAR-10 demo recipe (recipes/moco_cifar10_demo.json, one process, split BN in 8 groups,
 #   --amp bf16 --tf32) on a CIFAR-10-size folder of noise images (50,000 + 10,000 at 32 px, so
 #   colour jitter and grayscale run as on the real data): epoch 2's time from the log's "epoch 2
@@ -22,7 +23,16 @@
 #   steps (torch.cuda.set_sync_debug_mode("warn"), bench/cuda_syncs.py).
 # - the JPEG path: ResNet-50 MoCo v2 and the linear probe at 224 px on an ImageNet-like folder of
 #   JPEGs (bench/imagenet_like.py, 2,560 + 80 images), --aug-on device, decoded by the workers and
-#   by the GPU (--decode-on device): img/s and the share of time spent waiting for data.
+#   by the GPU (--decode-on device): img/s and the share of time spent waiting for data over steps
+#   10-18 of the first epoch's 20 (after a warm-up interval; no checkpoint, no epoch start inside).
+# - the device finish (bench/device_finish.py) on that folder: nvJPEG against the CPU decoder on
+#   the same files (max and mean absolute difference); a race probe (decode while a ResNet-50
+#   backward is queued, 50 times: decoded images against an idle GPU's and the CPU's, queued
+#   reads of freed memory against their known values) and its control (20 times, the decoder
+#   without a stream of its own: above 0 shows the probe provokes the race); the loader alone
+#   (no model) in img/s at 8 and all usable workers, both decode modes, with the host's share
+#   inside the decoder; the per-batch device time of each device_finish/* profiler range (copy,
+#   decode, crop, colour, blur, normalize) and the peak memory.
 # - smoke runs of the paths the figures above leave out: the classifier with --compile, fp16,
 #   --clip-grad and --accum-steps 2 through one evaluate(); MoCo with --aug-on loader
 #   --workers 4 (pinned memory) through one kNN pass, with its CUDA syncs per step.
@@ -45,7 +55,10 @@ case "${1:-}" in
     STEPS=(--steps 2 --warmup 1 --rounds 1)
     CIFAR_TRAIN=1024; CIFAR_TEST=256; RECIPE_SIZE=(--arch small_cnn --batch-size 128 --bn-splits 2)
     COMPILE=(); SMOKE_ARCH=small_cnn; SMOKE_BATCH=32; SMOKE_SAMPLES=256
-    JPEG_PER_CLASS=4; JPEG_BATCH=8; JPEG_STEPS=4
+    JPEG_PER_CLASS=4; JPEG_BATCH=8; JPEG_STEPS=4; JPEG_LOG=2  # 5 steps an epoch: steps 3-4 parsed
+    DF_FILES=0; RACE=(--iterations 2 --arch resnet18); RACE_CONTROL=(--iterations 2 --arch resnet18)
+    LOADER_WORKERS=(1 2)
+    LOADER_BATCHES=(--warmup-batches 1 --batches 4); BREAKDOWN=(--loader-workers 1 --warmup-batches 1 --batches 2)
     ;;
 "")
     MODE="GPU check"
@@ -54,7 +67,13 @@ case "${1:-}" in
     STEPS=(--steps 20 --warmup 5 --rounds 3)
     CIFAR_TRAIN=50000; CIFAR_TEST=10000; RECIPE_SIZE=()
     COMPILE=(--compile); SMOKE_ARCH=resnet18; SMOKE_BATCH=256; SMOKE_SAMPLES=4096
-    JPEG_PER_CLASS=256; JPEG_BATCH=128; JPEG_STEPS=40
+    JPEG_PER_CLASS=256; JPEG_BATCH=128; JPEG_STEPS=18; JPEG_LOG=9  # 20 steps an epoch: steps 10-18 parsed
+    # bench/device_finish.py: decode-diff's files, the race probe's and its control's iterations, the
+    # loader's workers (-1: every usable CPU but the rank's) and batches (4 + 16: the first epoch's
+    # 20), the profiled batches
+    DF_FILES=512; RACE=(--iterations 50 --arch resnet50); RACE_CONTROL=(--iterations 20 --arch resnet50)
+    LOADER_WORKERS=(8 -1)
+    LOADER_BATCHES=(--warmup-batches 4 --batches 16); BREAKDOWN=(--loader-workers 4 --warmup-batches 2 --batches 5)
     ;;
 *)
     echo "usage: bash bench/gpu_check.sh [--cpu-smoke]" >&2
@@ -107,19 +126,41 @@ echo
 echo "| part | what ran | figure | detail |"
 echo "|---|---|---:|---|"
 
+# ----------------------------------------------------------------------------- the noise CIFAR-10 folder
+# Written first: the ResNet-50 MoCo v2 throughput row and the CIFAR-10 demo recipe both read it.
+CIFAR="$TMP/cifar"
+if run_part "noise CIFAR-10 folder" 60 "$TMP/cifar.log" "$PY" -c \
+    "import sys; sys.path.insert(0, 'tests'); from fake_cifar import write_noise_cifar10, cifar_env; \
+write_noise_cifar10('$CIFAR', $CIFAR_TRAIN, $CIFAR_TEST); print(cifar_env('$TMP/site')['PYTHONPATH'])"; then
+    CIFAR_PATH=$(tail -n 1 "$TMP/cifar.log")  # the md5 check of torchvision's CIFAR10 off, for these files only
+else
+    echo "| noise CIFAR-10 folder | writing it (the v2 throughput row and the demo recipe read it) | FAILED | $PART_WHY |"
+    CIFAR_PATH=""
+fi
+
 # ----------------------------------------------------------------------------- throughput
-COMMON=(--device "$DEVICE" --dataset synthetic --amp bf16 --aug-on device --table brief "${STEPS[@]}")
+COMMON=(--device "$DEVICE" --amp bf16 --aug-on device --table brief "${STEPS[@]}")
 CIFAR_MOCO=(--moco-k 4096 --moco-m 0.99 --moco-t 0.1 --no-mlp --aug v2-noblur)
+# The ResNet-50 row reads the noise CIFAR-10 folder: synthetic data's MoCo recipe is crops and flips
+# only, CIFAR-10's is the whole v2 one (colour jitter, grayscale, blur), run on the 224 px crops.
 ROWS=(
-    "60|ResNet-18 32 px classifier|--script classifier --arch $ARCH18 --image-size 32 --batch-size $BATCH18"
-    "60|ResNet-18 32 px MoCo|--script moco --arch $ARCH18 --image-size 32 --batch-size $BATCH18 ${CIFAR_MOCO[*]}"
-    "90|ResNet-50 224 px MoCo v2|--script moco --preset v2 --arch $ARCH50 --image-size $SIZE50 --batch-size $BATCH50 --bn-splits 1"
+    "60|ResNet-18 32 px classifier|--script classifier --dataset synthetic --arch $ARCH18 --image-size 32 --batch-size $BATCH18"
+    "60|ResNet-18 32 px MoCo|--script moco --dataset synthetic --arch $ARCH18 --image-size 32 --batch-size $BATCH18 ${CIFAR_MOCO[*]}"
+    "90|ResNet-50 224 px MoCo v2, full v2 recipe|--script moco --preset v2 --dataset cifar10 --data-dir $CIFAR --arch $ARCH50 --image-size $SIZE50 --batch-size $BATCH50 --bn-splits 1"
 )
 for spec in "${ROWS[@]}"; do
     IFS='|' read -r limit name row_args <<<"$spec"
     out="$TMP/throughput_${limit}_${name// /_}"
+    row_env=()
+    if [[ "$row_args" == *"--dataset cifar10"* ]]; then
+        if [ -z "$CIFAR_PATH" ]; then
+            echo "| throughput | $name | FAILED | not run: no noise CIFAR-10 folder |"
+            continue
+        fi
+        row_env=("PYTHONPATH=$CIFAR_PATH")
+    fi
     # shellcheck disable=SC2086  # row_args holds plain words, split on purpose
-    if run_part "throughput: $name" "$limit" "$out" "$PY" bench/throughput.py $row_args "${COMMON[@]}"; then
+    if run_part "throughput: $name" "$limit" "$out" env "${row_env[@]}" "$PY" bench/throughput.py $row_args "${COMMON[@]}"; then
         grep -E '^\| throughput' "$out"
     else
         echo "| throughput | $name | FAILED | $PART_WHY |"
@@ -127,15 +168,6 @@ for spec in "${ROWS[@]}"; do
 done
 
 # ----------------------------------------------------------------------------- the CIFAR-10 demo recipe
-CIFAR="$TMP/cifar"
-if run_part "noise CIFAR-10 folder" 60 "$TMP/cifar.log" "$PY" -c \
-    "import sys; sys.path.insert(0, 'tests'); from fake_cifar import write_noise_cifar10, cifar_env; \
-write_noise_cifar10('$CIFAR', $CIFAR_TRAIN, $CIFAR_TEST); print(cifar_env('$TMP/site')['PYTHONPATH'])"; then
-    CIFAR_PATH=$(tail -n 1 "$TMP/cifar.log")  # the md5 check of torchvision's CIFAR10 off, for these files only
-else
-    echo "| CIFAR-10 demo recipe | writing the noise folder | FAILED | $PART_WHY |"
-    CIFAR_PATH=""
-fi
 RECIPE=(bench/cuda_syncs.py --warmup-steps 10 train_moco.py --config recipes/moco_cifar10_demo.json
     --data-dir "$CIFAR" --device "$DEVICE" --amp bf16 --tf32 --epochs 2 "${RECIPE_SIZE[@]}"
     --log-every 1000 --out "$TMP/recipe")
@@ -157,10 +189,16 @@ fi
 # ----------------------------------------------------------------------------- the JPEG path
 # ResNet-50 MoCo v2 and the linear probe on an ImageNet-like folder of JPEGs (bench/imagenet_like.py),
 # --aug-on device, decoded by the workers (CPU) and by the GPU (--decode-on device): img/s and the
-# share of time the loop waited for data, from the last progress line (the second --log-every interval).
+# share of time the loop waited for data, from the last progress line: the second --log-every
+# interval, steps JPEG_LOG+1 to JPEG_STEPS (GPU: 10-18), inside the first epoch (GPU: 20 steps),
+# so it holds neither the first batches and cuDNN's autotuning (the first interval) nor an epoch's
+# end (its checkpoint, the next epoch's refill of the workers' prefetch); --max-steps's checkpoint
+# comes after the line.
 JPEG="$TMP/jpeg"
+JPEG_OK=""
 if run_part "ImageNet-like JPEG folder" 120 "$TMP/jpeg.log" "$PY" bench/imagenet_like.py "$JPEG" \
     --classes 10 --train-per-class "$JPEG_PER_CLASS" --val-per-class 8; then
+    JPEG_OK=1
     for decode in loader device; do
         for script in moco probe; do
             if [ "$script" = moco ]; then
@@ -171,13 +209,13 @@ if run_part "ImageNet-like JPEG folder" 120 "$TMP/jpeg.log" "$PY" bench/imagenet
                 what="$ARCH50 linear probe, --decode-on $decode"
             fi
             out="$TMP/jpeg_${script}_${decode}.log"
-            if run_part "JPEG path: $what" 120 "$out" "$PY" "${cmd[@]}" --dataset imagefolder --data-dir "$JPEG" \
+            if run_part "JPEG path: $what" 90 "$out" "$PY" "${cmd[@]}" --dataset imagefolder --data-dir "$JPEG" \
                 --device "$DEVICE" --arch "$ARCH50" --image-size "$SIZE50" --batch-size "$JPEG_BATCH" --aug-on device \
-                --decode-on "$decode" --workers -1 --epochs 100 --max-steps "$JPEG_STEPS" \
-                --log-every $((JPEG_STEPS / 2)) --out "$TMP/jpeg_${script}_${decode}"; then
+                --decode-on "$decode" --workers -1 --epochs 100 --max-steps "$JPEG_STEPS" --ckpt-every 0 \
+                --log-every "$JPEG_LOG" --out "$TMP/jpeg_${script}_${decode}"; then
                 rate=$(field "$out" ' ([0-9,.]+) img/s data wait')
                 wait=$(field "$out" 'data wait ([0-9]+)%')
-                echo "| JPEG path | $what, batch $JPEG_BATCH, $(field "$out" '([0-9]+ DataLoader worker\(s\) per rank)') | ${rate:-?} img/s | waited for data ${wait:-?}% of the second interval |"
+                echo "| JPEG path | $what, batch $JPEG_BATCH, $(field "$out" '([0-9]+ DataLoader worker\(s\) per rank)') | ${rate:-?} img/s | steps $((JPEG_LOG + 1))-$JPEG_STEPS of epoch 1 (no checkpoint, no epoch start); waited for data ${wait:-?}% of them |"
             else
                 echo "| JPEG path | $what | FAILED | $PART_WHY |"
             fi
@@ -186,6 +224,35 @@ if run_part "ImageNet-like JPEG folder" 120 "$TMP/jpeg.log" "$PY" bench/imagenet
 else
     echo "| JPEG path | writing the ImageNet-like folder | FAILED | $PART_WHY |"
 fi
+
+# ----------------------------------------------------------------------------- the device finish
+# bench/device_finish.py on the same folder, each part its own process and limit: nvJPEG against
+# the CPU decoder; the race probe (exit 1 when an iteration differed: its row, then a FAILED row),
+# then its control (the decoder without a stream of its own, in a process of its own, as it may
+# corrupt what the backward reads: above 0 shows the probe provokes the race); the loader alone
+# (no model); the per-batch profile of DeviceFinish.finish.
+DEVICE_FINISH=(bench/device_finish.py --data-dir "$JPEG" --device "$DEVICE" --batch-size "$JPEG_BATCH"
+    --image-size "$SIZE50")
+# device_part ROW LIMIT WHAT ARGS...: one part, its rows, or what it printed and a FAILED row
+DEVICE_PARTS=0
+device_part() {
+    local name=$1 limit=$2 what=$3
+    shift 3
+    local out="$TMP/device_$((DEVICE_PARTS += 1)).log"
+    if [ -z "$JPEG_OK" ]; then
+        echo "| $name | $what | FAILED | not run: no ImageNet-like folder |"
+        return
+    fi
+    run_part "device finish: $name" "$limit" "$out" "$PY" "${DEVICE_FINISH[@]}" "$@"
+    local rc=$?
+    grep -E "^\| $name \|" "$out"
+    ((rc == 0)) || echo "| $name | $what | FAILED | $PART_WHY |"
+}
+device_part "device decode" 60 "decode_on($DEVICE) vs decode_cpu" decode-diff --files "$DF_FILES"
+device_part "race probe" 90 "decode_on($DEVICE) while a backward is queued" race "${RACE[@]}"
+device_part "race probe" 45 "the control: decode without a stream of its own" race --unprotected "${RACE_CONTROL[@]}"
+device_part "loader" 120 "DeviceFinish batches alone" loader --workers "${LOADER_WORKERS[@]}" "${LOADER_BATCHES[@]}"
+device_part "device finish" 60 "DeviceFinish.finish under torch.profiler" breakdown "${BREAKDOWN[@]}"
 
 # ----------------------------------------------------------------------------- smoke runs
 SMOKE=(--device "$DEVICE" --arch "$SMOKE_ARCH" --image-size 32 --batch-size "$SMOKE_BATCH" --log-every 1000)

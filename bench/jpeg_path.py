@@ -10,7 +10,7 @@ the CPU time (``process_time``, so other jobs on the machine do not count) of th
 each decoded from its file and made into the row's sample, batches collated as the DataLoader
 would (32 per batch, the cost shared by its images); the rows take turns over ``--rounds`` rounds
 and each reports its median round. The handing over of batches between processes (shared
-memory) is left out on every row alike.
+memory) is left out on every row alike, except the two rows "in a DataLoader worker".
 
 Rows:
 
@@ -23,6 +23,11 @@ Rows:
   device crops), and with ``--decode-on device`` (the worker reads the file's bytes);
 * the classifier's view (random resized crop and flip) and the evaluation view (resize and
   centre crop): the loader path against the device path's worker;
+* the device path's worker as it runs in a DataLoader worker (the process marked as one, so that
+  batches are packed into shared memory as there, each released once packed, as the training
+  process releases it once copied): decode + pack now (a reused buffer) against the same at commit
+  8719b0f (a fresh shared-memory atlas per batch, each image inside a copied one-pixel border),
+  its ``pack`` read from git (``bench/at_commit.py``);
 * for reference, what the training process itself does per image on the device path when the
   device is this CPU (on a GPU that work is the GPU's).
 
@@ -32,6 +37,7 @@ grayscale and a PNG-named file) unless ``--data-dir`` names an ImageFolder root 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -43,6 +49,7 @@ import torch
 from PIL import Image, ImageFilter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.at_commit import module_at  # noqa: E402
 from bench.imagenet_like import write_imagenet_like  # noqa: E402
 from ddp_utils import hashing  # noqa: E402
 from ddp_utils.data.batch_augment import BatchAugment  # noqa: E402
@@ -50,6 +57,7 @@ from ddp_utils.data.decode import decode_cpu, read_bytes  # noqa: E402
 from ddp_utils.data.image_files import UnreadableFiles, decode_rgb  # noqa: E402
 from ddp_utils.data.image_folder import ImageFiles  # noqa: E402
 from ddp_utils.data.loading import DeviceAugment, DeviceFinish, SeededTransform, collate_files  # noqa: E402
+from ddp_utils.data.packed import pack_to_share  # noqa: E402
 from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, moco_recipe  # noqa: E402
 from ddp_utils.data.sets import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402
 from ddp_utils.data.transforms import TwoCrops, eval_transform, view_transform  # noqa: E402
@@ -110,6 +118,19 @@ def loader_view_before(recipe: AugmentRecipe):
         T.RandomHorizontalFlip(), T.Normalize(recipe.mean, recipe.std), T.ToPureTensor()])
 
 
+@contextlib.contextmanager
+def as_a_dataloader_worker():
+    """This process seen as DataLoader worker 0 (what decides where a batch is packed: shared
+    memory in a worker), so that a row packs exactly as a worker does."""
+    from torch.utils.data._utils import worker
+
+    saved, worker._worker_info = worker._worker_info, worker.WorkerInfo(id=0, num_workers=1, seed=0, dataset=None)
+    try:
+        yield
+    finally:
+        worker._worker_info = saved
+
+
 def pil_loader(path: str) -> Image.Image:
     """torchvision ImageFolder's default loader, as the official code reads its files."""
     with open(path, "rb") as f:
@@ -139,6 +160,14 @@ def rows(files: ImageFiles) -> dict[str, callable]:
     def crop_resize(scale):  # what the device path's workers ran per view before this change
         return T.Compose([T.ToImage(), T.RandomResizedCrop(SIZE, scale=scale, antialias=True), T.ToPureTensor()])
     tensor, encoded = files.reading("tensor"), files.reading("encoded")
+    packed_at_8719b0f = module_at("8719b0f", "ddp_utils/data/packed.py")
+
+    def in_a_worker(pack_batch):
+        def run(indices):
+            with as_a_dataloader_worker():
+                for start in range(0, len(indices), BATCH):
+                    pack_batch([tensor[i][0] for i in indices[start:start + BATCH]])
+        return run
     return {
         "decode alone: PIL": lambda indices: [decode_rgb(paths[i]) for i in indices],
         "decode alone: torchvision.io.decode_jpeg (the device path's workers)":
@@ -152,6 +181,10 @@ def rows(files: ImageFiles) -> dict[str, callable]:
             per_sample(SeededBefore(files, TwoCrops(crop_resize((0.2, 1.0))), 0, with_key=True)),
         "MoCo v2, two views: --aug-on device (decode + pack)":
             per_sample(SeededTransform(tensor, None, 0, with_key=True), collate_files),
+        "decode + pack in a DataLoader worker at 8719b0f (a fresh shared-memory atlas per batch, bordered)":
+            in_a_worker(packed_at_8719b0f.pack),
+        "decode + pack in a DataLoader worker (a reused shared-memory buffer)":
+            in_a_worker(lambda images: pack_to_share(images).release()),
         "MoCo v2, two views: --aug-on device --decode-on device (read the bytes)":
             per_sample(SeededTransform(encoded, None, 0, with_key=True), collate_files),
         "classifier view: --aug-on loader": per_sample(SeededTransform(files, view_transform(
@@ -238,6 +271,8 @@ BEFORE = {
         "classifier view: --aug-on device before this change (decode + a crop-resize)",
     "evaluation view: --aug-on loader": "evaluation view: before this change (the loader path on every path)",
     "evaluation view: --aug-on device (decode + pack)": "evaluation view: before this change (the loader path on every path)",
+    "decode + pack in a DataLoader worker (a reused shared-memory buffer)":
+        "decode + pack in a DataLoader worker at 8719b0f (a fresh shared-memory atlas per batch, bordered)",
 }
 
 

@@ -129,15 +129,20 @@ def test_uniforms_look_uniform_and_independent():
         assert abs(corr(a, b)) < 5 / math.sqrt(a.numel()), (a.shape, corr(a, b))
 
 
-def test_runs_without_reading_values_on_the_host():
-    """On meta tensors any .item(), .tolist(), nonzero or boolean-mask index raises, so a pass
-    here means the pipeline never synchronises a CUDA stream to read a value back."""
-    images = torch.empty(4, 3, 32, 32, dtype=torch.uint8, device="meta")
-    index = torch.empty(4, dtype=torch.int64, device="meta")
+def test_runs_without_reading_values_on_the_device():
+    """Images on the meta device, indices on the host: any .item(), .tolist(), nonzero or
+    boolean-mask index of a device tensor raises, so a pass here means the pipeline never
+    synchronises a CUDA stream to read a value back (who draws which step is read from the
+    host's uniforms). The batch of 64 makes every random step draw some samples and not others."""
+    images = torch.empty(64, 3, 32, 32, dtype=torch.uint8, device="meta")
+    index = torch.arange(64)
+    u = ba.draws(0, 0, index)
+    for column, p in ((ba.JITTER_COLUMN, 0.8), (ba.GRAY_COLUMN, 0.2), (ba.BLUR_COLUMN, 0.5), (ba.FLIP_COLUMN, 0.5)):
+        assert 0 < len(ba.drawn(u[:, column], p)) < 64
     for recipe, size in [(_moco("v2", 16, mean=(0.5,) * 3, std=(0.2,) * 3), 16),
                          (_moco("v1", 32), 32), (_pad_crop(32), 32)]:
         out = BatchAugment(recipe, size)(images, seed=0, epoch=0, index=index)
-        assert out.device.type == "meta" and out.shape == (4, 3, size, size)
+        assert out.device.type == "meta" and out.shape == (64, 3, size, size)
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -287,7 +292,8 @@ def test_colour_jitter_applies_each_samples_ops_in_its_own_order():
     factors, order = ba.jitter_draws(u, (0.4, 0.4, 0.4, 0.1))
     assert len(set(map(tuple, order.tolist()))) > 12  # many of the 24 orders occur
     applied = torch.arange(48) % 4 != 0
-    ours = ba.color_jitter_(x.clone(), factors, order, applied)
+    ours = ba.on_samples_(x.clone(), applied.nonzero().squeeze(1),
+                          lambda chosen, pick: ba.color_jitter_(chosen, pick(factors), pick(order)))
     ops = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue]
     for image, result, f, sequence, on in zip(x, ours, factors, order.tolist(), applied.tolist()):
         expected = image
@@ -299,12 +305,24 @@ def test_colour_jitter_applies_each_samples_ops_in_its_own_order():
             assert torch.equal(result, image)  # not applied: bit for bit unchanged
 
 
-def test_selection_by_lerp_is_exact():
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_a_step_runs_on_the_samples_that_draw_it_only(share):
+    """on_samples_ hands the step exactly the chosen samples (and their rows of a per-sample
+    tensor) and writes its result back into them, bit for bit; the others are left as they were."""
     g = torch.Generator().manual_seed(0)
-    old, new = torch.randn(64, 3, 5, 5, generator=g) * 100, torch.randn(64, 3, 5, 5, generator=g)
-    chosen = torch.rand(64, generator=g) < 0.5
-    expected = torch.where(chosen[:, None, None, None], new, old)
-    assert torch.equal(ba.select_(old.clone(), chosen, new), expected)
+    x = torch.randn(64, 3, 5, 5, generator=g)
+    scale = torch.rand(64, generator=g)
+    chosen = (torch.rand(64, generator=g) < share).nonzero().squeeze(1)
+    seen = []
+
+    def step(samples, pick):
+        seen.append(len(samples))
+        return samples.mul_(pick(scale)[:, None, None, None])
+
+    expected = x.clone()
+    expected[chosen] *= scale[chosen, None, None, None]
+    assert torch.equal(ba.on_samples_(x.clone(), chosen, step), expected)
+    assert seen == ([len(chosen)] if len(chosen) else [])
 
 
 def test_colour_jitter_matches_torchvision_distribution():

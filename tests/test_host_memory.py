@@ -15,7 +15,8 @@ import torch
 import train_moco
 from bench.host_memory import peak_shm_while
 from ddp_utils.data.host_memory import SHM_DIR, LoaderMemory, shm_problem
-from ddp_utils.data.loading import eval_batch_size
+from ddp_utils.data.loading import EVAL_PREFETCH, TRAIN_PREFETCH, eval_batch_size
+from ddp_utils.data.packed import KEPT_PER_WORKER
 from ddp_utils.data.pipeline import DataPlan, build_data, plan_memory
 from ddp_utils.data.recipes import moco_recipe
 from tests.helpers import in_process, run_ranks
@@ -26,6 +27,14 @@ needs_shm = pytest.mark.skipif(not Path(SHM_DIR).is_dir(), reason="no /dev/shm o
 def test_evaluation_batches_of_image_files_are_capped():
     assert [eval_batch_size(b, image_files=True) for b in (8, 32, 64, 256, 512)] == [32, 128, 256, 256, 512]
     assert eval_batch_size(256, image_files=False) == 1024  # in-memory data: no shared memory
+
+
+def test_a_worker_keeps_a_buffer_for_every_batch_it_may_have_in_flight():
+    """Its prefetched batches plus the one it fills: fewer kept buffers and a worker would make
+    a fresh segment per batch again; the bound counts what it keeps."""
+    assert KEPT_PER_WORKER == max(TRAIN_PREFETCH, EVAL_PREFETCH) + 1
+    assert LoaderMemory(train_batch=10, eval_batch=100, workers=4, kept=True).per_rank == 4 * KEPT_PER_WORKER * 110
+    assert LoaderMemory(train_batch=10, eval_batch=100, workers=4).per_rank == 9 * 10 + 5 * 100  # in flight only
 
 
 def test_the_line_for_a_small_shm_names_the_room_the_need_and_the_fix(tmp_path):

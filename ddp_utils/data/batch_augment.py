@@ -4,15 +4,19 @@ The per-sample torchvision pipeline (``transforms.view_transform``) makes one Py
 per image in DataLoader workers, which caps throughput on small images long before a GPU is busy;
 here each step runs once per batch, the same code on CPU and CUDA. The steps and their order are
 the per-sample pipeline's: crop, colour (torchvision's definitions and ColorJitter's per-sample
-random op order), flip, normalisation; they agree with torchvision to float rounding, except the
-resampling of crops (:func:`_resample_boxes`).
+random op order), flip, normalisation; they agree with torchvision to float rounding. Crops of
+images of different sizes (packed in an atlas) are resized by torchvision's own resize, one call
+per sample (:func:`resize_from_atlas`); crops of a batch of one size by one ``roi_align``, close
+to it (:func:`_resample_boxes`).
 
 Randomness is counter based (``ddp_utils.hashing``): each draw is a hash of (seed, epoch, sample
 index, column), so a sample gets the same pixels whatever batch, rank or position it lands in
 (tested bit for bit on CPU). A view takes :data:`VIEW_COLUMNS` columns, a fixed slice per
-purpose (crop, jitter, ...), and all views of a batch are drawn in one call. Nothing reads a
-value back to the host: each sample keeps its own result through ``torch.where``, 0/1 ``lerp``
-and gathers, never boolean masks or ``.item()``.
+purpose (crop, jitter, ...), and all views of a batch are drawn in one call, on the host, from
+the samples' indices: which samples a random step applies to (jitter, grayscale, blur, flip) is
+read there, so each such step runs on those samples only (gathered, changed, written back) and
+nothing is ever read back from the device. The per-sample parameters (crop boxes, factors,
+sigmas) are computed on the device from a copy of the same uniforms.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.profiler import record_function
 
 from .. import hashing
 from .recipes import EVAL_RESIZE, AugmentRecipe
@@ -107,18 +112,42 @@ def resized_crop_boxes(u: Tensor, height: int | Tensor, width: int | Tensor, sca
     return torch.stack([top, left, h, w], 1)
 
 
-def centre_boxes(height: Tensor, width: Tensor, out: int, resize: int) -> Tensor:
-    """B x 4 float64 boxes (top, left, h, w), in each image's pixels, of the evaluation view:
-    torchvision's Resize(``resize``) (the short side to ``resize``, the long one truncated) then
-    CenterCrop(``out``) (offsets rounded half to even, as Python's round), so that only the
-    resampling differs from it."""
-    short, long = torch.minimum(height, width).double(), torch.maximum(height, width).double()
-    new_long = torch.floor(resize * long / short)
-    new_h = torch.where(height <= width, float(resize), new_long)
-    new_w = torch.where(height <= width, new_long, float(resize))
-    top, left = torch.round((new_h - out) / 2), torch.round((new_w - out) / 2)
-    scale_h, scale_w = height.double() / new_h, width.double() / new_w
-    return torch.stack([top * scale_h, left * scale_w, out * scale_h, out * scale_w], 1)
+def centre_view(height: int, width: int, out: int, resize: int) -> tuple[int, int, int, int]:
+    """(resized height, resized width, top, left) of torchvision's Resize(``resize``) (the short
+    side to ``resize``, the long one truncated) then CenterCrop(``out``) (offsets rounded half to
+    even, as Python's round), for an image of ``height`` x ``width``."""
+    short, long = min(height, width), max(height, width)
+    new_long = int(resize * long / short)
+    new_h, new_w = (resize, new_long) if height <= width else (new_long, resize)
+    return new_h, new_w, int(round((new_h - out) / 2)), int(round((new_w - out) / 2))
+
+
+def resize_from_atlas(atlas: Tensor, places: list, boxes: list | None, out: int, resize: int) -> Tensor:
+    """B x 3 x out x out from a float atlas (1 x 3 x H x W; ``places`` B host (top, left, h, w)):
+    each sample's crop ``boxes[b]`` (top, left, h, w in its image) resized to out x out, or
+    without boxes the evaluation view (:func:`centre_view`), by torchvision's own antialiased
+    bilinear resize on a view of the sample's pixels: torchvision's result, wherever the sample
+    lies. One call per sample (crops differ in size): host work that grows with the batch."""
+    x = atlas.new_empty(len(places), 3, out, out)
+    for b, (top, left, height, width) in enumerate(places):
+        image = atlas[:, :, top:top + height, left:left + width]
+        if boxes is not None:
+            box_top, box_left, box_h, box_w = boxes[b]
+            crop = image[:, :, box_top:box_top + box_h, box_left:box_left + box_w]
+            _resize_aa(crop, out, out, x[b:b + 1])
+        else:
+            new_h, new_w, crop_top, crop_left = centre_view(height, width, out, resize)
+            resized = _resize_aa(image, new_h, new_w)
+            x[b:b + 1] = resized[:, :, crop_top:crop_top + out, crop_left:crop_left + out]
+    return x
+
+
+def _resize_aa(x: Tensor, height: int, width: int, out: Tensor | None = None) -> Tensor:
+    """``F.interpolate(x, (height, width), mode="bilinear", antialias=True)`` (torchvision's
+    resize of tensors), written into ``out`` where given."""
+    if out is None:
+        return F.interpolate(x, size=(height, width), mode="bilinear", antialias=True)
+    return torch.ops.aten._upsample_bilinear2d_aa.out(x, [height, width], False, None, None, out=out)
 
 
 def _pad_crop_boxes(u: Tensor, height: int, width: int, pad: int, out: int) -> Tensor:
@@ -131,10 +160,9 @@ def _pad_crop_boxes(u: Tensor, height: int, width: int, pad: int, out: int) -> T
     return torch.stack([top, left, side, side], 1)
 
 
-def _resample_boxes(x: Tensor, boxes: Tensor, out: int, offsets: Tensor | None = None) -> Tensor:
-    """Each sample's box resized to out x out with ``roi_align`` (aligned, adaptive sampling);
-    with ``offsets`` (B x 2: top, left), every box is read from ``x``'s one image (an atlas of
-    :mod:`packed`), shifted to where its sample lies.
+def _resample_boxes(x: Tensor, boxes: Tensor, out: int) -> Tensor:
+    """Each sample's box resized to out x out with ``roi_align`` (aligned, adaptive sampling):
+    one call for a batch of images of one size.
 
     With ``sampling_ratio=0`` it averages ceil(box / out) bilinear samples per output pixel and
     axis: upscaling is a bilinear resize with half-pixel centres, downscaling averages the pixels
@@ -144,11 +172,7 @@ def _resample_boxes(x: Tensor, boxes: Tensor, out: int, offsets: Tensor | None =
     of the fast path; roi_align is a plain float32 kernel.
     """
     top, left, h, w = boxes.to(x.dtype).unbind(1)  # B each
-    if offsets is None:
-        batch = torch.arange(len(x), device=x.device, dtype=x.dtype)
-    else:
-        batch = torch.zeros(len(boxes), device=x.device, dtype=x.dtype)
-        top, left = top + offsets[:, 0].to(x.dtype), left + offsets[:, 1].to(x.dtype)
+    batch = torch.arange(len(x), device=x.device, dtype=x.dtype)
     rois = torch.stack([batch, left, top, left + w, top + h], 1)  # B x 5: (b, x1, y1, x2, y2)
     return roi_align()(x, rois, 1.0, out, out, 0, True)  # scale 1, adaptive sampling, aligned
 
@@ -203,13 +227,17 @@ def blend_step_(x: Tensor, op: Tensor, factor: Tensor) -> Tensor:
 
     Each is torchvision's clamp(factor x + (1 - factor) target, 0, 1) with target 0, the mean of
     the grayscale image, or the grayscale image; a factor of 1 leaves a sample exactly unchanged.
-    The mean is taken over columns, then rows, the same order whatever the batch.
+    The mean is taken over columns, then rows, the same order whatever the batch. Three passes
+    over ``x`` (grayscale, blend, clamp): the target is made at a third of its size and
+    broadcast into the blend.
     """
     gray = luma(x)  # B x 1 x H x W
     mean = gray.mean(3, keepdim=True).mean(2, keepdim=True)  # B x 1 x 1 x 1
     f = _per_sample(factor)
-    target = gray.mul_(_per_sample(op == 2)).add_(mean * _per_sample(op == 1)).mul_(1 - f)  # B x 1 x H x W
-    return x.mul_(f).add_(target).clamp_(0, 1)  # B x 3 x H x W
+    weight = (1 - f) * _per_sample(op == 2)  # of the grayscale image: saturation only
+    offset = (1 - f) * _per_sample(op == 1) * mean  # of its mean: contrast only
+    target = torch.addcmul(offset, gray, weight, out=gray)  # (1 - f) x target
+    return torch.addcmul(target, x, f, out=x).clamp_(0, 1)
 
 
 def _hue_sextant(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -228,16 +256,19 @@ def _hue_sextant(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return hue.div_(spread.masked_fill_(spread == 0, 1.0)), maxc, minc  # grey pixels: hue 0
 
 
-def shift_hue(x: Tensor, shift: Tensor) -> Tensor:
+def shift_hue(x: Tensor, shift: Tensor, out: Tensor | None = None) -> Tensor:
     """torchvision's ``adjust_hue`` with a per-sample shift (B), without building HSV images:
     each channel is min + (max - min) ramp(6 h), with the piecewise-linear hue ramps
-    clamp(a |6 h - c| + o, 0, 1), and max and min do not change with the hue."""
+    clamp(a |6 h - c| + o, 0, 1), and max and min do not change with the hue. ``out`` may be
+    ``x`` itself (read whole before it is written)."""
     sextant, maxc, minc = _hue_sextant(x)  # B x H x W each
     sextant = sextant.add_(6.0 * shift[:, None, None])
-    sextant = sextant.sub_(torch.floor(sextant / 6.0).mul_(6.0)).unsqueeze(1)  # B x 1 x H x W in [0, 6]
+    sextant = torch.remainder(sextant, 6.0, out=sextant).unsqueeze(1)  # B x 1 x H x W in [0, 6]
     centre, slope, offset = (_constant(v, x.device, x.dtype).view(1, 3, 1, 1) for v in _HUE_RAMPS)
-    ramp = (sextant - centre).abs_().mul_(slope).add_(offset).clamp_(0.0, 1.0)  # B x 3 x H x W
-    return ramp.mul_(maxc.sub_(minc).unsqueeze(1)).add_(minc.unsqueeze(1))
+    ramp = (sextant - centre).abs_()  # B x 3 x H x W
+    ramp = torch.addcmul(offset, ramp, slope, out=ramp).clamp_(0.0, 1.0)
+    spread = maxc.sub_(minc).unsqueeze(1)
+    return torch.addcmul(minc.unsqueeze(1), ramp, spread, out=torch.empty_like(x) if out is None else out)
 
 
 def jitter_draws(u: Tensor, strengths: tuple[float, float, float, float]) -> tuple[Tensor, Tensor]:
@@ -250,51 +281,65 @@ def jitter_draws(u: Tensor, strengths: tuple[float, float, float, float]) -> tup
     return torch.stack(columns, 1), u[:, 4:8].argsort(1)
 
 
-def color_jitter_(x: Tensor, factors: Tensor, order: Tensor, applied: Tensor, hue: bool = True) -> Tensor:
-    """ColorJitter in place, each sample with its own factors and op order (0-3 = B, C, S, H),
-    on the samples ``applied`` (B bools); the others come out unchanged.
+def color_jitter_(x: Tensor, factors: Tensor, order: Tensor, hue: bool = True) -> Tensor:
+    """ColorJitter on every sample, in place, each with its own factors and op order (0-3 = B,
+    C, S, H).
 
     The costly hue op runs once for the whole batch; the three blend ops run in three slots
     before it and three after, each sample using the slots on its side of its hue position and
     passing the others (factor 1, exact).
     """
-    blend = torch.where(applied[:, None], factors[:, :3], 1.0)  # B x 3; 1 = unchanged
     hue_at = (order == 3).to(torch.uint8).argmax(1) if hue else torch.full_like(order[:, 0], 3)  # B
     positions = torch.arange(4, device=x.device).expand_as(order)
     rest = order.gather(1, torch.where(order == 3, 4, positions).argsort(1)[:, :3])  # B x 3, hue left out
     for before in (True, False) if hue else (True,):
         for slot in range(3):
             active = (slot < hue_at) if before else (slot >= hue_at)  # B
-            factor = torch.where(active, blend.gather(1, rest[:, slot:slot + 1]).squeeze(1), 1.0)
+            factor = torch.where(active, factors[:, :3].gather(1, rest[:, slot:slot + 1]).squeeze(1), 1.0)
             x = blend_step_(x, rest[:, slot], factor)
         if before and hue:
-            x = select_(x, applied, shift_hue(x, factors[:, 3]))
+            x = shift_hue(x, factors[:, 3], out=x)
     return x
 
 
 def gaussian_blur(x: Tensor, sigma: Tensor, size: int) -> Tensor:
-    """torchvision's ``gaussian_blur`` with a per-sample sigma (B): separable, reflect padding.
-    Each pass sums ``size`` shifted slices times per-sample tap weights: plain float32
-    elementwise ops, so no convolution algorithm choice can change a sample with its batch."""
+    """torchvision's ``gaussian_blur`` with a per-sample sigma (B): separable, reflect padding,
+    each pass one depthwise convolution (a group per sample and channel) with the sample's
+    taps. Each output sums its taps in a fixed order, whatever the other samples: a sample
+    blurs the same alone and in a batch (tested bit for bit on the CPU)."""
     b, c, h, w = x.shape
     pad = size // 2
     offsets = torch.arange(size, device=x.device, dtype=x.dtype) - pad
     taps = torch.softmax(-0.5 * (offsets / sigma[:, None]) ** 2, dim=1)  # B x size, as torchvision
-    taps = taps[:, None, None, None, :]  # B x 1 x 1 x 1 x size
-    padded = F.pad(x, (pad, pad, pad, pad), mode="reflect")  # B x 3 x (H + 2p) x (W + 2p)
-    rows = padded[..., 0:w] * taps[..., 0]  # B x 3 x (H + 2p) x W
-    for i in range(1, size):
-        rows.addcmul_(padded[..., i:i + w], taps[..., i])
-    out = rows[:, :, 0:h] * taps[..., 0]  # B x 3 x H x W
-    for i in range(1, size):
-        out.addcmul_(rows[:, :, i:i + h], taps[..., i])
-    return out
+    taps = taps.repeat_interleave(c, 0)  # (B * C) x size: one group per sample and channel
+    padded = F.pad(x, (pad, pad, pad, pad), mode="reflect").view(1, b * c, h + 2 * pad, w + 2 * pad)
+    rows = F.conv2d(padded, taps.view(b * c, 1, 1, size), groups=b * c)  # 1 x BC x (H + 2p) x W
+    return F.conv2d(rows, taps.view(b * c, 1, size, 1), groups=b * c).view(b, c, h, w)
 
 
-def select_(x: Tensor, chosen: Tensor, new: Tensor) -> Tensor:
-    """Overwrites the samples ``chosen`` (B bools) of ``x`` with those of ``new``, bit for bit:
-    ``lerp`` with a 0/1 weight is an exact selection, and faster than ``torch.where`` on CPU."""
-    return x.lerp_(new, _per_sample(chosen.to(x.dtype)))
+def on_samples_(x: Tensor, chosen: Tensor, step: Callable[[Tensor, Callable[[Tensor], Tensor]], Tensor]) -> Tensor:
+    """``x`` with the samples ``chosen`` (host int64 indices) replaced by ``step(those samples,
+    pick)``, where ``pick(t)`` takes the same rows of a per-sample tensor ``t``; the others are
+    neither read nor written. ``step`` may change its input in place."""
+    if len(chosen) == 0:
+        return x
+    if len(chosen) == len(x):  # every sample: no gather, no scatter
+        out = step(x, lambda t: t)
+        return out if out is x else x.copy_(out)
+    at = to_device(chosen, x.device)
+    return x.index_copy_(0, at, step(x.index_select(0, at), lambda t: t.index_select(0, at)))
+
+
+def drawn(u: Tensor, p: float) -> Tensor:
+    """The host indices of the samples whose uniform ``u`` (B, on the host) draws a step of probability ``p``."""
+    return (u < p).nonzero().squeeze(1)
+
+
+def to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on ``device`` without a host wait (pinned first on CUDA)."""
+    if device.type == "cuda" and not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -306,10 +351,14 @@ def _constant(values: tuple[float, ...], device: torch.device, dtype: torch.dtyp
 # ----------------------------------------------------------------------------- the pipeline
 class BatchAugment:
     """``augment(images, seed, epoch, index, view)``: ``images`` B x C x H x W, uint8 (0-255) or
-    float (0-1), C 1 or 3; ``index`` the samples' data-set indices (B, int64, same device);
+    float (0-1), C 1 or 3; ``index`` the samples' data-set indices (B, int64, on the host);
     ``view`` numbers independent views of a sample (MoCo: query 0, key 1). Returns a new
-    B x 3 x out x out float32 batch; ``images`` is never modified. ``apply(images, u)`` takes the
-    view's uniforms (B x VIEW_COLUMNS, from :func:`draws`) instead."""
+    B x 3 x out x out float32 batch on the images' device; ``images`` is never modified.
+    ``apply(images, u)`` takes the view's uniforms (B x VIEW_COLUMNS, on the host, from
+    :func:`draws`) instead.
+
+    The steps are named for a profiler (``device_finish/crop``, ``/colour``, ``/blur``,
+    ``/normalize``, the flip counted with the normalisation)."""
 
     def __init__(self, recipe: AugmentRecipe, out_size: int):
         self.recipe, self.out_size = recipe, out_size
@@ -320,32 +369,28 @@ class BatchAugment:
     def apply(self, images: Tensor, u: Tensor, layout: torch.memory_format = torch.contiguous_format) -> Tensor:
         """The view of ``u``'s draws, written in memory format ``layout`` (channels_last for the
         network on CUDA: no copy to re-lay it afterwards)."""
-        r, draw = self.recipe, _drawer(u)
-        x = self._geometry(as_float_rgb(images), draw)  # B x 3 x out x out
-        if x is images:
-            x = x.clone()  # the steps below work in place, on a buffer of our own
-        x = self._photometric_(x, draw)
-        if r.flip:
-            x = select_(x, draw(FLIP_COLUMN, 1)[:, 0] < 0.5, x.flip(3))
-        return normalize(x, r.mean, r.std, layout)
+        on_device = to_device(u, images.device)
+        with record_function("device_finish/crop"):
+            x = self._geometry(as_float_rgb(images), _drawer(on_device))  # B x 3 x out x out
+            if x is images:
+                x = x.clone()  # the steps below work in place, on a buffer of our own
+        return self._finish(x, u, on_device, layout)
 
     def apply_packed(self, atlas: Tensor, places: Tensor, u: Tensor,
                      layout: torch.memory_format = torch.contiguous_format) -> Tensor:
-        """:meth:`apply` for images of different sizes packed in one atlas (1 x 3 x H x W, from
-        :func:`atlas_as_float`; ``places`` B x 4: top, left, height, width, as ``packed.pack``
-        made them): each sample's crop drawn for its own size and resampled from its place. A
-        recipe without a crop gives the evaluation view (:func:`centre_boxes`)."""
-        r, draw = self.recipe, _drawer(u)
-        heights, widths = places[:, 2], places[:, 3]
-        if r.crop_scale is not None:
-            boxes = resized_crop_boxes(draw(CROP_COLUMN, 2 * _ATTEMPTS + 2), heights, widths, r.crop_scale, r.crop_ratio)
-        else:
-            boxes = centre_boxes(heights, widths, self.out_size, round(self.out_size * EVAL_RESIZE))
-        x = _resample_boxes(atlas, boxes, self.out_size, offsets=places[:, :2])  # B x 3 x out x out
-        x = self._photometric_(x.to(torch.float32), draw)
-        if r.flip:
-            x = select_(x, draw(FLIP_COLUMN, 1)[:, 0] < 0.5, x.flip(3))
-        return normalize(x, r.mean, r.std, layout)
+        """:meth:`apply` for images of different sizes packed in one atlas (1 x 3 x H x W float
+        in [0, 1], from :func:`atlas_as_float`; ``places`` B x 4 on the host: top, left, height,
+        width, as ``packed.pack`` made them): each sample's crop drawn for its own size and
+        resized from its place (:func:`resize_from_atlas`). A recipe without a crop gives the
+        evaluation view."""
+        r, on_device = self.recipe, to_device(u, atlas.device)
+        with record_function("device_finish/crop"):
+            boxes = None
+            if r.crop_scale is not None:  # drawn on the host: the loop below reads them there
+                boxes = resized_crop_boxes(u[:, CROP_COLUMN:CROP_COLUMN + 2 * _ATTEMPTS + 2], places[:, 2],
+                                           places[:, 3], r.crop_scale, r.crop_ratio).tolist()
+            x = resize_from_atlas(atlas, places.tolist(), boxes, self.out_size, round(self.out_size * EVAL_RESIZE))
+        return self._finish(x, u, on_device, layout)
 
     def crop_boxes(self, height: int, width: int, seed: int, epoch: int, index: Tensor, view: int = 0) -> Tensor:
         """B x 4 int64 (top, left, height, width) of each sample's crop in input pixels; a pad
@@ -371,27 +416,37 @@ class BatchAugment:
             return _crop_windows(x, boxes, r.pad_crop, self.out_size)
         return _resample_boxes(x, boxes, self.out_size)
 
-    def _photometric_(self, x: Tensor, draw: Draw) -> Tensor:
-        """Jitter, grayscale and blur in the recipe's order, in place on ``x`` (B x 3 x H x W)."""
-        r = self.recipe
-        if r.gray_before_jitter:
-            x = self._maybe_gray_(x, draw)
-        if r.jitter is not None and r.jitter_p > 0:
-            u = draw(JITTER_COLUMN, 9)  # apply, 4 factors, 4 order keys
-            factors, order = jitter_draws(u[:, 1:], r.jitter)
-            x = color_jitter_(x, factors, order, u[:, 0] < r.jitter_p, hue=r.jitter[3] > 0)
-        if not r.gray_before_jitter:
-            x = self._maybe_gray_(x, draw)
+    def _finish(self, x: Tensor, u: Tensor, on_device: Tensor, layout: torch.memory_format) -> Tensor:
+        """Jitter, grayscale and blur in the recipe's order, flip and normalisation of the cropped
+        batch ``x`` (B x 3 x out x out float32 in [0, 1], changed in place); ``u`` the view's
+        uniforms on the host (who draws which step), ``on_device`` the same on ``x``'s device."""
+        r, draw = self.recipe, _drawer(on_device)
+        with record_function("device_finish/colour"):
+            if r.gray_before_jitter:
+                x = self._gray_(x, u)
+            if r.jitter is not None and r.jitter_p > 0:
+                def jitter_(chosen: Tensor, pick) -> Tensor:
+                    factors, order = jitter_draws(pick(draw(JITTER_COLUMN + 1, 8)), r.jitter)
+                    return color_jitter_(chosen, factors, order, hue=r.jitter[3] > 0)
+                x = on_samples_(x, drawn(u[:, JITTER_COLUMN], r.jitter_p), jitter_)
+            if not r.gray_before_jitter:
+                x = self._gray_(x, u)
         if r.blur_p > 0:
-            u = draw(BLUR_COLUMN, 2)  # apply, sigma
-            lo, hi = r.blur_sigma
-            x = select_(x, u[:, 0] < r.blur_p, gaussian_blur(x, lo + (hi - lo) * u[:, 1], r.blur_kernel))
-        return x
+            with record_function("device_finish/blur"):
+                lo, hi = r.blur_sigma
+                sigma = lo + (hi - lo) * draw(BLUR_COLUMN + 1, 1)[:, 0]
+                x = on_samples_(x, drawn(u[:, BLUR_COLUMN], r.blur_p),
+                                lambda chosen, pick: gaussian_blur(chosen, pick(sigma), r.blur_kernel))
+        with record_function("device_finish/normalize"):
+            if r.flip:
+                x = on_samples_(x, drawn(u[:, FLIP_COLUMN], 0.5), lambda chosen, pick: chosen.flip(3))
+            return normalize(x, r.mean, r.std, layout)
 
-    def _maybe_gray_(self, x: Tensor, draw: Draw) -> Tensor:
+    def _gray_(self, x: Tensor, u: Tensor) -> Tensor:
         if self.recipe.gray_p <= 0:
             return x
-        return select_(x, draw(GRAY_COLUMN, 1)[:, 0] < self.recipe.gray_p, luma(x).expand_as(x))
+        return on_samples_(x, drawn(u[:, GRAY_COLUMN], self.recipe.gray_p),
+                           lambda chosen, pick: luma(chosen).expand_as(chosen))
 
 
 def normalize(x: Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] | None,
@@ -399,18 +454,19 @@ def normalize(x: Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] 
     """``(x - mean) / std`` per channel (or ``x`` as it is without ``mean``), in memory format ``layout``."""
     if mean is None:
         return x.contiguous(memory_format=layout)
-    mean_, std_ = (_constant(v, x.device, x.dtype).view(1, -1, 1, 1) for v in (mean, std))
-    return torch.sub(x, mean_, out=torch.empty_like(x, memory_format=layout)).div_(std_)
+    scale = _constant(tuple(1 / s for s in std), x.device, x.dtype).view(1, -1, 1, 1)
+    shift = _constant(tuple(-m / s for m, s in zip(mean, std)), x.device, x.dtype).view(1, -1, 1, 1)
+    return torch.addcmul(shift, x, scale, out=torch.empty_like(x, memory_format=layout))  # one pass
 
 
-def atlas_as_float(atlas: Tensor) -> Tensor:
-    """1 x 3 x H x W float64 in [0, 1] of an H x W x 3 uint8 atlas (:mod:`packed`), the input of
-    :meth:`BatchAugment.apply_packed`. Float64, since an atlas is tens of thousands of rows tall:
-    there, float32 positions are 1/512 px apart, and a sample far into the atlas would be
-    resampled at other positions than alone. In float64 its views are the same wherever it lies,
-    to float32 rounding (the views are float32)."""
-    # contiguous (planar) in the same pass: roi_align would otherwise copy the whole atlas per view
-    return atlas.permute(2, 0, 1)[None].to(torch.float64, memory_format=torch.contiguous_format).div_(255)
+def atlas_as_float(atlas: Tensor, out: Tensor | None = None) -> Tensor:
+    """1 x 3 x H x W float32 in [0, 1] (scaled as :func:`as_float_rgb`) of an H x W x 3 uint8
+    atlas (:mod:`packed`), the input of :meth:`BatchAugment.apply_packed`, written into ``out``
+    (1-D float32, at least 3 H W long) where given."""
+    height, width, _ = atlas.shape
+    planar = atlas.new_empty(3 * height * width, dtype=torch.float32) if out is None else out[:3 * height * width]
+    planar = planar.view(1, 3, height, width).copy_(atlas.permute(2, 0, 1)[None])  # planar: rows read contiguously
+    return planar.mul_(1.0 / 255)
 
 
 def as_float_rgb(images: Tensor) -> Tensor:

@@ -3,9 +3,11 @@ their way to the training process, and on CUDA the pinned copies the loader make
 the pre-flight check that this node's ``/dev/shm`` can hold what its ranks need.
 
 Bounds, per rank: a loader's batches in flight are at most ``workers x prefetch`` prepared plus
-the one in use. A batch is in shared memory until the loader pins it, then in pinned memory
-(the caching host allocator rounds each block up to a power of two and keeps it for reuse), so
-each bound below holds for either place. Evaluation and the kNN bank start their workers for
+the one in use; a worker that packs decoded images keeps the buffers of its batches for the
+next ones (``packed.SharedBuffers``, at most ``packed.KEPT_PER_WORKER``, each holding no more
+than its last batch), so each such worker counts ``KEPT_PER_WORKER`` batches. A batch is in shared
+memory until the loader pins it, then in pinned memory (the caching host allocator rounds each
+block up to a power of two and keeps it for reuse), so each bound below holds for either place. Evaluation and the kNN bank start their workers for
 each pass while the training workers keep their prepared batches: both count at once.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..config import UsageError
 from .decode import device_decodable, read_bytes
 from .image_files import image_files_of
 from .loading import EVAL_PREFETCH, TRAIN_PREFETCH, eval_batch_size
+from .packed import KEPT_PER_WORKER
 
 ATLAS_PADDING = 1.4     # an atlas's pixels over its images' pixels, at most (packed.placements: 1.33 seen at 32)
 SIZE_SAMPLE = 64        # image files whose headers give the mean image size
@@ -30,29 +33,35 @@ SHM_DIR = "/dev/shm"
 @dataclass(frozen=True)
 class LoaderMemory:
     """Bytes of one training and one evaluation batch as ``workers`` workers per rank hand them
-    over, and how many of each a rank may hold at once."""
+    over, and how many of each a rank may hold at once (``kept``: the workers keep their
+    buffers, :class:`packed.SharedBuffers`)."""
 
     train_batch: int
     eval_batch: int
     workers: int
+    kept: bool = False
 
     @property
-    def train_batches(self) -> int:
+    def train_in_flight(self) -> int:
         return self.workers * TRAIN_PREFETCH + 1
 
     @property
-    def eval_batches(self) -> int:
+    def eval_in_flight(self) -> int:
         return self.workers * EVAL_PREFETCH + 1
 
     @property
     def per_rank(self) -> int:
-        """Bytes in shared memory (or, on CUDA, pinned) per rank, at most."""
-        return self.train_batch * self.train_batches + self.eval_batch * self.eval_batches
+        """Bytes in shared memory per rank, at most (also a bound of the pinned bytes, less
+        the allocator's rounding)."""
+        if self.kept:
+            return (self.train_batch + self.eval_batch) * self.workers * KEPT_PER_WORKER
+        return self.train_batch * self.train_in_flight + self.eval_batch * self.eval_in_flight
 
     @property
     def pinned_per_rank(self) -> int:
-        """Pinned bytes per rank on CUDA, at most, with the allocator's power-of-two blocks."""
-        return _pow2(self.train_batch) * self.train_batches + _pow2(self.eval_batch) * self.eval_batches
+        """Pinned bytes per rank on CUDA, at most: the batches in flight, in the allocator's
+        power-of-two blocks."""
+        return _pow2(self.train_batch) * self.train_in_flight + _pow2(self.eval_batch) * self.eval_in_flight
 
 
 def loader_memory(train: Dataset, *, batch_size: int, workers: int, views: int, image_size: int,
@@ -69,7 +78,7 @@ def loader_memory(train: Dataset, *, batch_size: int, workers: int, views: int, 
         eval_sample = 3 * image_size * image_size * 4
         train_sample = views * eval_sample
     return LoaderMemory(train_batch=round(batch_size * train_sample), eval_batch=round(eval_batch * eval_sample),
-                        workers=workers)
+                        workers=workers, kept=aug_on_device and not decode_on_device)
 
 
 def _sample_paths(files) -> list[str]:

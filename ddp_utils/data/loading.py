@@ -15,15 +15,24 @@ from typing import Callable, Iterator, Sized
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, default_collate
 
 from .. import hashing
 from ..config import UsageError
 from ..runtime.dist import memory_format
-from .batch_augment import VIEW_COLUMNS, BatchAugment, as_float_rgb, atlas_as_float, draws, normalize
+from .batch_augment import (
+    VIEW_COLUMNS,
+    BatchAugment,
+    as_float_rgb,
+    atlas_as_float,
+    draws,
+    normalize,
+    to_device,
+)
 from .decode import EncodedBatch, decode_on
 from .image_files import CheckedBatches, UnreadableFiles, image_files_of, sample_path, why_unreadable
-from .packed import pack
+from .packed import PackedImages, pack, pack_to_share
 
 Transform = Callable[[torch.Tensor], object]
 log = logging.getLogger("train")
@@ -62,7 +71,8 @@ class SeededTransform(Dataset):
 
 
 class DeviceAugment:
-    """The batched augmentation of ``views`` views for (seed, epoch, indices), on the device.
+    """The batched augmentation of ``views`` views for (seed, epoch, indices), on the device;
+    ``index`` is on the host, where every view's uniforms are drawn (:mod:`batch_augment`).
 
     ``images`` is one batch (every view is drawn from it) or, when DataLoader workers already
     cropped each view, a tuple with one batch per view.
@@ -70,10 +80,12 @@ class DeviceAugment:
 
     def __init__(self, augment: BatchAugment, seed: int, views: int = 1):
         self.augment, self.seed, self.views = augment, seed, views
+        self._atlas = torch.empty(0)  # kept between batches: see packed()
 
     def __call__(self, images, epoch: int, index: torch.Tensor):
         u = draws(self.seed, epoch, index, self.views)  # every view's uniforms in one call
-        layout = memory_format(index.device)  # the network's: no re-lay afterwards
+        first = images[0] if isinstance(images, (tuple, list)) else images
+        layout = memory_format(first.device)  # the network's: no re-lay afterwards
         if self.views == 1:
             return self.augment.apply(images, u, layout)
         sources = images if isinstance(images, (tuple, list)) else [images] * self.views
@@ -82,10 +94,18 @@ class DeviceAugment:
 
     def packed(self, atlas: torch.Tensor, places: torch.Tensor, epoch: int, index: torch.Tensor):
         """The views of images of different sizes packed in one atlas (H x W x 3 uint8, on the
-        device; ``places`` B x 4): each cropped from its place (``BatchAugment.apply_packed``)."""
+        device; ``places`` B x 4, on the host): each cropped from its place
+        (``BatchAugment.apply_packed``).
+
+        The atlas is made float in one buffer kept for the next batch (on the CPU a fresh one
+        would cost a page fault per 4 KiB; on CUDA it is what the caching allocator would keep
+        for it): 12 bytes per atlas pixel, the largest atlas of the run."""
         u = draws(self.seed, epoch, index, self.views)
-        layout = memory_format(index.device)
-        x = atlas_as_float(atlas)  # 1 x 3 x H x W, made once for every view
+        layout = memory_format(atlas.device)
+        if self._atlas.device != atlas.device or self._atlas.numel() < atlas.numel():
+            self._atlas = torch.empty(0)  # the old one freed first
+            self._atlas = atlas.new_empty(atlas.numel(), dtype=torch.float32)
+        x = atlas_as_float(atlas, out=self._atlas)  # 1 x 3 x H x W, made once for every view
         views = [self.augment.apply_packed(x, places, u[:, v * VIEW_COLUMNS:(v + 1) * VIEW_COLUMNS], layout)
                  for v in range(self.views)]
         return views[0] if self.views == 1 else tuple(views)
@@ -133,21 +153,19 @@ class DeviceBatches:
         keys = list(self.sampler)
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             chunk = keys[start:start + self.batch_size]
-            index = torch.tensor([i for _, i in chunk])  # B, on the host
-            if self.images.is_cuda:  # pinned: the copy below then runs without stalling the host
-                index = index.pin_memory()
-            index = index.to(self.images.device, non_blocking=True)
-            yield self.augment(self.images[index], chunk[0][0], index), self.targets[index]
+            index = torch.tensor([i for _, i in chunk])  # B, on the host: the augmentation draws there
+            on_device = to_device(index, self.images.device)
+            yield self.augment(self.images[on_device], chunk[0][0], index), self.targets[on_device]
 
 
 def collate_files(samples: list) -> list:
     """A batch of image files for the device path, from (image, target, epoch, index) samples:
-    decoded images (3 x h x w uint8, each its own size) packed into (atlas, places) here, in the
-    worker; a batch that holds encoded ones (1-D bytes: ``--decode-on device``) joined into one
+    decoded images (3 x h x w uint8, each its own size) packed here, in the worker
+    (:class:`packed.PackedImages`, its atlas in a buffer the worker reuses); a batch that holds encoded ones (1-D bytes: ``--decode-on device``) joined into one
     :class:`decode.EncodedBatch`."""
     images = [sample[0] for sample in samples]
     rest = default_collate([sample[1:] for sample in samples])  # targets, epochs, index
-    return [EncodedBatch.join(images) if any(image.dim() == 1 for image in images) else pack(images), *rest]
+    return [EncodedBatch.join(images) if any(image.dim() == 1 for image in images) else pack_to_share(images), *rest]
 
 
 class DeviceFinish:
@@ -180,22 +198,18 @@ class DeviceFinish:
         """(views, targets) of one collated batch (:func:`collate_files`)."""
         images, targets, epochs, index = batch
         if isinstance(images, EncodedBatch):  # decoded and packed on the device
-            decoded, failed = decode_on(self.device, images)
-            self.unreadable.found += [why_unreadable(sample_path(self.files, int(index[i]))) for i in failed]
-            atlas, places = pack(decoded)
+            with record_function("device_finish/decode"):
+                decoded, failed = decode_on(self.device, images)
+                self.unreadable.found += [why_unreadable(sample_path(self.files, int(index[i]))) for i in failed]
+                atlas, places = pack(decoded)
         else:
-            atlas, places = images
-            atlas = atlas.to(self.device, non_blocking=True)
-        views = self.augment.packed(atlas, _to_device(places, self.device), int(epochs[0]),
-                                    _to_device(index, self.device))
+            atlas, places = images.atlas, images.places
+            with record_function("device_finish/copy"):
+                atlas = atlas.to(self.device, non_blocking=True)
+        views = self.augment.packed(atlas, places, int(epochs[0]), index)
+        if isinstance(images, PackedImages):
+            images.release()  # copied out (or pinned already): its worker may fill the buffer again
         return views, targets
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on the device without a host wait (pinned first on CUDA)."""
-    if device.type == "cuda" and not host.is_pinned():
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 class DeviceEvalBatches:

@@ -62,7 +62,7 @@ def _views(loaders: Loaders, index: list[int]) -> list[torch.Tensor]:
     train = loaders.train
     if isinstance(train, DeviceBatches):
         at = torch.tensor(index, device=train.images.device)
-        out = train.augment(train.images[at], 0, at)
+        out = train.augment(train.images[at], 0, torch.tensor(index))  # the draws take host indices
     else:
         loader = train.loader if isinstance(train, DeviceFinish) else train
         samples = [loader.dataset[(0, i)] for i in index]
