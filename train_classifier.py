@@ -54,7 +54,7 @@ from ddp_utils.runtime.collectives import (
     sync_buffers_from_rank0,
 )
 from ddp_utils.runtime.dist import DistInfo, LaunchEnv, to_device, unwrap
-from ddp_utils.train.accumulation import no_sync, optimizer_step
+from ddp_utils.train.accumulation import no_sync, set_lr, unscale_and_clip
 from ddp_utils.train.build import (
     augmentation_preview,
     build_optimization,
@@ -80,9 +80,11 @@ from ddp_utils.train.run import TrainRun
 from ddp_utils.train.session import RunSession
 from ddp_utils.train.state import RunState
 from ddp_utils.train.step_policy import (
-    after_optimizer_step,
+    ends_the_run,
     save_checkpoint,
+    skip_or_stop_nonfinite,
     start_training,
+    stop_for_signal,
     stop_if_files_unreadable,
 )
 from ddp_utils.train.train_config import OUT_HELP, TrainConfig, parse_args
@@ -222,14 +224,38 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
         if not micro.is_last:
             continue
         run.prepare_next_batch()  # its augmentation runs on the device while the host waits below
-        # Unscale and clip, the ranks agree (NaN loss? stop signal?), then: set the LR, step,
-        # update the scaler, zero the gradients, count the step.
-        stepped = optimizer_step(run.optimizer, run.scaler, meter.window_loss, agree=run.agree,
-                                 lr_at=run.lr_schedule, state=run.state, clip_grad=cfg.clip_grad,
-                                 zero_in_place=info.is_distributed)
+        # The optimizer step, the same on every rank. Unscale (fp16) and clip, then the ranks' one
+        # agreement (a NaN/Inf loss, an fp16 overflow, a stop signal, an undecodable file): the
+        # step's only read of the device.
+        _, overflow = unscale_and_clip(run.optimizer, run.scaler, cfg.clip_grad)
+        verdict = run.agree(~torch.isfinite(meter.window_loss.detach()), overflow)
+        if verdict.unreadable_ranks:  # an image file of this window cannot be decoded: undone, the run stops
+            run.optimizer.zero_grad(set_to_none=not info.is_distributed)
+            run.undo_window()
+            stop_if_files_unreadable(run, f"step {run.state.step + 1} (not taken)")  # raises
+        lr = run.lr_schedule(run.state.step)
+        set_lr(run.optimizer, lr)
+        if verdict.may_step:  # else skipped on every rank alike
+            run.optimizer.step()  # the unscaled gradients: GradScaler.step would read the overflow again
+        run.scaler.update()  # fp16: lowers the scale after an overflow, raises it after enough good steps
+        # Zeroed in place under DDP (its buckets hold them; new tensors would be copied in every
+        # step); freed in one process.
+        run.optimizer.zero_grad(set_to_none=not info.is_distributed)
+        run.state.step += 1
         if cfg.debug:
             check_gradients_cleared(run.model)
-        if after_optimizer_step(run, meter, stepped):  # log, checkpoint, stop
+        # After the step: the epoch's end, the log, a skipped step counted, a stop, a checkpoint.
+        run.end_epoch_if_done()
+        meter.end_step(run.state.step, run.state.epoch_number, force=ends_the_run(run, verdict), lr=lr)
+        if verdict.nonfinite_ranks:
+            skip_or_stop_nonfinite(run, verdict.nonfinite_ranks)  # raises past --skip-nonfinite
+        if verdict.stop:  # SIGUSR1/SIGTERM or Ctrl-C reached some rank
+            stop_for_signal(run, verdict)
+            return
+        if cfg.ckpt_every and run.state.step % cfg.ckpt_every == 0:
+            save_checkpoint(run)
+        run.session.faults.after_step(info.rank, run.state.step)  # DDP_FAULT=kill/raise (tests)
+        if cfg.max_steps and run.state.step >= cfg.max_steps:
             return
 
 

@@ -26,6 +26,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+def after_each_step(script, callback) -> None:
+    """Calls ``callback(run)`` after each optimizer step of the training script module
+    ``script``, once the step is counted: its loop calls ``ends_the_run`` then, once per step."""
+    ends_the_run = script.ends_the_run
+
+    def hooked(run, verdict):
+        callback(run)
+        return ends_the_run(run, verdict)
+
+    script.ends_the_run = hooked
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--warmup-steps", type=int, default=5, help="optimizer steps before counting starts")
@@ -43,10 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if counting[0] and "synchroniz" in str(message):
             syncs[0] += 1
 
-    original_step = module.optimizer_step
-
-    def step_and_count(run, window_loss):
-        result = original_step(run, window_loss)
+    def count_after_a_step(run):
         if counting[0]:
             per_step.append(syncs[0])
         elif run.state.step >= args.warmup_steps:
@@ -54,9 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_sync_debug_mode("warn")
             counting[0] = True
         syncs[0] = 0
-        return result
 
-    module.optimizer_step = step_and_count
+    after_each_step(module, count_after_a_step)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = count

@@ -5,7 +5,7 @@ of it are saved), from when the graph saves it until the graph lets it go. Unlik
 resident memory (which the allocator's caching makes vary by 100 MiB from run to run), this is
 exact and repeatable: it is the memory a graph that outlives its micro-step would cost.
 
-mode "ours" is train_classifier.py itself (a backward per micro-batch, then ``optimizer_step``);
+mode "ours" is train_classifier.py itself (a backward per micro-batch, then the optimizer step);
 mode "summed_loss" is the classic mistake of summing the window's losses and calling backward
 once, which keeps every micro-batch's graph alive until the end of the window.
 """

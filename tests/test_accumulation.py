@@ -12,8 +12,7 @@ import train_classifier
 from ddp_utils.data.sets import DigitsDataset
 from ddp_utils.models.backbones import build_model
 from ddp_utils.runtime.stopping import StepGuard
-from ddp_utils.train.accumulation import MicroStep, no_sync, optimizer_step, plan_windows
-from ddp_utils.train.state import RunState
+from ddp_utils.train.accumulation import MicroStep, no_sync, plan_windows, set_lr, unscale_and_clip
 
 DIGITS_LENET = ["--dataset", "digits", "--arch", "lenet", "--no-augment", "--device", "cpu",
                 # constant LR: a cosine schedule's length depends on how many samples drop_last
@@ -155,8 +154,9 @@ def test_fp16_scaler_and_clipping_run_only_in_the_optimizer_step(tmp_path, capsy
 
 
 def test_an_fp16_overflow_skips_the_step_and_lowers_the_scale():
-    """optimizer_step on plain objects: a window whose scaled gradients overflow moves nothing,
-    counts the step and halves the scale."""
+    """The scripts' step on plain objects: a window whose scaled gradients overflow is told by
+    unscale_and_clip and the agreement (no other host read), may not step, and the scaler's
+    update halves the scale."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -168,13 +168,14 @@ def test_an_fp16_overflow_skips_the_step_and_lowers_the_scale():
         loss = model(x).sum() * scale
         scaler.scale(loss / 2).backward()
         window_loss = window_loss + loss.detach() / 2
-    state = RunState()
-    result = optimizer_step(optimizer, scaler, window_loss, agree=StepGuard(None, torch.device("cpu")),
-                            lr_at=lambda step: 0.1, state=state)
-    assert not result.applied and result.verdict.overflow and not result.verdict.nonfinite_ranks
+    _, overflow = unscale_and_clip(optimizer, scaler, clip_grad=0.0)
+    verdict = StepGuard(None, torch.device("cpu"))(~torch.isfinite(window_loss), overflow)
+    assert verdict.overflow and not verdict.nonfinite_ranks and not verdict.may_step
+    if verdict.may_step:
+        optimizer.step()
+    scaler.update()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing moved
     assert scaler.get_scale() == 2.0**9  # halved by update()
-    assert all(p.grad is None for p in model.parameters()) and state.step == 1
 
 
 # ----------------------------------------------------------------------------- communication
@@ -203,7 +204,7 @@ def _count_allreduce(info, accum_steps: int, optimizer_steps: int):
     _micro_steps(model, optimizer, batches, accum_steps, before_forward=lambda: (
         per_micro.append(dict(calls)),
         grad_storage.append(tuple(None if p.grad is None else p.grad.data_ptr() for p in model.parameters()))),
-        after_step=lambda result: stepped.append(len(per_micro)))
+        after_step=lambda: stepped.append(len(per_micro)))
     per_micro.append(dict(calls))
     per_step = []
     for i, (before, after) in enumerate(zip(per_micro, per_micro[1:])):
@@ -279,11 +280,11 @@ def _count_agreements(info, accum_steps: int, optimizer_steps: int):
     return [b - a for a, b in zip(marks, marks[1:])]
 
 
-def _micro_steps(model, optimizer, batches, accum_steps: int, before_forward, after_step=lambda result: None):
+def _micro_steps(model, optimizer, batches, accum_steps: int, before_forward, after_step=lambda: None):
     """Plain objects through the mechanics, as train_one_epoch drives them: no_sync on all but a
-    window's last micro-step, the scaled loss's backward, optimizer_step after the last (with the
-    real agreement: one all_reduce)."""
-    state, guard, window_loss = RunState(), StepGuard(None, torch.device("cpu")), 0.0
+    window's last micro-step, the scaled loss's backward, after the last the step as the scripts
+    write it (with the real agreement: one all_reduce)."""
+    guard, window_loss = StepGuard(None, torch.device("cpu")), 0.0
     for micro, (x, y) in zip(plan_windows(len(batches), accum_steps), batches):
         before_forward()
         with no_sync(model, enabled=not micro.is_last):
@@ -291,8 +292,13 @@ def _micro_steps(model, optimizer, batches, accum_steps: int, before_forward, af
             (loss / micro.window_size).backward()
         window_loss = window_loss + loss.detach() / micro.window_size
         if micro.is_last:
-            after_step(optimizer_step(optimizer, torch.amp.GradScaler("cpu", enabled=False), window_loss, agree=guard,
-                                      lr_at=lambda step: 0.1, state=state, zero_in_place=True))
+            _, overflow = unscale_and_clip(optimizer, torch.amp.GradScaler("cpu", enabled=False), clip_grad=0.0)
+            verdict = guard(~torch.isfinite(window_loss), overflow)
+            set_lr(optimizer, 0.1)
+            if verdict.may_step:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=False)  # in place, as under DDP
+            after_step()
             window_loss = 0.0
 
 

@@ -207,3 +207,20 @@ def test_the_cpu_smoke_runs_every_part():
     assert by_part["device decode"][0][2] == "max 0, mean 0.000"
     assert [row[2] for row in by_part["race probe"]] == ["0 of 2 differed", "0 of 2 differed"]
     assert [re.search(r"(\d+) worker", row[1]).group(1) for row in by_part["loader"]] == ["1", "2", "1", "2"]
+
+
+def test_the_sync_counter_sees_every_optimizer_step_of_the_real_loop(monkeypatch, tmp_path, capsys):
+    """bench/cuda_syncs.py counts per optimizer step through a hook on the training loop; on the
+    CPU the real classifier's loop must reach it once per step, after the step is counted."""
+    from helpers import assert_ok, in_process
+
+    import train_classifier
+    from bench.cuda_syncs import after_each_step
+
+    monkeypatch.setattr(train_classifier, "ends_the_run", train_classifier.ends_the_run)  # restored afterwards
+    steps: list[int] = []
+    after_each_step(train_classifier, lambda run: steps.append(run.state.step))
+    args = ["--dataset", "digits", "--device", "cpu", "--batch-size", "32", "--accum-steps", "2", "--max-steps", "3",
+            "--epochs", "1", "--log-every", "1000", "--out", str(tmp_path / "run")]
+    assert_ok(in_process(train_classifier.main, args, capsys))
+    assert steps == [1, 2, 3]

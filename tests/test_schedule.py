@@ -10,8 +10,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from ddp_utils.runtime.stopping import StepGuard, StepVerdict
-from ddp_utils.train.accumulation import optimizer_step
+from ddp_utils.train.accumulation import set_lr
 from ddp_utils.train.schedule import LRSchedule, warmup_cosine_factor, warmup_step_factor
 from ddp_utils.train.state import RunState
 
@@ -44,8 +43,9 @@ def test_lr_at_step_is_the_lambdalr_sequence_bit_for_bit(kind, warmup):
 
 
 def _applied_lrs(schedule: LRSchedule, skip=frozenset()) -> list[float]:
-    """The LR of every applied optimizer step over 40 steps through ``optimizer_step`` (plain
-    objects); the steps in ``skip`` are dropped as if their loss had been NaN on some rank."""
+    """The LR of every applied optimizer step over 40 steps taken as the scripts take them (plain
+    objects: the LR of the step's count, then step or skip, then count it); the steps in ``skip``
+    are dropped as if their loss had been NaN on some rank."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=PEAK)
@@ -55,15 +55,19 @@ def _applied_lrs(schedule: LRSchedule, skip=frozenset()) -> list[float]:
     for step in range(40):
         loss = model(torch.randn(4, 3)).pow(2).mean()
         loss.backward()
-        agree = lambda nonfinite, overflow, step=step: StepVerdict(nonfinite_ranks=int(step in skip))  # noqa: E731
-        optimizer_step(opt, scaler, loss.detach(), agree=agree, lr_at=schedule, state=state)
+        set_lr(opt, schedule(state.step))
+        if step not in skip:
+            opt.step()
+        scaler.update()
+        opt.zero_grad()
+        state.step += 1
     assert state.step == 40
     return seen
 
 
 def test_each_step_runs_at_the_lambdalr_lr_skipped_steps_included():
-    """Through optimizer_step: the first optimizer step, and every later one, runs at the LR a
-    LambdaLR stepped after each optimizer step gives, and a skipped step still counts."""
+    """The first optimizer step, and every later one, runs at the LR a LambdaLR stepped after each
+    optimizer step gives, and a skipped step still counts."""
     schedule = LRSchedule(PEAK, "cosine", 40, 5)
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=PEAK)
     scheduler, lambda_lrs = LambdaLR(opt, schedule.factor), []
@@ -73,18 +77,6 @@ def test_each_step_runs_at_the_lambdalr_lr_skipped_steps_included():
         scheduler.step()
     for skip in (frozenset(), frozenset({3, 17})):
         assert _applied_lrs(schedule, skip) == [lr for s, lr in enumerate(lambda_lrs) if s not in skip]
-
-
-def test_a_resumed_run_continues_at_its_step():
-    model = nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    schedule = LRSchedule(PEAK, "cosine", 100, 10)
-    state = RunState(step=37)  # as a checkpoint of step 37 restores it
-    loss = model(torch.randn(2, 3)).sum()
-    loss.backward()
-    optimizer_step(opt, torch.amp.GradScaler("cpu", enabled=False), loss.detach(),
-                   agree=StepGuard(None, torch.device("cpu")), lr_at=schedule, state=state)
-    assert opt.param_groups[0]["lr"] == schedule(37) and state.step == 38  # the LR that step used
 
 
 # ----------------------------------------------------------------------------- cosine-epoch

@@ -103,6 +103,11 @@ class StepVerdict:
     def stop(self) -> bool:
         return self.preempted or self.interrupted
 
+    @property
+    def may_step(self) -> bool:
+        """The weights may move: no rank's loss was NaN or Inf and no fp16 gradient overflowed."""
+        return not self.nonfinite_ranks and not self.overflow
+
 
 class StepGuard:
     """The per-step agreement: one all_reduce of five int32 and one device-to-host read, the

@@ -1,11 +1,13 @@
-"""Gradient accumulation under DDP: the window plan, ``no_sync``, and the optimizer step.
+"""Gradient accumulation under DDP: the window plan, ``no_sync``, and the pieces of the optimizer
+step that the training scripts write out.
 
 A window of ``A`` micro-batches makes one optimizer step. Each micro-batch runs forward and
 backward at once on its loss divided by the window's real length (an epoch's last window may be
 shorter), so no graph outlives its micro-step and no backward sees weights an optimizer step
 changed. Micro-steps 1..n-1 run under DDP's ``no_sync()``; the n-th all-reduces the summed
 gradients, so they cross the network once per optimizer step. The training scripts show this
-loop; :func:`optimizer_step` ends each window.
+loop and the step that ends each window (:func:`unscale_and_clip`, the ranks' agreement,
+:func:`set_lr`, step or skip, the scaler's update, ``zero_grad``).
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import torch
 from torch import nn
 
 from ..runtime.stopping import StepVerdict
-from .state import RunState
 
 # The ranks' agreement at a window's end: (this rank's non-finite-loss flag, its fp16 overflow
 # flag or None) -> what all ranks agreed (runtime.stopping.StepGuard, with the run's own inputs).
@@ -33,13 +34,6 @@ class MicroStep:
     def is_last(self) -> bool:
         """The window's last micro-step: its backward all-reduces, then the optimizer steps."""
         return self.index == self.window_size - 1
-
-
-@dataclass(frozen=True)
-class StepResult:
-    applied: bool               # the weights moved: not skipped for a NaN/Inf loss or an fp16 overflow
-    verdict: StepVerdict        # what the ranks agreed on
-    grad_norm: torch.Tensor | None = None  # total L2 norm before clipping (fp16 or --clip-grad), on the device
 
 
 class WindowStart:
@@ -94,39 +88,18 @@ def no_sync(network: nn.Module, enabled: bool) -> ContextManager:
     return contextlib.nullcontext()
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, window_loss: torch.Tensor, *,
-                   agree: Agreement, lr_at: Callable[[int], float], state: RunState, clip_grad: float = 0.0,
-                   zero_in_place: bool = False) -> StepResult:
-    """End an accumulation window on every rank alike: unscale (fp16) and clip the gradients to
-    ``clip_grad`` (0: off), ``agree`` across ranks (a NaN/Inf ``window_loss`` anywhere, a stop
-    signal, an fp16 overflow, a file that could not be decoded), set the LR of step
-    ``state.step`` (``lr_at``), step the optimizer unless the step must be skipped, update the
-    scaler, zero the gradients (in place with ``zero_in_place``: under DDP they are views into its
-    buckets) and count the step in ``state``; a window that met an undecodable file only zeroes the
-    gradients (the caller stops the run). The agreement is the step's one host read."""
-    grad_norm, overflow = _unscale_and_clip(optimizer, scaler, clip_grad)
-    verdict = agree(~torch.isfinite(window_loss.detach()), overflow)
-    if verdict.unreadable_ranks:  # the window met a file that cannot be decoded: it is undone, not a step
-        optimizer.zero_grad(set_to_none=not zero_in_place)
-        return StepResult(False, verdict, grad_norm)
-    applied = not verdict.nonfinite_ranks and not verdict.overflow
-    lr = lr_at(state.step)
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The LR of the coming step, for every parameter group (the schedule is a function of the
+    step: nothing to save, exact on resume)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    if applied:
-        optimizer.step()  # on the unscaled gradients: GradScaler.step would read the overflow again
-    scaler.update()  # fp16: lowers the scale after an overflow, raises it after enough good steps
-    # Zeroed in place, DDP's bucket views stay so; set to None, autograd would allocate new ones
-    # every step and DDP copy them into its buckets. One process frees them.
-    optimizer.zero_grad(set_to_none=not zero_in_place)
-    state.step += 1
-    return StepResult(applied, verdict, grad_norm)
 
 
-def _unscale_and_clip(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                      clip_grad: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """fp16: unscale; --clip-grad: clip. The pre-clip total norm and fp16's overflow flag, both
-    left on the device."""
+def unscale_and_clip(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                     clip_grad: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """fp16: unscale; ``clip_grad`` > 0: clip to that total L2 norm. (The pre-clip total norm,
+    fp16's overflow flag), both left on the device (None where neither applies), so that the
+    ranks' agreement reads the overflow with everything else in its one host read."""
     if not scaler.is_enabled() and clip_grad <= 0:
         return None, None
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]

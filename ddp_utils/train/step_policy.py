@@ -1,6 +1,6 @@
-"""What a run does around its optimizer steps: the start of training, and after each step the
-epoch's end, the log, a NaN/Inf loss skipped or stopped on, stop signals, checkpoints, and image
-files that could not be decoded."""
+"""What a run does around its optimizer steps, for the training loops to call by name: the start
+of training, checkpoints, and after a step a NaN/Inf loss skipped or stopped on, a stop signal,
+and image files that could not be decoded."""
 from __future__ import annotations
 
 import logging
@@ -10,8 +10,7 @@ from ..config import config_dict
 from ..data.image_files import describe_unreadable, fix_hint
 from ..data.loading import steps_per_epoch
 from ..runtime.logs import release_held_logs
-from ..runtime.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_USAGE, RunStopped
-from .accumulation import StepResult
+from ..runtime.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_USAGE, RunStopped, StepVerdict
 from .checkpoint import checkpoint_contents, weights_finite, write_checkpoint
 from .monitor import Progress, StepMeter
 from .run import TrainRun
@@ -53,41 +52,14 @@ def start_training(run: TrainRun) -> StepMeter:
     return StepMeter(run.tb, progress, info.device, info.world_size, cfg.log_every, run.data_wait)
 
 
-def after_optimizer_step(run: TrainRun, meter: StepMeter, stepped: StepResult, **logged: float) -> bool:
-    """Every rank calls it after each optimizer step (it may run collectives); ``logged``: more
-    values for TensorBoard. True when the epoch loop must end here."""
-    cfg, state, verdict = run.cfg, run.state, stepped.verdict
-    if verdict.unreadable_ranks:
-        run.undo_window()
-        stop_if_files_unreadable(run, f"step {state.step + 1} (not taken)")
-    run.end_epoch_if_done()
-    meter.end_step(state.step, state.epoch_number, force=_ends_the_run(run, stepped),
-                   lr=run.optimizer.param_groups[0]["lr"], **logged)
-    if verdict.nonfinite_ranks:
-        _skip_or_stop_nonfinite(run, verdict.nonfinite_ranks)
-    if verdict.stop:
-        save_checkpoint(run)
-        if verdict.interrupted:
-            raise RunStopped(f"interrupted at step {state.step}: checkpoint written in {cfg.out}; continue "
-                             f"with the same command plus --resume auto", EXIT_INTERRUPTED)
-        if run.info.is_main:
-            run.session.signals.write_marker(state.step)
-        run.preempted = True
-        return True
-    if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
-        save_checkpoint(run)
-    run.session.faults.after_step(run.info.rank, state.step)  # DDP_FAULT=kill/raise (tests)
-    return bool(cfg.max_steps and state.step >= cfg.max_steps)
-
-
-def _ends_the_run(run: TrainRun, stepped: StepResult) -> bool:
-    """Whether this step is the run's last (its metrics are then logged whatever --log-every says)."""
-    verdict = stepped.verdict
+def ends_the_run(run: TrainRun, verdict: StepVerdict) -> bool:
+    """Whether the step just taken is the run's last (its metrics are then logged whatever
+    --log-every says): a stop signal, a NaN/Inf loss beyond --skip-nonfinite, or the end."""
     stops_on_nonfinite = verdict.nonfinite_ranks > 0 and run.state.nonfinite_skipped >= run.cfg.skip_nonfinite
     return verdict.stop or stops_on_nonfinite or run.finished()
 
 
-def _skip_or_stop_nonfinite(run: TrainRun, ranks: int) -> None:
+def skip_or_stop_nonfinite(run: TrainRun, ranks: int) -> None:
     """The step's loss was NaN/Inf on ``ranks`` ranks and its update was dropped on every rank:
     count it against --skip-nonfinite, or stop every rank with exit code 3."""
     cfg, state, world = run.cfg, run.state, run.info.world_size
@@ -101,6 +73,19 @@ def _skip_or_stop_nonfinite(run: TrainRun, ranks: int) -> None:
     raise RunStopped(f"step {state.step}: the loss was NaN or Inf on {ranks} of {world} rank(s); that step was "
                      f"not applied and the run stops; {run.session.saved.describe()}. Lower --lr, add "
                      f"--clip-grad, or allow skipping such steps with --skip-nonfinite N", EXIT_NONFINITE)
+
+
+def stop_for_signal(run: TrainRun, verdict: StepVerdict) -> None:
+    """A stop signal reached some rank: every rank checkpoints this step; Ctrl-C then stops the
+    process (exit 130), SIGUSR1/SIGTERM marks the run preempted (the loop returns, the launcher
+    requeues it)."""
+    save_checkpoint(run)
+    if verdict.interrupted:
+        raise RunStopped(f"interrupted at step {run.state.step}: checkpoint written in {run.cfg.out}; continue "
+                         f"with the same command plus --resume auto", EXIT_INTERRUPTED)
+    if run.info.is_main:
+        run.session.signals.write_marker(run.state.step)
+    run.preempted = True
 
 
 def stop_if_files_unreadable(run: TrainRun, where: str) -> None:
