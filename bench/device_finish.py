@@ -1,9 +1,10 @@
 """The JPEG path's device side, part by part, on an ImageNet-like folder (bench/imagenet_like.py):
-bench/gpu_check.sh's decode, race, loader and breakdown rows.
+bench/gpu_check.sh's decode, race, loader, batch-independence and breakdown rows.
 
     python bench/device_finish.py decode-diff --data-dir DIR --device cuda
     python bench/device_finish.py race --data-dir DIR --device cuda --iterations 50
     python bench/device_finish.py loader --data-dir DIR --device cuda --workers 8 -1
+    python bench/device_finish.py independence --data-dir DIR --device cuda
     python bench/device_finish.py breakdown --data-dir DIR --device cuda
 
 Each prints markdown rows ``| part | what ran | figure | detail |`` (gpu_check.sh's table) and
@@ -32,6 +33,11 @@ a measurement.
   workers count and ``--decode-on`` mode, over batches inside one epoch after a warm-up, with
   the share of the main process's wall time spent inside ``decode_on`` (device decode: the host
   waits there for nvJPEG).
+* ``independence``: each sample's two MoCo v2 views made on the device in a packed batch of
+  ``--batch-size`` images and alone (an atlas of one): the max |diff| (normalised units) and the
+  samples not bit-identical. Alone, a sample's blur, grayscale and jitter run on sub-batches of
+  other sizes (of one or none), so a kernel whose rounding follows the batch's shape shows here;
+  bit for bit on the CPU; exit 1 above 1e-5, the bound the device path promises.
 * ``breakdown``: ``DeviceFinish.finish`` on held batches (MoCo v2 recipe, 2 views) under
   ``torch.profiler``: per batch, the time of each ``device_finish/*`` range (on CUDA the
   kernels' device time attributed to the range, on the CPU its CPU time; ``?`` where the range
@@ -52,7 +58,10 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ddp_utils.config import UsageError  # noqa: E402
 from ddp_utils.data import decode, loading  # noqa: E402
+from ddp_utils.data.batch_augment import BatchAugment  # noqa: E402
 from ddp_utils.data.decode import EncodedBatch, decode_cpu, decode_on, device_decodable, read_bytes  # noqa: E402
+from ddp_utils.data.loading import DeviceAugment  # noqa: E402
+from ddp_utils.data.packed import pack  # noqa: E402
 from ddp_utils.data.pipeline import DataPlan, build_data, default_workers  # noqa: E402
 from ddp_utils.data.recipes import moco_recipe  # noqa: E402
 
@@ -264,6 +273,31 @@ def loader(args: argparse.Namespace, device: torch.device) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- independence
+BATCH_BOUND = 1e-5  # normalised units: a sample's views alone and in a batch (docs/data.md)
+
+
+def independence(args: argparse.Namespace, device: torch.device) -> int:
+    files = folder_files(args.data_dir)[:args.batch_size]
+    images = [decode_cpu(read_bytes(str(path))) for path in files]
+    recipe = moco_recipe("imagefolder", args.image_size, "v2")
+    augment = DeviceAugment(BatchAugment(recipe, args.image_size), seed=0, views=2)
+    index = torch.arange(len(images))
+    atlas, places = pack(images)
+    together = augment.packed(atlas.to(device), places, 0, index)
+    worst, differing = 0.0, 0
+    for i, image in enumerate(images):
+        atlas, places = pack([image])
+        alone = augment.packed(atlas.to(device), places, 0, index[i:i + 1])
+        diff = max(float((view[i:i + 1] - own).abs().max()) for view, own in zip(together, alone))
+        worst, differing = max(worst, diff), differing + (diff > 0)
+    what = (f"MoCo v2 views on {device.type} of {len(images)} images, in one packed batch and each alone, "
+            f"{args.image_size} px")
+    print(row("batch independence", what, f"max {worst:.2g}", f"{differing} of {len(images)} samples not bit "
+              f"for bit; normalised units; the device path promises at most {BATCH_BOUND:g}"), flush=True)
+    return 1 if worst > BATCH_BOUND else 0
+
+
 # ----------------------------------------------------------------------------- breakdown
 def range_times(events, device: torch.device, batches: int) -> dict[str, float | None]:
     """Milliseconds per batch of each ``device_finish/<name>`` range in a profile's ``events``
@@ -345,7 +379,8 @@ def breakdown(args: argparse.Namespace, device: torch.device) -> int:
 
 
 # ----------------------------------------------------------------------------- command line
-PARTS = {"decode-diff": decode_diff, "race": race, "loader": loader, "breakdown": breakdown}
+PARTS = {"decode-diff": decode_diff, "race": race, "loader": loader, "independence": independence,
+         "breakdown": breakdown}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

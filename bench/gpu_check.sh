@@ -31,7 +31,8 @@
 #   reads of freed memory against their known values) and its control (20 times, the decoder
 #   without a stream of its own: above 0 shows the probe provokes the race); the loader alone
 #   (no model) in img/s at 8 and all usable workers, both decode modes, with the host's share
-#   inside the decoder; the per-batch device time of each device_finish/* profiler range (copy,
+#   inside the decoder; a sample's MoCo v2 views in a batch of 128 against alone (max |diff|,
+#   at most 1e-5 promised); the per-batch device time of each device_finish/* profiler range (copy,
 #   decode, crop, colour, blur, normalize) and the peak memory.
 # - smoke runs of the paths the figures above leave out: the classifier with --compile, fp16,
 #   --clip-grad and --accum-steps 2 through one evaluate(); MoCo with --aug-on loader
@@ -230,7 +231,8 @@ fi
 # the CPU decoder; the race probe (exit 1 when an iteration differed: its row, then a FAILED row),
 # then its control (the decoder without a stream of its own, in a process of its own, as it may
 # corrupt what the backward reads: above 0 shows the probe provokes the race); the loader alone
-# (no model); the per-batch profile of DeviceFinish.finish.
+# (no model); a sample's views in a batch against alone (the blur's, grayscale's and jitter's
+# sub-batches change size with the batch); the per-batch profile of DeviceFinish.finish.
 DEVICE_FINISH=(bench/device_finish.py --data-dir "$JPEG" --device "$DEVICE" --batch-size "$JPEG_BATCH"
     --image-size "$SIZE50")
 # device_part ROW LIMIT WHAT ARGS...: one part, its rows, or what it printed and a FAILED row
@@ -252,6 +254,7 @@ device_part "device decode" 60 "decode_on($DEVICE) vs decode_cpu" decode-diff --
 device_part "race probe" 90 "decode_on($DEVICE) while a backward is queued" race "${RACE[@]}"
 device_part "race probe" 45 "the control: decode without a stream of its own" race --unprotected "${RACE_CONTROL[@]}"
 device_part "loader" 120 "DeviceFinish batches alone" loader --workers "${LOADER_WORKERS[@]}" "${LOADER_BATCHES[@]}"
+device_part "batch independence" 45 "views in a packed batch against each alone" independence
 device_part "device finish" 60 "DeviceFinish.finish under torch.profiler" breakdown "${BREAKDOWN[@]}"
 
 # ----------------------------------------------------------------------------- smoke runs

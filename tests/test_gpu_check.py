@@ -98,6 +98,24 @@ def test_decode_diff_on_the_cpu_is_exact_and_sees_a_difference(jpeg_folder, caps
     assert code == 0 and cells(rows[0])[2] == "max 1, mean 1.000" and "100.0% of values differ" in rows[0]
 
 
+def test_batch_independence_on_the_cpu_is_exact_and_sees_a_shape_dependent_kernel(jpeg_folder, capsys, monkeypatch):
+    """On the CPU a sample's views in a batch and alone are bit for bit; a blur whose result
+    follows its sub-batch's size (as a kernel chosen by shape could) is caught and exits 1."""
+    args = ("independence", "--data-dir", str(jpeg_folder), "--device", "cpu", "--batch-size", "6",
+            "--image-size", "64")
+    code, rows = run_part(capsys, *args)
+    assert code == 0 and len(rows) == 1
+    part, what, figure, detail = cells(rows[0])
+    assert part == "batch independence" and "of 6 images" in what and figure == "max 0"
+    assert detail.startswith("0 of 6 samples not bit for bit")
+
+    from ddp_utils.data import batch_augment
+    real = batch_augment.gaussian_blur
+    monkeypatch.setattr(batch_augment, "gaussian_blur", lambda x, sigma, size: real(x, sigma, size) + 1e-3 * len(x))
+    code, rows = run_part(capsys, *args)
+    assert code == 1 and not cells(rows[0])[3].startswith("0 of 6")
+
+
 def test_race_probe_on_the_cpu_sees_no_race_and_would_count_one(jpeg_folder, capsys, monkeypatch):
     """Two iterations on the CPU: none differs. A decode that changes one pixel in the second
     iteration (the third call: the idle reference is the first) is counted, and exits 1; the
@@ -200,7 +218,7 @@ def test_the_cpu_smoke_runs_every_part():
     for row in rows:
         count[row[0]] = count.get(row[0], 0) + 1
     assert count == {"throughput": 3, "CIFAR-10 demo recipe": 2, "CUDA syncs": 2, "JPEG path": 4, "device decode": 1,
-                     "race probe": 2, "loader": 4, "device finish": 7, "smoke": 2}
+                     "race probe": 2, "loader": 4, "batch independence": 1, "device finish": 7, "smoke": 2}
     by_part = {part: [row for row in rows if row[0] == part] for part in count}
     assert ", v2, cifar10 64 px" in by_part["throughput"][2][1]
     assert all("steps 3-4 of epoch 1" in row[3] for row in by_part["JPEG path"])

@@ -313,8 +313,12 @@ def gaussian_blur(x: Tensor, sigma: Tensor, size: int) -> Tensor:
     taps = torch.softmax(-0.5 * (offsets / sigma[:, None]) ** 2, dim=1)  # B x size, as torchvision
     taps = taps.repeat_interleave(c, 0)  # (B * C) x size: one group per sample and channel
     padded = F.pad(x, (pad, pad, pad, pad), mode="reflect").view(1, b * c, h + 2 * pad, w + 2 * pad)
-    rows = F.conv2d(padded, taps.view(b * c, 1, 1, size), groups=b * c)  # 1 x BC x (H + 2p) x W
-    return F.conv2d(rows, taps.view(b * c, 1, size, 1), groups=b * c).view(b, c, h, w)
+    # On CUDA, PyTorch's own depthwise kernel, not cuDNN's: cuDNN would follow the fast path's
+    # TF32 switch, and with benchmark on it would autotune anew for each number of blurred
+    # samples, which changes from batch to batch.
+    with torch.backends.cudnn.flags(enabled=False):
+        rows = F.conv2d(padded, taps.view(b * c, 1, 1, size), groups=b * c)  # 1 x BC x (H + 2p) x W
+        return F.conv2d(rows, taps.view(b * c, 1, size, 1), groups=b * c).view(b, c, h, w)
 
 
 def on_samples_(x: Tensor, chosen: Tensor, step: Callable[[Tensor, Callable[[Tensor], Tensor]], Tensor]) -> Tensor:
