@@ -227,7 +227,7 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
         # The optimizer step, the same on every rank. Unscale (fp16) and clip, then the ranks' one
         # agreement (a NaN/Inf loss, an fp16 overflow, a stop signal, an undecodable file): the
         # step's only read of the device.
-        _, overflow = unscale_and_clip(run.optimizer, run.scaler, cfg.clip_grad)
+        overflow = unscale_and_clip(run.optimizer, run.scaler, cfg.clip_grad)
         verdict = run.agree(~torch.isfinite(meter.window_loss.detach()), overflow)
         if verdict.unreadable_ranks:  # an image file of this window cannot be decoded: undone, the run stops
             run.optimizer.zero_grad(set_to_none=not info.is_distributed)

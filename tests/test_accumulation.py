@@ -168,7 +168,7 @@ def test_an_fp16_overflow_skips_the_step_and_lowers_the_scale():
         loss = model(x).sum() * scale
         scaler.scale(loss / 2).backward()
         window_loss = window_loss + loss.detach() / 2
-    _, overflow = unscale_and_clip(optimizer, scaler, clip_grad=0.0)
+    overflow = unscale_and_clip(optimizer, scaler, clip_grad=0.0)
     verdict = StepGuard(None, torch.device("cpu"))(~torch.isfinite(window_loss), overflow)
     assert verdict.overflow and not verdict.nonfinite_ranks and not verdict.may_step
     if verdict.may_step:
@@ -292,7 +292,7 @@ def _micro_steps(model, optimizer, batches, accum_steps: int, before_forward, af
             (loss / micro.window_size).backward()
         window_loss = window_loss + loss.detach() / micro.window_size
         if micro.is_last:
-            _, overflow = unscale_and_clip(optimizer, torch.amp.GradScaler("cpu", enabled=False), clip_grad=0.0)
+            overflow = unscale_and_clip(optimizer, torch.amp.GradScaler("cpu", enabled=False), clip_grad=0.0)
             verdict = guard(~torch.isfinite(window_loss), overflow)
             set_lr(optimizer, 0.1)
             if verdict.may_step:

@@ -5,10 +5,11 @@ the pre-flight check that this node's ``/dev/shm`` can hold what its ranks need.
 Bounds, per rank: a loader's batches in flight are at most ``workers x prefetch`` prepared plus
 the one in use; a worker that packs decoded images keeps the buffers of its batches for the
 next ones (``packed.SharedBuffers``, at most ``packed.KEPT_PER_WORKER``, each holding no more
-than its last batch), so each such worker counts ``KEPT_PER_WORKER`` batches. A batch is in shared
-memory until the loader pins it, then in pinned memory (the caching host allocator rounds each
-block up to a power of two and keeps it for reuse), so each bound below holds for either place. Evaluation and the kNN bank start their workers for
-each pass while the training workers keep their prepared batches: both count at once.
+than its last batch), so each such worker counts ``KEPT_PER_WORKER`` batches. A batch is in
+shared memory until the loader pins it, then in pinned memory (the caching host allocator
+rounds each block up to a power of two and keeps it for reuse), so each bound below holds for
+either place. Evaluation and the kNN bank start their workers for each pass while the training
+workers keep their prepared batches: both count at once.
 """
 from __future__ import annotations
 

@@ -161,8 +161,8 @@ class DeviceBatches:
 def collate_files(samples: list) -> list:
     """A batch of image files for the device path, from (image, target, epoch, index) samples:
     decoded images (3 x h x w uint8, each its own size) packed here, in the worker
-    (:class:`packed.PackedImages`, its atlas in a buffer the worker reuses); a batch that holds encoded ones (1-D bytes: ``--decode-on device``) joined into one
-    :class:`decode.EncodedBatch`."""
+    (:class:`packed.PackedImages`, its atlas in a buffer the worker reuses); a batch that holds
+    encoded ones (1-D bytes: ``--decode-on device``) joined into one :class:`decode.EncodedBatch`."""
     images = [sample[0] for sample in samples]
     rest = default_collate([sample[1:] for sample in samples])  # targets, epochs, index
     return [EncodedBatch.join(images) if any(image.dim() == 1 for image in images) else pack_to_share(images), *rest]

@@ -13,16 +13,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import ContextManager
 
 import torch
 from torch import nn
-
-from ..runtime.stopping import StepVerdict
-
-# The ranks' agreement at a window's end: (this rank's non-finite-loss flag, its fp16 overflow
-# flag or None) -> what all ranks agreed (runtime.stopping.StepGuard, with the run's own inputs).
-Agreement = Callable[[torch.Tensor, "torch.Tensor | None"], StepVerdict]
 
 
 @dataclass(frozen=True)
@@ -96,17 +90,16 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def unscale_and_clip(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                     clip_grad: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """fp16: unscale; ``clip_grad`` > 0: clip to that total L2 norm. (The pre-clip total norm,
-    fp16's overflow flag), both left on the device (None where neither applies), so that the
-    ranks' agreement reads the overflow with everything else in its one host read."""
+                     clip_grad: float) -> torch.Tensor | None:
+    """fp16: unscale; ``clip_grad`` > 0: clip to that total L2 norm. Returns fp16's overflow flag
+    (None without fp16), left on the device, so that the ranks' agreement reads it with
+    everything else in its one host read."""
     if not scaler.is_enabled() and clip_grad <= 0:
-        return None, None
+        return None
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     scaler.unscale_(optimizer)  # clip and test the true gradients, not scaled ones
     if clip_grad > 0:
         grad_norm = nn.utils.clip_grad_norm_(params, clip_grad)
     else:
         grad_norm = nn.utils.get_total_norm([p.grad for p in params])
-    overflow = ~torch.isfinite(grad_norm) if scaler.is_enabled() else None
-    return grad_norm.detach(), overflow
+    return ~torch.isfinite(grad_norm) if scaler.is_enabled() else None
