@@ -41,8 +41,6 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_utils.config import UsageError, opt
-from ddp_utils.data.loading import Loaders
-from ddp_utils.data.pipeline import build_data
 from ddp_utils.data.recipes import classifier_recipe
 from ddp_utils.data.sets import num_classes_of
 from ddp_utils.models.backbones import build_model
@@ -54,40 +52,32 @@ from ddp_utils.runtime.collectives import (
     sync_buffers_from_rank0,
 )
 from ddp_utils.runtime.dist import DistInfo, LaunchEnv, to_device, unwrap
-from ddp_utils.train.accumulation import no_sync, set_lr, unscale_and_clip
-from ddp_utils.train.build import (
-    augmentation_preview,
-    build_optimization,
-    data_plan,
-    describe_settings,
-    open_run_folder,
-    preflight,
-    resolved_settings,
-    wrap_network,
-)
+from ddp_utils.train.accumulation import autocast, no_sync, set_lr, unscale_and_clip
 from ddp_utils.train.check import check_only
-from ddp_utils.train.fast_path import place_model
 from ddp_utils.train.monitor import StepMeter
-from ddp_utils.train.precision import autocast
+from ddp_utils.train.network import place_model, wrap_network
+from ddp_utils.train.optimization import build_optimization
+from ddp_utils.train.preflight import preflight
 from ddp_utils.train.pretrained import (
     load_pretrained_backbone,
     pretrained_file,
     pretrained_image_size,
     tensors_equal,
 )
-from ddp_utils.train.resume import check_resume_fits, restore_training_state, stop_if_complete
+from ddp_utils.train.resume import state_to_start_from, stop_if_complete
 from ddp_utils.train.run import TrainRun
+from ddp_utils.train.run_data import augmentation_preview, build_run_data
+from ddp_utils.train.run_folder import open_run_folder
 from ddp_utils.train.session import RunSession
-from ddp_utils.train.state import RunState
 from ddp_utils.train.step_policy import (
     ends_the_run,
     save_checkpoint,
     skip_or_stop_nonfinite,
     start_training,
     stop_for_signal,
-    stop_if_files_unreadable,
 )
 from ddp_utils.train.train_config import OUT_HELP, TrainConfig, parse_args
+from ddp_utils.train.unreadable_files import stop_if_files_unreadable
 
 log = logging.getLogger("train")
 SCRIPT = "train_classifier.py"
@@ -133,12 +123,6 @@ class ClassifierRun(TrainRun):
 
 
 # ----------------------------------------------------------------------------- building
-def build_loaders(cfg: ClassifierConfig, info: DistInfo, resolved: dict) -> Loaders:
-    recipe = classifier_recipe(cfg.dataset, resolved["image_size"], cfg.augment, cfg.normalization)
-    return build_data(data_plan(cfg, resolved, recipe), rank=info.rank, world_size=info.world_size,
-                      device=info.device, ranks_on_node=info.local_world_size)
-
-
 def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn.Module:
     torch.manual_seed(cfg.seed)  # identical initial weights whatever the world size
     model = build_model(cfg.arch, num_classes, cfg.resolved_image_size())
@@ -178,24 +162,21 @@ def check_classifier(cfg: ClassifierConfig, train: Dataset) -> tuple[dict, list[
 
 def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
     info = session.info
-    resume = preflight(cfg, session)
-    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
-    if info.is_main:
-        log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size))
+    resume, resolved = preflight(cfg, session)  # checked on every rank; the "auto" data flags resolved
     with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
-        loaders = build_loaders(cfg, info, resolved)
+        recipe = classifier_recipe(cfg.dataset, resolved["image_size"], cfg.augment, cfg.normalization)
+        loaders = build_run_data(cfg, info, resolved, recipe)
         preview = augmentation_preview(cfg, loaders, info.is_main, resume)
         model = build_network(cfg, info, loaders.num_classes)
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
         trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer, lr_schedule, scaler, total_steps = build_optimization(cfg, trainable, loaders, info.device)
-        facts = {"num_classes": loaders.num_classes}
-        state = RunState()
-        if resume is not None:
-            check_resume_fits(resume, cfg, SCRIPT, facts, info.world_size, info.is_main)
-            state = restore_training_state(resume, cfg, model=model, optimizer=optimizer, scaler=scaler, info=info)
+        optimizer, lr_schedule, scaler, total_steps = build_optimization(cfg, trainable, loaders.batches_per_epoch,
+                                                                         info.device)
+        facts = {"num_classes": loaders.num_classes}  # a checkpoint must match them
+        state = state_to_start_from(resume, cfg, SCRIPT, facts, model=model, optimizer=optimizer, scaler=scaler,
+                                    info=info)
     stop_if_complete(cfg, state, resume)  # a finished run resumed: its last metrics, exit 0
-    network = wrap_network(model, cfg, info)  # DDP: rank 0's weights on every rank
+    network = wrap_network(model, info, cfg.compile)  # DDP: rank 0's weights on every rank
     tb = open_run_folder(cfg, session, resume, state.step, resolved, preview)  # nothing was written before
     return ClassifierRun(
         cfg=cfg, info=info, session=session, loaders=loaders, model=model, network=network, optimizer=optimizer,
@@ -210,7 +191,7 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
     cfg, info = run.cfg, run.info
     criterion = nn.CrossEntropyLoss()
     run.network.train()
-    for micro, (images, targets) in run.micro_batches():
+    for micro, (images, targets) in run.batches.this_epoch():
         images, targets = to_device(images, info.device), targets.to(info.device, non_blocking=True)
         # DDP all-reduces gradients inside backward(); under no_sync() it only adds them up in
         # .grad. Skipping it on all but the window's last micro-step sends them once per step.
@@ -223,15 +204,16 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
         meter.add_micro(micro.window_size, len(images) * info.world_size, loss=loss)
         if not micro.is_last:
             continue
-        run.prepare_next_batch()  # its augmentation runs on the device while the host waits below
+        run.batches.prepare_next()  # its augmentation runs on the device while the host waits below
         # The optimizer step, the same on every rank. Unscale (fp16) and clip, then the ranks' one
         # agreement (a NaN/Inf loss, an fp16 overflow, a stop signal, an undecodable file): the
         # step's only read of the device.
         overflow = unscale_and_clip(run.optimizer, run.scaler, cfg.clip_grad)
-        verdict = run.agree(~torch.isfinite(meter.window_loss.detach()), overflow)
+        verdict = run.session.agree_on_step(~torch.isfinite(meter.window_loss.detach()), overflow,
+                                    unreadable=run.batches.files_met > 0)
         if verdict.unreadable_ranks:  # an image file of this window cannot be decoded: undone, the run stops
             run.optimizer.zero_grad(set_to_none=not info.is_distributed)
-            run.undo_window()
+            run.batches.undo_window()
             stop_if_files_unreadable(run, f"step {run.state.step + 1} (not taken)")  # raises
         lr = run.lr_schedule(run.state.step)
         set_lr(run.optimizer, lr)

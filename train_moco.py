@@ -44,8 +44,6 @@ import torch
 from torch import nn
 
 from ddp_utils.config import UsageError, flag_name, opt
-from ddp_utils.data.loading import Loaders
-from ddp_utils.data.pipeline import build_data
 from ddp_utils.data.recipes import MOCO_AUGS, moco_recipe
 from ddp_utils.eval.knn import knn_accuracy
 from ddp_utils.models.backbones import build_model, feature_dim
@@ -53,36 +51,27 @@ from ddp_utils.models.moco import Encoder, MoCo, contrastive_step
 from ddp_utils.models.shuffle_bn import split_batchnorm
 from ddp_utils.runtime.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
 from ddp_utils.runtime.dist import DistInfo, LaunchEnv, barrier, to_device
-from ddp_utils.train.accumulation import no_sync, set_lr, unscale_and_clip
-from ddp_utils.train.build import (
-    augmentation_preview,
-    build_optimization,
-    data_plan,
-    describe_settings,
-    open_run_folder,
-    preflight,
-    resolved_settings,
-    wrap_network,
-)
+from ddp_utils.train.accumulation import autocast, no_sync, set_lr, unscale_and_clip
 from ddp_utils.train.check import check_only
-from ddp_utils.train.fast_path import place_model
 from ddp_utils.train.monitor import StepMeter
-from ddp_utils.train.precision import autocast
+from ddp_utils.train.network import place_model, wrap_network
+from ddp_utils.train.optimization import LR_SCHEDULES, build_optimization, cosine_to_one
+from ddp_utils.train.preflight import preflight
 from ddp_utils.train.pretrained import export_backbone
-from ddp_utils.train.resume import check_resume_fits, restore_training_state, stop_if_complete
-from ddp_utils.train.run import TrainRun
-from ddp_utils.train.schedule import LR_SCHEDULES, cosine_to_one
+from ddp_utils.train.resume import state_to_start_from, stop_if_complete
+from ddp_utils.train.run import TrainRun, is_complete
+from ddp_utils.train.run_data import augmentation_preview, build_run_data
+from ddp_utils.train.run_folder import open_run_folder
 from ddp_utils.train.session import RunSession
-from ddp_utils.train.state import RunState, is_complete
 from ddp_utils.train.step_policy import (
     ends_the_run,
     save_checkpoint,
     skip_or_stop_nonfinite,
     start_training,
     stop_for_signal,
-    stop_if_files_unreadable,
 )
 from ddp_utils.train.train_config import OUT_HELP, TrainConfig, parse_args
+from ddp_utils.train.unreadable_files import stop_if_files_unreadable
 
 log = logging.getLogger("train")
 SCRIPT = "train_moco.py"
@@ -229,14 +218,6 @@ def build_moco(cfg: MocoConfig, info: DistInfo, num_classes: int) -> MoCo:
                            shuffle_seed=cfg.seed), info.device)
 
 
-def build_loaders(cfg: MocoConfig, info: DistInfo, resolved: dict) -> Loaders:
-    """Two-view training batches, validation batches, and the un-augmented train split (or
-    --knn-bank-samples of it) as the kNN monitor's bank."""
-    recipe = moco_recipe(cfg.dataset, resolved["image_size"], cfg.aug, cfg.crop_min, cfg.normalization)
-    return build_data(data_plan(cfg, resolved, recipe, bank_samples=cfg.knn_bank_samples), rank=info.rank,
-                      world_size=info.world_size, device=info.device, ranks_on_node=info.local_world_size)
-
-
 def queue_remarks(cfg: MocoConfig, train_images: int) -> list[str]:
     """A queue longer than the training set holds keys of the same images, several epochs old."""
     if cfg.moco_k <= train_images:
@@ -252,30 +233,28 @@ def queue_size_that_fits(train_images: int) -> int:
 
 def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
     info = session.info
-    resume = preflight(cfg, session)
-    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
-    if info.is_main:
-        log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size))
+    resume, resolved = preflight(cfg, session)  # checked on every rank; the "auto" data flags resolved
     with all_ranks_agree():  # every check that can fail, before the first collective
-        loaders = build_loaders(cfg, info, resolved)
+        # Two views per training sample; the kNN monitor's bank: the un-augmented train split (or
+        # --knn-bank-samples of it).
+        recipe = moco_recipe(cfg.dataset, resolved["image_size"], cfg.aug, cfg.crop_min, cfg.normalization)
+        loaders = build_run_data(cfg, info, resolved, recipe, bank_samples=cfg.knn_bank_samples)
         preview = augmentation_preview(cfg, loaders, info.is_main, resume)
         if info.is_main:
             for remark in queue_remarks(cfg, len(loaders.train_sampler.dataset)):
                 log.warning("%s", remark)
         moco = build_moco(cfg, info, loaders.num_classes)
-        torch.manual_seed(cfg.seed + 1000 * info.rank)
+        torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
         optimizer, lr_schedule, scaler, total_steps = build_optimization(
-            cfg, moco.encoder_q.parameters(), loaders, info.device)  # never encoder_k
-        state = RunState()
-        if resume is not None:
-            check_resume_fits(resume, cfg, SCRIPT, {}, info.world_size, info.is_main)
-            state = restore_training_state(resume, cfg, model=moco, optimizer=optimizer, scaler=scaler, info=info)
+            cfg, moco.encoder_q.parameters(), loaders.batches_per_epoch, info.device)  # never encoder_k
+        state = state_to_start_from(resume, cfg, SCRIPT, {}, model=moco, optimizer=optimizer, scaler=scaler,
+                                    info=info)
     if resume is not None and is_complete(cfg, state) and cfg.export_backbone and info.is_main:
         export_finished_backbone(moco, cfg.export_backbone)  # a finished run's backbone, as asked
     stop_if_complete(cfg, state, resume)  # a finished run resumed: its last metrics, exit 0
     moco.sync_state_from_rank0()
     # Only the query encoder goes into DDP: it must not broadcast the queue or encoder_k.
-    query_encoder = wrap_network(moco.encoder_q, cfg, info)
+    query_encoder = wrap_network(moco.encoder_q, info, cfg.compile)
     if cfg.compile:
         moco.compile_key_encoder()
     tb = open_run_folder(cfg, session, resume, state.step, resolved, preview)  # nothing was written before
@@ -299,7 +278,7 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
     contrast = contrastive_step(cfg.symmetric)  # loss(q, k), or loss(q1, k2) + loss(q2, k1)
     moco.train()
     window_keys: list[torch.Tensor] = []  # every rank's keys of this window: enqueued after its step
-    for micro, ((im_q, im_k), _) in run.micro_batches():
+    for micro, ((im_q, im_k), _) in run.batches.this_epoch():
         im_q, im_k = to_device(im_q, info.device), to_device(im_k, info.device)
         # DDP all-reduces encoder_q's gradients inside backward(); under no_sync() it only adds them
         # up in .grad. Skipping it on all but the window's last micro-step sends them once per step.
@@ -312,15 +291,16 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
                         contrastive_acc1=100.0 * contrastive_acc)
         if not micro.is_last:
             continue
-        run.prepare_next_batch()  # its augmentation runs on the device while the host waits below
+        run.batches.prepare_next()  # its augmentation runs on the device while the host waits below
         # The optimizer step, the same on every rank. Unscale (fp16) and clip, then the ranks' one
         # agreement (a NaN/Inf loss, an fp16 overflow, a stop signal, an undecodable file): the
         # step's only read of the device.
         overflow = unscale_and_clip(run.optimizer, run.scaler, cfg.clip_grad)
-        verdict = run.agree(~torch.isfinite(meter.window_loss.detach()), overflow)
+        verdict = run.session.agree_on_step(~torch.isfinite(meter.window_loss.detach()), overflow,
+                                    unreadable=run.batches.files_met > 0)
         if verdict.unreadable_ranks:  # an image file of this window cannot be decoded: undone, the run stops
             run.optimizer.zero_grad(set_to_none=not info.is_distributed)
-            run.undo_window()
+            run.batches.undo_window()
             stop_if_files_unreadable(run, f"step {run.state.step + 1} (not taken)")  # raises
         lr = run.lr_schedule(run.state.step)
         set_lr(run.optimizer, lr)

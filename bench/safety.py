@@ -35,7 +35,7 @@ def modes(ckpt_every: int) -> list[tuple[str, bool, int]]:
             ("agreement on, checkpoint every step", True, 1)]
 
 
-def no_agreement(nonfinite, overflow=None) -> StepVerdict:
+def no_agreement(nonfinite, overflow=None, unreadable=False) -> StepVerdict:
     """The per-step agreement left out: no collective, no host read."""
     return StepVerdict()
 
@@ -51,7 +51,7 @@ def worker(rank: int, args: argparse.Namespace, out_dir: str) -> None:
 
 def measure(rank: int, args: argparse.Namespace, out_dir: str, run) -> None:
     meter = start_training(run)
-    agreement = run.session.guard
+    agreement = run.session.agree_on_step
 
     def steps(n: int) -> float:
         run.cfg.max_steps = run.state.step + n
@@ -64,7 +64,7 @@ def measure(rank: int, args: argparse.Namespace, out_dir: str, run) -> None:
     times: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for name, agree, ckpt_every in modes(args.ckpt_every):
-            run.session.guard = agreement if agree else no_agreement
+            run.session.agree_on_step = agreement if agree else no_agreement
             run.cfg.ckpt_every = ckpt_every
             times.setdefault(name, []).append(steps(args.steps))
     gathered = all_gather_object(times)

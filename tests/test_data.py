@@ -91,7 +91,7 @@ def _download_worker(info, data_dir: str):
     from torchvision import datasets
 
     from ddp_utils.config import UsageError
-    from ddp_utils.train.build import download_once_per_node
+    from ddp_utils.train.preflight import download_once_per_node
     from train_classifier import ClassifierConfig
 
     calls, fail = [], []
@@ -341,7 +341,7 @@ def test_auto_workers_count_the_cpus_this_process_may_use(tmp_path, monkeypatch,
     from helpers import cli_env
 
     from ddp_utils.data import pipeline
-    from ddp_utils.train.build import describe_settings, resolved_settings
+    from ddp_utils.train.preflight import describe_settings, resolved_settings
 
     pinned = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", "from ddp_utils.data.pipeline import "
                              "usable_cpus, default_workers; print(usable_cpus(), default_workers('imagefolder', 1))"],

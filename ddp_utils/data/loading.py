@@ -360,11 +360,6 @@ def eval_loader(raw: Dataset, transform: Transform | None, *, batch_size: int, w
     return checked(loader, raw, UnreadableFiles() if unreadable is None else unreadable)
 
 
-def steps_per_epoch(batches_per_epoch: int, accum_steps: int) -> int:
-    """Optimizer steps in one epoch, counting a shorter final window as a step."""
-    return math.ceil(batches_per_epoch / accum_steps)
-
-
 def bank_subset(train_dataset: Dataset, n: int, seed: int) -> Subset:
     """A fixed subset of ``n`` samples (all of them when ``n >= len``), indices in increasing
     order, for a cheaper kNN bank: a function of (len, n, seed) alone, so the same on every rank,

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..runtime.collectives import reduce_metrics
 from ..runtime.dist import get_rank, get_world_size, is_dist, to_device
-from ..train.precision import autocast
+from ..train.accumulation import autocast
 
 _TWO32 = 1 << 32
 _NO_NEIGHBOUR = -(1 << 63)  # the smallest int64: a list slot a rank with fewer than k rows cannot fill

@@ -1,3 +1,16 @@
-"""Training: the shared config and command line, the session around a run, build helpers, the run
-record, accumulation and the optimizer step, what happens between steps, schedule, precision,
-checkpoints, resume and run folders, monitoring, pretrained weights."""
+"""Training, by job, in the order a run meets them:
+
+- ``train_config``: the settings both scripts share and the command line that fills them in;
+- ``session``: the life of one process (signals, process group, logging, exit codes, clean-up);
+- ``preflight``: the checks every rank passes before anything is built, and what the "auto"
+  data flags resolve to; ``check``: the same checks as ``--check``, printing the run;
+- ``run_data``: the run's data from its config; ``network``: the network on its device (DDP,
+  compile, the GPU fast path); ``optimization``: SGD, the scaler, the LR of every step;
+- ``resume`` (which checkpoint, does it fit, where the run starts), ``checkpoint`` (the file),
+  ``run_folder`` (``--out`` and its records), ``pretrained`` (backbones for the classifier);
+- ``run``: the record of one run and where it stands; ``accumulation``: the pieces of one
+  optimizer step the scripts write out (windows, ``no_sync``, autocast, unscale and clip, LR);
+  ``step_policy``: what follows a step (checkpoints, a NaN/Inf loss, a stop signal);
+  ``unreadable_files``: all a run does about image files that cannot be decoded;
+  ``monitor``: TensorBoard, progress lines, the step meter.
+"""

@@ -8,15 +8,21 @@ changed. Micro-steps 1..n-1 run under DDP's ``no_sync()``; the n-th all-reduces 
 gradients, so they cross the network once per optimizer step. The training scripts show this
 loop and the step that ends each window (:func:`unscale_and_clip`, the ranks' agreement,
 :func:`set_lr`, step or skip, the scaler's update, ``zero_grad``).
+
+Mixed precision is part of the step: ``--amp {auto,none,bf16,fp16}`` (auto: bf16 on CUDA, fp32
+elsewhere) sets the forward's :func:`autocast` and the fp16 :func:`grad_scaler`.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import ContextManager
 
 import torch
 from torch import nn
+
+AMP_MODES = ("auto", "none", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,7 @@ class MicroStep:
 
 class WindowStart:
     """What a window changes besides the gradients, kept as it begins, so that a window that must
-    be given up (an image file in it could not be decoded) can be undone exactly: the BatchNorm
+    be given up (``unreadable_files``) can be undone exactly: the BatchNorm
     statistics its forwards update, the RNG streams, and the counters of modules that keep one
     (``forward_state()`` / ``restore_forward_state(state)``: MoCo's shuffle count). Keeping them
     is one foreach copy of the statistics per window (kilobytes) and no device read."""
@@ -75,6 +81,11 @@ def plan_windows(num_micro_batches: int, accum_steps: int) -> list[MicroStep]:
     return plan
 
 
+def steps_per_epoch(batches_per_epoch: int, accum_steps: int) -> int:
+    """Optimizer steps in one epoch: its windows (:func:`plan_windows`), a shorter last one counted."""
+    return math.ceil(batches_per_epoch / accum_steps)
+
+
 def no_sync(network: nn.Module, enabled: bool) -> ContextManager:
     """DDP's ``network.no_sync()`` when ``enabled``; a bare module has no all-reduce to skip."""
     if enabled and hasattr(network, "no_sync"):
@@ -103,3 +114,25 @@ def unscale_and_clip(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradSca
     else:
         grad_norm = nn.utils.get_total_norm([p.grad for p in params])
     return ~torch.isfinite(grad_norm) if scaler.is_enabled() else None
+
+
+def resolve_amp(amp: str, device: torch.device) -> str:
+    """``auto`` -> bf16 on CUDA (when the GPU supports it), fp32 ("none") elsewhere."""
+    if amp != "auto":
+        return amp
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "none"
+
+
+def autocast(amp: str, device: torch.device) -> ContextManager:
+    """Autocast for the forward pass and loss only; backward runs outside it, as PyTorch advises."""
+    amp = resolve_amp(amp, device)
+    if amp == "none":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler:
+    """Loss scaling for fp16, whose small gradients underflow; bf16 has fp32's range. Disabled
+    (``scale()`` returns its input, ``unscale_`` and ``update`` do nothing) for anything else."""
+    return torch.amp.GradScaler(device.type, enabled=resolve_amp(amp, device) == "fp16")

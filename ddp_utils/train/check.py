@@ -1,7 +1,7 @@
-"""``--check``: the checks a launch makes before its first collective, in one plain process (no
-process group, nothing written), and the run that would start, in a few lines. The launch/
-scripts run it once before starting workers, so a mistake is one line and exit 2, never a
-restarted group or a launcher's traceback."""
+"""``--check``: the checks a launch makes before its first collective (``train.preflight``), in
+one plain process (no process group, nothing written), and the run that would start, in a few
+lines. The launch/ scripts run it once before starting workers, so a mistake is one line and
+exit 2, never a restarted group or a launcher's traceback."""
 from __future__ import annotations
 
 import sys
@@ -15,23 +15,17 @@ from torch.utils.data import Dataset
 from ..config import UsageError
 from ..data.host_memory import check_shared_memory, describe_memory
 from ..data.image_files import UnreadableImage, check_decodes, image_files_of
-from ..data.loading import ResumableDistributedSampler, require_a_batch, steps_per_epoch
+from ..data.loading import ResumableDistributedSampler, require_a_batch
 from ..data.pipeline import plan_memory, usable_cpus
 from ..data.recipes import AugmentRecipe
 from ..data.sets import check_data_dir
 from ..runtime.dist import LaunchEnv, detect_launch, device_type, restart_count
-from ..runtime.faults import FaultPlan
 from ..runtime.stopping import EXIT_OK, EXIT_USAGE
-from .build import (
-    check_paths,
-    data_plan,
-    describe_settings,
-    raw_splits,
-    refuse_unfixed_files,
-    resolved_settings,
-)
-from .resume import check_resume_fits, choose_resume
-from .state import describe_position
+from .accumulation import steps_per_epoch
+from .preflight import checks_before_start, describe_settings, resolved_settings
+from .resume import check_resume_fits
+from .run import describe_position
+from .run_data import data_plan, raw_splits
 from .train_config import RESUME_IF_RESTARTED, TrainConfig
 
 ScriptCheck = Callable[[Dataset], tuple[dict[str, Any], list[str]]]
@@ -61,10 +55,7 @@ def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCh
 
 
 def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck, launch: LaunchEnv) -> list[str]:
-    check_paths(cfg)
-    FaultPlan.from_env()  # DDP_FAULT, as the run's own pre-flight reads it
-    resume = choose_resume(cfg.resume, cfg.out, cfg.overwrite, announce=False, restarted=restart_count() > 0)
-    refuse_unfixed_files(cfg.out, resume, restarted=restart_count() > 0)
+    resume, _ = checks_before_start(cfg, restarted=restart_count() > 0, announce=False)  # the pre-flight's own
     device, world_size = torch.device(device_type(cfg.device)), launch.world_size
     resolved = resolved_settings(cfg, launch.launcher, launch.local_world_size, device)
     settings = describe_settings(cfg, resolved, launch.launcher, launch.local_world_size)

@@ -2,7 +2,7 @@
 everything back exactly (model, optimizer, scaler, RNG streams, the place in the epoch).
 
 The LR schedule is not restored: the LR is a function of the optimizer step and of this run's
-flags (``schedule.LRSchedule``), so more ``--epochs`` extends the schedule of a resumed run.
+flags (``optimization.LRSchedule``), so more ``--epochs`` extends the schedule of a resumed run.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from .checkpoint import (
     read_checkpoint,
 )
 from .monitor import last_accuracies
+from .run import RunState, describe_position, is_complete
 from .run_folder import TB_DIR
-from .state import RunState, describe_position, is_complete
 from .train_config import RESUME_IF_RESTARTED, TrainConfig, config_changes
 
 log = logging.getLogger("train")
@@ -127,10 +127,16 @@ def _label(name: str) -> str:
     return "number of classes" if name == "num_classes" else flag_name(name)
 
 
-def restore_training_state(resume: Resume, cfg: TrainConfig, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                           scaler: torch.amp.GradScaler, info: DistInfo) -> RunState:
-    """Load the checkpoint into the objects given and return where the run stands. A model that
-    does not fit (another --image-size, say) is a UsageError naming the first mismatch."""
+def state_to_start_from(resume: Resume | None, cfg: TrainConfig, script: str, facts: dict[str, Any], *,
+                        model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                        info: DistInfo) -> RunState:
+    """Where the run starts: at the beginning without a checkpoint (``resume`` None); else the
+    checkpoint, checked against this run (:func:`check_resume_fits`, ``facts`` such as the class
+    count), loaded into the objects given. A model that does not fit (another --image-size, say)
+    is a UsageError naming the first mismatch."""
+    if resume is None:
+        return RunState()
+    check_resume_fits(resume, cfg, script, facts, info.world_size, info.is_main)
     ckpt, path = resume.checkpoint, resume.path
     try:
         unwrap(model).load_state_dict(ckpt["model"])

@@ -1,4 +1,5 @@
-"""The record of one training run, built once by each script's ``setup``, and where it stands."""
+"""The record of one training run, built once by each script's ``setup``: what it is made of
+(:class:`TrainRun`) and where it stands (:class:`RunState`)."""
 from __future__ import annotations
 
 import logging
@@ -11,11 +12,9 @@ from torch import nn
 
 from ..data.loading import Loaders
 from ..runtime.dist import DistInfo, unwrap
-from ..runtime.stopping import StepVerdict
 from .accumulation import MicroStep, WindowStart, plan_windows
 from .monitor import TensorBoard, WaitClock
-from .schedule import LRSchedule
-from .state import RunState, is_complete
+from .optimization import LRSchedule
 from .train_config import TrainConfig
 
 if TYPE_CHECKING:
@@ -23,6 +22,35 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("train")
 INPUT_BOUND = 0.2  # an epoch that waited for its batches longer than this share of its time is input-bound
+
+
+@dataclass
+class RunState:
+    """Where a run stands: the position every checkpoint records and every message counts by."""
+
+    epoch: int = 0              # epochs completed (0-based index of the epoch in progress)
+    step: int = 0               # optimizer steps taken, applied or skipped: the one step counter
+    batches_done: int = 0       # micro-batches of `epoch` this rank consumed (a multiple of accum_steps)
+    nonfinite_skipped: int = 0  # optimizer steps skipped for a non-finite loss (--skip-nonfinite)
+
+    @property
+    def epoch_number(self) -> int:
+        """The epoch of the last step, counted from 1, as every message counts epochs (0 = none yet)."""
+        return self.epoch if self.batches_done == 0 else self.epoch + 1
+
+    def describe(self) -> str:
+        return describe_position(self.step, self.epoch, self.batches_done)
+
+
+def is_complete(cfg: TrainConfig, state: RunState) -> bool:
+    """Nothing left to train: every epoch done, or --max-steps reached."""
+    return state.epoch >= cfg.epochs or bool(cfg.max_steps and state.step >= cfg.max_steps)
+
+
+def describe_position(step: int, epoch: int, batches_done: int) -> str:
+    if batches_done == 0:
+        return f"step {step}, end of epoch {epoch}" if epoch else f"step {step}"
+    return f"step {step}, in epoch {epoch + 1}"
 
 
 def input_advice(cfg: TrainConfig, resolved: dict[str, Any]) -> str:
@@ -36,6 +64,54 @@ def input_advice(cfg: TrainConfig, resolved: dict[str, Any]) -> str:
     if where == "loader":
         tips.append("--aug-on device (augmentation as whole batches on the training device)")
     return "try " + "; ".join(tips) if tips else ""
+
+
+class TrainingBatches:
+    """This rank's training batches, epoch by epoch, in accumulation windows. A batch counts as
+    consumed (``state.batches_done``) when it is handed out; the window in progress can be given
+    up (:meth:`undo_window`); the time the loop waits for batches is measured (``data_wait``)."""
+
+    def __init__(self, loaders: Loaders, state: RunState, accum_steps: int, model: nn.Module, device: torch.device):
+        self.loaders, self.state, self.accum_steps = loaders, state, accum_steps
+        self.data_wait = WaitClock()
+        self.epoch_started = (0.0, 0, 0.0)  # this epoch's start here: time, batches done, data wait
+        self.files_met = 0  # undecodable files in the batches handed out so far (not in one made early)
+        self._window_start = 0  # state.batches_done before the window in progress
+        self._window_undo = WindowStart(model, device)  # the rest of what the window changes
+        self._batches: Iterator | None = None
+
+    def this_epoch(self) -> Iterator[tuple[MicroStep, Any]]:
+        """The rest of this epoch's batches, each with its place in its accumulation window."""
+        state = self.state
+        if state.batches_done >= self.loaders.batches_per_epoch:  # resumed with fewer batches per epoch
+            state.epoch, state.batches_done = state.epoch + 1, 0
+        self.loaders.set_epoch(state.epoch, skip_batches=state.batches_done)
+        self.epoch_started = (time.perf_counter(), state.batches_done, self.data_wait.seconds)
+        self._batches = self.data_wait.call(lambda: iter(self.loaders.train))  # may start the workers
+        for micro in plan_windows(len(self.loaders.train), self.accum_steps):
+            batch = self.data_wait.next(self._batches)
+            if batch is None:
+                return
+            self.files_met = len(self.loaders.unreadable.found)  # a batch made early is met when taken
+            if micro.index == 0:
+                self._window_start = state.batches_done
+                self._window_undo.save()
+            state.batches_done += 1
+            yield micro, batch
+
+    def prepare_next(self) -> None:
+        """Batches made on the device: queue the next one's augmentation now, so the device
+        works on it while the host waits (a no-op for DataLoader workers, which run ahead anyway)."""
+        prepare = getattr(self._batches, "prepare_next", None)
+        if prepare is not None:
+            self.data_wait.call(prepare)
+
+    def undo_window(self) -> None:
+        """Every rank: give up the window in progress (its optimizer step was not taken): its
+        batches count as unseen again, and BatchNorm statistics, RNG streams and counters are as
+        the last completed step left them."""
+        self.state.batches_done = self._window_start
+        self._window_undo.restore()
 
 
 @dataclass(kw_only=True)
@@ -57,59 +133,16 @@ class TrainRun:
     tb: TensorBoard
     script: str                        # "train_classifier.py" / "train_moco.py"
     facts: dict[str, Any] = field(default_factory=dict)  # must match on resume (e.g. the class count)
-    resolved: dict[str, Any] = field(default_factory=dict)  # what the "auto" data flags became (build.resolved_settings)
+    resolved: dict[str, Any] = field(default_factory=dict)  # what the "auto" data flags became (preflight.resolved_settings)
     preempted: bool = False
-    epoch_started: tuple[float, int, float] = (0.0, 0, 0.0)  # this epoch's start here: time, batch, data wait
-    window_start: int = 0  # state.batches_done before the current accumulation window
-    window_undo: WindowStart | None = field(default=None, init=False, repr=False)  # the rest of what it changes
-    files_met: int = 0  # undecodable files in the batches handed out so far (not in one made early)
-    data_wait: WaitClock = field(default_factory=WaitClock)  # time the loop waited for batches
+    batches: TrainingBatches = field(init=False, repr=False)
     said_input_bound: bool = False
-    _batches: Iterator | None = field(default=None, init=False, repr=False)  # this epoch's batch iterator
 
     def __post_init__(self):
         # DDP_FAULT=nan:RANK:STEP (tests): a NaN from the network's forward of that step
         self.session.faults.install(unwrap(self.network), self.info.rank, lambda: self.state.step + 1)
-        self.window_undo = WindowStart(unwrap(self.model), self.info.device)
-
-    def micro_batches(self) -> Iterator[tuple[MicroStep, Any]]:
-        """The rest of this epoch's batches, each with its place in its accumulation window. A
-        batch counts as consumed (``state.batches_done``) when it is handed out."""
-        state = self.state
-        if state.batches_done >= self.loaders.batches_per_epoch:  # resumed with fewer batches per epoch
-            state.epoch, state.batches_done = state.epoch + 1, 0
-        self.loaders.set_epoch(state.epoch, skip_batches=state.batches_done)
-        self.epoch_started = (time.perf_counter(), state.batches_done, self.data_wait.seconds)
-        self._batches = self.data_wait.call(lambda: iter(self.loaders.train))  # may start the workers
-        for micro in plan_windows(len(self.loaders.train), self.cfg.accum_steps):
-            batch = self.data_wait.next(self._batches)
-            if batch is None:
-                return
-            self.files_met = len(self.loaders.unreadable.found)  # a batch made early is met when taken
-            if micro.index == 0:
-                self.window_start = state.batches_done
-                self.window_undo.save()
-            state.batches_done += 1
-            yield micro, batch
-
-    def undo_window(self) -> None:
-        """Every rank: give up the window in progress (its optimizer step was not taken): its
-        batches count as unseen again, and BatchNorm statistics, RNG streams and counters are as
-        the last completed step left them."""
-        self.state.batches_done = self.window_start
-        self.window_undo.restore()
-
-    def agree(self, nonfinite: torch.Tensor, overflow: torch.Tensor | None) -> StepVerdict:
-        """The ranks' agreement at the end of a window (``session.guard``), with whether this rank
-        was handed an undecodable file (the next batch, made early, counts for the next window)."""
-        return self.session.guard(nonfinite, overflow, unreadable=self.files_met > 0)
-
-    def prepare_next_batch(self) -> None:
-        """Batches made on the device: queue the next one's augmentation now, so the device
-        works on it while the host waits (a no-op for DataLoader workers, which run ahead anyway)."""
-        prepare = getattr(self._batches, "prepare_next", None)
-        if prepare is not None:
-            self.data_wait.call(prepare)
+        self.batches = TrainingBatches(self.loaders, self.state, self.cfg.accum_steps, unwrap(self.model),
+                                       self.info.device)
 
     def end_epoch_if_done(self) -> None:
         """After an optimizer step: once the epoch's batches are all consumed, the next epoch
@@ -117,10 +150,10 @@ class TrainRun:
         state = self.state
         if state.batches_done < self.loaders.batches_per_epoch:
             return
-        started, first_batch, waited_before = self.epoch_started
+        started, first_batch, waited_before = self.batches.epoch_started
         seconds = max(time.perf_counter() - started, 1e-9)
         images = (state.batches_done - first_batch) * self.cfg.batch_size * self.info.world_size
-        waited = (self.data_wait.seconds - waited_before) / seconds
+        waited = (self.batches.data_wait.seconds - waited_before) / seconds
         log.info("epoch %d trained in %.1f s (%s%s img/s, waited for data %.0f%% of it)", state.epoch_number,
                  seconds, "resumed part way, " if first_batch else "", f"{images / seconds:,.0f}", 100 * waited)
         advice = input_advice(self.cfg, self.resolved)

@@ -1,5 +1,5 @@
 """The run folder (``--out``): checked before any work, never silently re-used (see
-``resume.choose_resume``), cleared only on ``--overwrite``, opened once every check has passed."""
+``resume.choose_resume``), cleared only on ``--overwrite``, opened once every check has passed (:func:`open_run_folder`)."""
 from __future__ import annotations
 
 import json
@@ -9,41 +9,23 @@ import shutil
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
 
 from ..config import UsageError, command_line, flag_name, git_revision, save_config, write_json
-from ..data.image_files import UnreadableImage, decode_rgb
+from ..runtime.dist import barrier
 from ..runtime.stopping import MARKER
 from .checkpoint import LAST, Resume, checkpoint_files
+from .monitor import TensorBoard
 from .train_config import TrainConfig, config_changes
+
+if TYPE_CHECKING:
+    from .session import RunSession
 
 log = logging.getLogger("train")
 TB_DIR = "tb"
 UNREADABLE_MARKER = "UNREADABLE"  # the image files a run stopped on, one "PATH\treason" per line
-
-
-def mark_unreadable(out: str, files: list[UnreadableImage]) -> None:
-    """Rank 0, when a run stops on image files it cannot decode: list them in the run folder, so
-    that a resume (a torchrun restart included) refuses to start until they decode."""
-    path = Path(out)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / UNREADABLE_MARKER).write_text("".join(f"{f.path}\t{f.reason}\n" for f in files))
-
-
-def still_unreadable(out: str) -> list[UnreadableImage]:
-    """The files a run in ``out`` stopped on that still cannot be decoded (each is tried again;
-    a removed file no longer counts)."""
-    marker = Path(out) / UNREADABLE_MARKER
-    if not marker.is_file():
-        return []
-    unfixed = []
-    for line in marker.read_text().splitlines():
-        path = line.split("\t")[0]
-        if path and Path(path).exists():
-            try:
-                decode_rgb(path)
-            except UnreadableImage as err:
-                unfixed.append(err)
-    return unfixed
 
 
 def check_out_dir(out: str) -> None:
@@ -109,3 +91,24 @@ def write_run_record(cfg: TrainConfig, world_size: int, resume: Resume | None, s
             return
     save_config(cfg, cfg.out, {"world_size": world_size, "resolved": resolved or {},
                                "history": [entry] if entry else []})
+
+
+def open_run_folder(cfg: TrainConfig, session: RunSession, resume: Resume | None, step: int,
+                    resolved: dict | None = None, preview: torch.Tensor | None = None) -> TensorBoard:
+    """Rank 0, once every check has passed: the folder (an old run cleared on --overwrite), its
+    config.json, TensorBoard from ``step`` on, and ``preview`` (``run_data.augmentation_preview``).
+    Returns the TensorBoard writer (a no-op on other ranks). A resumed checkpoint in this folder
+    counts as saved."""
+    tb = TensorBoard(None)
+    if resume is not None and resume.path.parent == Path(cfg.out):
+        session.saved.step, session.saved.path = step, resume.path
+    if session.info.is_main:
+        prepare_run_folder(cfg.out, cfg.overwrite, resuming=resume is not None)
+        write_run_record(cfg, session.info.world_size, resume, step, resolved)
+        session.signals.clear_marker()
+        (Path(cfg.out) / UNREADABLE_MARKER).unlink(missing_ok=True)  # they decode now, or are gone (pre-flight)
+        tb = session.close_at_exit(TensorBoard(Path(cfg.out) / TB_DIR, purge_step=step + 1 if resume else None))
+        if preview is not None:  # what the augmentation does, once per run
+            tb.image("data/augmented_views", preview, step)
+    barrier()
+    return tb

@@ -34,7 +34,7 @@ from ..runtime.stopping import (
     StopSignals,
 )
 from .checkpoint import SavedCheckpoint
-from .fast_path import configure_backends
+from .network import configure_backends
 from .train_config import TrainConfig
 
 log = logging.getLogger("train")
@@ -55,7 +55,7 @@ class RunSession:
         self.cfg = cfg
         self.exit_code = EXIT_OK
         self.saved = SavedCheckpoint()  # what a failure message names
-        self.faults = FaultPlan()  # the pre-flight reads DDP_FAULT (train.build.preflight)
+        self.faults = FaultPlan()  # the pre-flight reads DDP_FAULT (train.preflight)
         self._closing = contextlib.ExitStack()
 
     def __enter__(self) -> RunSession:
@@ -67,7 +67,7 @@ class RunSession:
             self.info: DistInfo = init_distributed(cfg.device, cfg.dist_timeout)
             setup_logging(self.info.rank, cfg.debug, hold=True)  # shown once the start has succeeded
             self._closing.callback(configure_backends(self.info.device, cfg.tf32, cfg.deterministic))
-            self.guard = StepGuard(self.signals, self.info.device)
+            self.agree_on_step = StepGuard(self.signals, self.info.device)
         except BaseException:
             self._close()
             raise

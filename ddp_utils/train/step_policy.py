@@ -1,20 +1,18 @@
 """What a run does around its optimizer steps, for the training loops to call by name: the start
-of training, checkpoints, and after a step a NaN/Inf loss skipped or stopped on, a stop signal,
-and image files that could not be decoded."""
+of training, checkpoints, and after a step a NaN/Inf loss skipped or stopped on, or a stop
+signal (image files that could not be decoded: ``unreadable_files``)."""
 from __future__ import annotations
 
 import logging
 from dataclasses import asdict
 
 from ..config import config_dict
-from ..data.image_files import describe_unreadable, fix_hint
-from ..data.loading import steps_per_epoch
 from ..runtime.logs import release_held_logs
-from ..runtime.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_USAGE, RunStopped, StepVerdict
+from ..runtime.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, RunStopped, StepVerdict
+from .accumulation import steps_per_epoch
 from .checkpoint import checkpoint_contents, weights_finite, write_checkpoint
 from .monitor import Progress, StepMeter
 from .run import TrainRun
-from .run_folder import mark_unreadable
 
 log = logging.getLogger("train")
 
@@ -49,7 +47,7 @@ def start_training(run: TrainRun) -> StepMeter:
     run.session.signals.training_started()
     progress = Progress(min(run.total_steps, cfg.max_steps or run.total_steps), cfg.epochs, info.is_main,
                         start_step=run.state.step)
-    return StepMeter(run.tb, progress, info.device, info.world_size, cfg.log_every, run.data_wait)
+    return StepMeter(run.tb, progress, info.device, info.world_size, cfg.log_every, run.batches.data_wait)
 
 
 def ends_the_run(run: TrainRun, verdict: StepVerdict) -> bool:
@@ -86,20 +84,3 @@ def stop_for_signal(run: TrainRun, verdict: StepVerdict) -> None:
     if run.info.is_main:
         run.session.signals.write_marker(run.state.step)
     run.preempted = True
-
-
-def stop_if_files_unreadable(run: TrainRun, where: str) -> None:
-    """Every rank calls it (one all_gather_object) after a window that met an image file that
-    cannot be decoded, and after each evaluation or kNN pass: when any rank met one, the run
-    stops on every rank with exit code 2, naming the files, after a checkpoint of the last
-    completed step (a no-op when that step is on disk already)."""
-    files = run.loaders.unreadable.on_every_rank()
-    if not files:
-        return
-    if run.info.is_main:
-        mark_unreadable(run.cfg.out, files)
-    if run.state.step == 0 and run.session.saved.path is None:  # nothing trained yet: nothing to keep
-        raise RunStopped(f"{where}: {describe_unreadable(files)}; {fix_hint(files)}, then start the run again", EXIT_USAGE)
-    save_checkpoint(run)
-    raise RunStopped(f"{where}: {describe_unreadable(files)}; {fix_hint(files)}, then continue with --resume auto; "
-                     f"{run.session.saved.describe()}", EXIT_USAGE)

@@ -23,8 +23,8 @@ from ..runtime.dist import (
     visible_cuda_devices,
 )
 from ..runtime.stopping import EXIT_USAGE
-from .precision import AMP_MODES, resolve_amp
-from .schedule import LR_SCHEDULES, parse_milestones
+from .accumulation import AMP_MODES, resolve_amp
+from .optimization import LR_SCHEDULES, parse_milestones
 
 C = TypeVar("C", bound="TrainConfig")
 RESUME_IF_RESTARTED = "if-restarted"
@@ -152,7 +152,7 @@ class TrainConfig:
         """Raise UsageError (one line, with the fix) for flags that cannot train: checks of the
         flags, the launch and the CUDA devices visible alone (all given: nothing here reads the
         environment or the file system), the same answer on every rank, so no rank waits for
-        another. Paths and the fault plan are checked in the pre-flight (``train.build``)."""
+        another. Paths and the fault plan are checked in the pre-flight (``train.preflight``)."""
         positive = ("batch_size", "accum_steps", "epochs", "log_every", "synthetic_samples",
                     "keep_checkpoints")
         for name in positive:

@@ -1,6 +1,6 @@
-"""The GPU fast path: TF32 and cuDNN's autotuner (every training batch has the same shape),
-channels_last weights and inputs, fused SGD, and ``torch.compile`` with --compile. On the CPU
-only what changes nothing numerically applies (foreach SGD), through the same code."""
+"""The network on its device: placed (channels_last on CUDA), wrapped in DDP, compiled with
+--compile; and the process-wide switches of the GPU fast path (TF32, cuDNN's autotuner). On the
+CPU only what changes nothing numerically applies, through the same code."""
 from __future__ import annotations
 
 import os
@@ -8,8 +8,9 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..runtime.dist import memory_format
+from ..runtime.dist import DistInfo, memory_format
 
 
 def configure_backends(device: torch.device, tf32: bool = True, deterministic: bool = False) -> Callable[[], None]:
@@ -39,12 +40,16 @@ def place_model(model: nn.Module, device: torch.device) -> nn.Module:
     return model.to(device=device, memory_format=memory_format(device))
 
 
-def sgd(params, lr: float, momentum: float, weight_decay: float, device: torch.device) -> torch.optim.SGD:
-    """Fused SGD on CUDA, the multi-tensor (foreach) one elsewhere: the same update rule."""
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **fast)
-
-
 def maybe_compile(module: nn.Module, enabled: bool) -> nn.Module:
     """``torch.compile(module)`` when asked (the wrapper forwards attributes: DDP's ``no_sync``)."""
     return torch.compile(module) if enabled else module
+
+
+def wrap_network(module: nn.Module, info: DistInfo, compile: bool) -> nn.Module:
+    """DDP around ``module`` when distributed, then torch.compile when asked. Every rank must
+    call it (DDP broadcasts rank 0's weights). Gradients live in DDP's all-reduce buckets
+    (``gradient_as_bucket_view``): one copy of them fewer."""
+    if info.is_distributed:
+        module = DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+                     gradient_as_bucket_view=True)
+    return maybe_compile(module, compile)

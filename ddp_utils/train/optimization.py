@@ -1,11 +1,17 @@
-"""Learning-rate schedules as pure functions of the optimizer step (not micro-steps, not epochs):
+"""The optimisation of a run: SGD, the fp16 scaler and the learning rate of every optimizer step.
+
+LR schedules are pure functions of the optimizer step (not micro-steps, not epochs):
 ``LRSchedule(...)(step)`` is the LR of the step taken after ``step`` others (applied or skipped).
 Nothing of it lives in a checkpoint: a resumed run's LR follows from its step and its own flags."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
+
+import torch
+
+from .accumulation import grad_scaler, steps_per_epoch
 
 LR_SCHEDULES = ("cosine", "step", "constant", "cosine-epoch")
 
@@ -96,3 +102,35 @@ def cosine_to_one(base: float, step: int, total_steps: int) -> float:
     """A value rising from ``base`` to 1 on a half cosine (MoCo's momentum schedule, BYOL-style)."""
     progress = min(1.0, step / max(1, total_steps))
     return 1.0 - (1.0 - base) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def sgd(params, lr: float, momentum: float, weight_decay: float, device: torch.device) -> torch.optim.SGD:
+    """Fused SGD on CUDA, the multi-tensor (foreach) one elsewhere: the same update rule."""
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **fast)
+
+
+class OptimizationFlags(Protocol):
+    """The flags :func:`build_optimization` reads (``train_config.TrainConfig`` has them)."""
+
+    lr: float
+    momentum: float
+    weight_decay: float
+    epochs: int
+    accum_steps: int
+    lr_schedule: str
+    warmup_steps: int
+    amp: str
+
+    def milestone_steps(self, steps_per_epoch: int) -> list[int]: ...
+
+
+def build_optimization(cfg: OptimizationFlags, params, batches_per_epoch: int, device: torch.device):
+    """SGD over ``params``, the LR of every optimizer step over all --epochs, the fp16 scaler
+    (disabled for other precisions) and the number of optimizer steps in all."""
+    optimizer = sgd(params, cfg.lr, cfg.momentum, cfg.weight_decay, device)
+    epoch_steps = steps_per_epoch(batches_per_epoch, cfg.accum_steps)
+    total_steps = cfg.epochs * epoch_steps
+    lr_schedule = LRSchedule(cfg.lr, cfg.lr_schedule, total_steps, cfg.warmup_steps,
+                             tuple(cfg.milestone_steps(epoch_steps)), epoch_steps)
+    return optimizer, lr_schedule, grad_scaler(cfg.amp, device), total_steps

@@ -1,0 +1,123 @@
+"""The checks every rank passes before anything of a run is built, shared by the run's pre-flight
+and ``--check`` (``train.check``), and what the data flags left to the machine resolve to."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..config import UsageError, dataset_values, flag_name
+from ..data.pipeline import default_workers, usable_cpus
+from ..data.recipes import augment_on_device
+from ..data.sets import check_data_dir, download_cifar10
+from ..runtime.collectives import all_gather_object, all_ranks_agree
+from ..runtime.dist import DistInfo, gpu_identity, restart_count, shared_gpu_problem
+from ..runtime.faults import FaultPlan
+from .checkpoint import Resume
+from .resume import choose_resume
+from .run_folder import check_out_dir
+from .train_config import TrainConfig
+from .unreadable_files import refuse_unfixed_files
+
+if TYPE_CHECKING:
+    from .session import RunSession
+
+log = logging.getLogger("train")
+
+
+def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dict[str, Any]]:
+    """The checks every rank must pass before anything is built (folders, data, the fault plan,
+    the checkpoint to resume, GPUs not shared), agreed by all ranks so that all stop together,
+    and the CIFAR-10 download. Returns the checkpoint to resume (or None) and what the "auto"
+    data flags resolve to (:func:`resolved_settings`, logged). Nothing is written into --out."""
+    info = session.info
+    # A node that comes back joins with a fresh torchrun agent (restart count 0) while the others'
+    # count restarts: the job is restarted if any rank says so.
+    restarted = any(all_gather_object(restart_count() > 0))
+    with all_ranks_agree():
+        resume, session.faults = checks_before_start(cfg, restarted, announce=info.is_main)
+    download_once_per_node(cfg, info)
+    if info.device.type == "cuda" and info.is_distributed:
+        problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))
+        if problem:
+            raise UsageError(problem)
+    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
+    if info.is_main:
+        log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size))
+    return resume, resolved
+
+
+def checks_before_start(cfg: TrainConfig, restarted: bool, announce: bool) -> tuple[Resume | None, FaultPlan]:
+    """What the run's pre-flight and ``--check`` both check, on this rank alone: the paths, the
+    fault plan (DDP_FAULT, the tests' fault injection), the checkpoint to resume (None: a fresh
+    run), and that no image file the run stopped on still fails to decode."""
+    check_paths(cfg)
+    faults = FaultPlan.from_env()
+    resume = choose_resume(cfg.resume, cfg.out, cfg.overwrite, announce, restarted)
+    refuse_unfixed_files(cfg.out, resume, restarted)
+    return resume, faults
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """The files and folders the config names: --out a folder this process can write in, the
+    data where --data-dir says, and each of ``cfg.required_paths()`` there (bad input if not)."""
+    check_out_dir(cfg.out)
+    problem = check_data_dir(cfg.dataset, cfg.data_dir, cfg.download)
+    if problem:
+        raise UsageError(problem)
+    for flag, path in cfg.required_paths().items():
+        if not Path(path).exists():
+            raise UsageError(f"{flag} {path}: no such file or folder")
+
+
+def download_once_per_node(cfg: TrainConfig, info: DistInfo) -> None:
+    """``--download``: local rank 0 of each node fetches CIFAR-10 while the others wait (a failed
+    download stops every rank with exit 2); afterwards every rank only reads it."""
+    if cfg.dataset == "cifar10" and cfg.download:
+        with all_ranks_agree():
+            if info.local_rank == 0:
+                download_cifar10(cfg.data_dir)
+
+
+def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, device: torch.device) -> dict[str, Any]:
+    """What the data flags left to this machine resolve to: the image side (``--image-size 0``),
+    DataLoader workers per rank (``--workers -1``) and where augmentation runs (``--aug-on
+    auto``); and under "dataset_defaults", the settings at the data set's own defaults
+    (``DATASET_DEFAULTS``), however they came. The start-up log, ``--check``, config.json and checkpoints give them
+    beside the flags as asked, which stay what a ``--config`` re-run reads."""
+    # torchrun's workers share the agent's CPUs; srun gives each task its own (--cpus-per-task)
+    sharing = 1 if launcher == "slurm" else local_world_size
+    resolved = {"image_size": cfg.resolved_image_size(),
+                "workers": cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing),
+                "aug_on": "device" if augment_on_device(cfg.aug_on, cfg.dataset, device) else "loader",
+                "decode_on": "device" if cfg.decode_on == "device" else "loader"}
+    own = {name: value for name, value in dataset_values(type(cfg), cfg.dataset).items()
+           if getattr(cfg, name) == value}
+    if own:  # the settings at the data set's own defaults (the script's DATASET_DEFAULTS)
+        resolved["dataset_defaults"] = own
+    return resolved
+
+
+def describe_settings(cfg: TrainConfig, resolved: dict[str, Any], launcher: str, local_world_size: int) -> str:
+    """The resolved data settings in words, each followed by the flag it came from where that
+    was left to the machine: "224 px (--image-size 0), augmentation on the loader (--aug-on
+    auto), 3 DataLoader workers per rank (--workers -1: ...)"."""
+    sharing = 1 if launcher == "slurm" else local_world_size
+    why_workers = "in-memory data needs none" if resolved["workers"] == 0 else \
+        f"{usable_cpus()} usable CPUs shared by {sharing} rank(s)"
+    auto = {"image_size": cfg.image_size == 0 and "--image-size 0",
+            "aug_on": cfg.aug_on == "auto" and "--aug-on auto",
+            "decode_on": cfg.decode_on == "auto" and "--decode-on auto",
+            "workers": cfg.workers < 0 and f"--workers -1: {why_workers}"}
+    said = {"image_size": f"{resolved['image_size']} px", "aug_on": f"augmentation on the {resolved['aug_on']}",
+            "decode_on": f"decoding on the {resolved['decode_on']}",
+            "workers": f"{resolved['workers']} DataLoader worker(s) per rank"}
+    if cfg.dataset != "imagefolder":
+        del said["decode_on"]  # only image files are decoded
+    text = ", ".join(text + (f" ({auto[name]})" if auto[name] else "") for name, text in said.items())
+    own = resolved.get("dataset_defaults")
+    if own:
+        text += f"; at the {cfg.dataset} data set's own defaults: " + ", ".join(f"{flag_name(name)} {value}" for name, value in own.items())
+    return text
