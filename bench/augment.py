@@ -42,8 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ddp_utils import hashing  # noqa: E402
 from ddp_utils.data import batch_augment as ba  # noqa: E402
-from ddp_utils.data.batch_augment import BatchAugment  # noqa: E402
-from ddp_utils.data.loading import DeviceAugment  # noqa: E402
+from ddp_utils.data.batch_augment import BatchAugment, DeviceAugment  # noqa: E402
 from ddp_utils.data.recipes import moco_recipe  # noqa: E402
 from ddp_utils.data.transforms import view_transform  # noqa: E402
 
@@ -86,7 +85,7 @@ def jitter_order_ms(size: int, batch: int, repeats: int) -> tuple[float, float]:
     """(random order, fixed order) milliseconds of CPU time for one batch of ColorJitter(0.4, 0.4,
     0.4, 0.1) applied to every sample."""
     x = torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
-    factors, order = ba.jitter_draws(ba.draws(0, 0, torch.arange(batch))[:, :8], (0.4, 0.4, 0.4, 0.1))
+    factors, order = ba.jitter_draws(ba.keyed_uniforms(0, 0, torch.arange(batch))[:, :8], (0.4, 0.4, 0.4, 0.1))
 
     def fixed():
         y = x.clone()
@@ -122,15 +121,14 @@ def packed_views(images: int = 64, batch: int = 32, repeats: int = 3) -> dict[st
 
     from bench.at_commit import module_at
     from bench.imagenet_like import write_imagenet_like
-    from ddp_utils.data import packed
-    from ddp_utils.data.decode import decode_cpu, read_bytes
-    from ddp_utils.data.image_folder import ImageFiles
+    from ddp_utils.data.files_on_device import pack
+    from ddp_utils.data.image_files import ImageFiles, decode_cpu, read_bytes
 
     with tempfile.TemporaryDirectory() as root:
         write_imagenet_like(root, classes=4, train_per_class=-(-images // 4), val_per_class=1)
         files = ImageFiles(f"{root}/train")
         decoded = [decode_cpu(read_bytes(files.samples[i][0])) for i in range(images)]
-    batches = [(packed.pack(decoded[s:s + batch]), torch.arange(s, min(s + batch, images)))
+    batches = [(pack(decoded[s:s + batch]), torch.arange(s, min(s + batch, images)))
                for s in range(0, images, batch)]
     recipe = moco_recipe("imagefolder", 224, "v2")
     now = DeviceAugment(BatchAugment(recipe, 224), seed=0, views=2)
@@ -186,7 +184,7 @@ def kernels_per_step(size: int, batch: int) -> tuple[int, int, int]:
         for view in (0, 1):
             for first, count in purposes:
                 hashing.uniforms(key, index, count, view * ba.VIEW_COLUMNS + first)
-    return (counted(lambda: augment(images, 0, index)), counted(lambda: ba.draws(0, 0, index, views=2)),
+    return (counted(lambda: augment(images, 0, index)), counted(lambda: ba.keyed_uniforms(0, 0, index, views=2)),
             counted(per_purpose))
 
 

@@ -13,7 +13,7 @@ size), 2 on a usage error. With ``--device cpu`` every part runs the same code o
 training process decodes, as ``--decode-on device`` does there): a check of the plumbing, not
 a measurement.
 
-* ``decode-diff``: ``decode.decode_on(device, batch)`` (nvJPEG on CUDA) against ``decode_cpu``
+* ``decode-diff``: ``files_on_device.decode_on(device, batch)`` (nvJPEG on CUDA) against ``decode_cpu``
   (libjpeg-turbo, the workers' decoder) of the same files: max and mean |diff| in uint8 levels
   over every channel value. Only the device-decodable files (baseline 3-component JPEGs) go to
   the device, as in training.
@@ -25,10 +25,10 @@ a measurement.
   an idle device (bit-identical), against ``decode_cpu`` (within the idle device's own max
   |diff| from it on these files, i.e. decode-diff's figure), and the sentinels' sums against
   their known values. Reports the iterations where anything differed. ``--unprotected`` is the
-  control: the same probe with decode_on's body (``decode._decode_all``) run on the training
+  control: the same probe with decode_on's body (``files_on_device._decode_all``) run on the training
   stream, as torchvision's decoder is called without a stream of its own; a count above 0 there
   shows that the probe provokes the race the real path must not show.
-* ``loader``: the training loader alone (``pipeline.build_data``'s ``DeviceFinish`` batches:
+* ``loader``: the training loader alone (``pipeline.build_data``'s ``FinishOnDevice`` batches:
   workers, pinned copy, decode, crops, colour, blur, normalisation; no model) in img/s, per
   workers count and ``--decode-on`` mode, over batches inside one epoch after a warm-up, with
   the share of the main process's wall time spent inside ``decode_on`` (device decode: the host
@@ -38,7 +38,7 @@ a measurement.
   samples not bit-identical. Alone, a sample's blur, grayscale and jitter run on sub-batches of
   other sizes (of one or none), so a kernel whose rounding follows the batch's shape shows here;
   bit for bit on the CPU; exit 1 above 1e-5, the bound the device path promises.
-* ``breakdown``: ``DeviceFinish.finish`` on held batches (MoCo v2 recipe, 2 views) under
+* ``breakdown``: ``FinishOnDevice.finish`` on held batches (MoCo v2 recipe, 2 views) under
   ``torch.profiler``: per batch, the time of each ``device_finish/*`` range (on CUDA the
   kernels' device time attributed to the range, on the CPU its CPU time; ``?`` where the range
   is not in the profile), the host wall time of a whole finish (synchronised, without the
@@ -57,11 +57,10 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ddp_utils.config import UsageError  # noqa: E402
-from ddp_utils.data import decode, loading  # noqa: E402
-from ddp_utils.data.batch_augment import BatchAugment  # noqa: E402
-from ddp_utils.data.decode import EncodedBatch, decode_cpu, decode_on, device_decodable, read_bytes  # noqa: E402
-from ddp_utils.data.loading import DeviceAugment  # noqa: E402
-from ddp_utils.data.packed import pack  # noqa: E402
+from ddp_utils.data import files_on_device  # noqa: E402
+from ddp_utils.data.batch_augment import BatchAugment, DeviceAugment  # noqa: E402
+from ddp_utils.data.files_on_device import EncodedBatch, decode_on, pack  # noqa: E402
+from ddp_utils.data.image_files import decode_cpu, device_decodable, read_bytes  # noqa: E402
 from ddp_utils.data.pipeline import DataPlan, build_data, default_workers  # noqa: E402
 from ddp_utils.data.recipes import moco_recipe  # noqa: E402
 
@@ -180,7 +179,7 @@ def race(args: argparse.Namespace, device: torch.device) -> int:
         sums = torch.stack([s.sum(dtype=torch.int64) for s in sentinels])  # queued behind the backward
         del sentinels  # their blocks are free on the training stream while those reductions wait
         if args.unprotected:  # the control: decode_on's body on the training stream, no stream of its own
-            images, failed = decode._decode_all(device, batch)
+            images, failed = files_on_device._decode_all(device, batch)
         else:
             images, failed = decode_on(device, batch)  # the real code under test
         if failed or [tuple(image.shape) for image in images] != shapes:
@@ -216,11 +215,11 @@ def plan_for(args: argparse.Namespace, workers: int, decode_on_device: bool) -> 
 
 
 class DecodeClock:
-    """Wall seconds the main process spends inside ``decode_on`` when ``DeviceFinish`` calls it
-    (loading's own reference wrapped, the real function called)."""
+    """Wall seconds the main process spends inside ``decode_on`` when ``FinishOnDevice`` calls it
+    (files_on_device's own reference wrapped, the real function called)."""
 
     def __init__(self):
-        self.seconds, self._real = 0.0, loading.decode_on
+        self.seconds, self._real = 0.0, files_on_device.decode_on
 
     def __enter__(self) -> DecodeClock:
         def timed(device, batch):
@@ -230,11 +229,11 @@ class DecodeClock:
             finally:
                 self.seconds += time.perf_counter() - started
 
-        loading.decode_on = timed
+        files_on_device.decode_on = timed
         return self
 
     def __exit__(self, *exc) -> None:
-        loading.decode_on = self._real
+        files_on_device.decode_on = self._real
 
 
 def resolve_workers(asked: int) -> int:
@@ -263,7 +262,7 @@ def loader(args: argparse.Namespace, device: torch.device) -> int:
                 seconds = time.perf_counter() - started
             rate = args.batches * args.batch_size / seconds
             share = f"; host in decode_on {100 * clock.seconds / seconds:.0f}% of it" if mode == "device" else ""
-            what = (f"DeviceFinish batches, --decode-on {mode}, {workers} worker(s), MoCo v2 2 views, "
+            what = (f"FinishOnDevice batches, --decode-on {mode}, {workers} worker(s), MoCo v2 2 views, "
                     f"{args.image_size} px, batch {args.batch_size}, no model")
             print(row("loader", what, f"{rate:,.0f} img/s",
                       f"batches {args.warmup_batches + 1}-{args.warmup_batches + args.batches} of epoch 0's "
@@ -372,7 +371,7 @@ def breakdown(args: argparse.Namespace, device: torch.device) -> int:
                   f"{kind} inside the range, {args.batches} batches after {args.warmup_batches} warm-up; "
                   "?: the range is not in that mode's profile"))
     peak = " / ".join("-" if peaks[m] is None else f"{peaks[m]:.2f}" for m in modes)
-    print(row("device finish", f"whole DeviceFinish.finish per batch, {said}, {setup}",
+    print(row("device finish", f"whole FinishOnDevice.finish per batch, {said}, {setup}",
               " / ".join(f"{walls[m]:.2f}" for m in modes) + " ms",
               f"host wall time, synchronised, no profiler; peak device memory allocated {peak} GiB"))
     return 0

@@ -232,7 +232,7 @@ fi
 # then its control (the decoder without a stream of its own, in a process of its own, as it may
 # corrupt what the backward reads: above 0 shows the probe provokes the race); the loader alone
 # (no model); a sample's views in a batch against alone (the blur's, grayscale's and jitter's
-# sub-batches change size with the batch); the per-batch profile of DeviceFinish.finish.
+# sub-batches change size with the batch); the per-batch profile of FinishOnDevice.finish.
 DEVICE_FINISH=(bench/device_finish.py --data-dir "$JPEG" --device "$DEVICE" --batch-size "$JPEG_BATCH"
     --image-size "$SIZE50")
 # device_part ROW LIMIT WHAT ARGS...: one part, its rows, or what it printed and a FAILED row
@@ -253,9 +253,9 @@ device_part() {
 device_part "device decode" 60 "decode_on($DEVICE) vs decode_cpu" decode-diff --files "$DF_FILES"
 device_part "race probe" 90 "decode_on($DEVICE) while a backward is queued" race "${RACE[@]}"
 device_part "race probe" 45 "the control: decode without a stream of its own" race --unprotected "${RACE_CONTROL[@]}"
-device_part "loader" 120 "DeviceFinish batches alone" loader --workers "${LOADER_WORKERS[@]}" "${LOADER_BATCHES[@]}"
+device_part "loader" 120 "FinishOnDevice batches alone" loader --workers "${LOADER_WORKERS[@]}" "${LOADER_BATCHES[@]}"
 device_part "batch independence" 45 "views in a packed batch against each alone" independence
-device_part "device finish" 60 "DeviceFinish.finish under torch.profiler" breakdown "${BREAKDOWN[@]}"
+device_part "device finish" 60 "FinishOnDevice.finish under torch.profiler" breakdown "${BREAKDOWN[@]}"
 
 # ----------------------------------------------------------------------------- smoke runs
 SMOKE=(--device "$DEVICE" --arch "$SMOKE_ARCH" --image-size 32 --batch-size "$SMOKE_BATCH" --log-every 1000)

@@ -26,8 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.imagenet_like import write_imagenet_like  # noqa: E402
-from ddp_utils.data.host_memory import SHM_DIR  # noqa: E402
-from ddp_utils.data.loading import eval_batch_size  # noqa: E402
+from ddp_utils.data.host_memory import SHM_DIR, eval_batch_size  # noqa: E402
 from ddp_utils.data.pipeline import DataPlan, build_data, plan_memory  # noqa: E402
 from ddp_utils.data.recipes import moco_recipe  # noqa: E402
 

@@ -52,15 +52,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.at_commit import module_at  # noqa: E402
 from bench.imagenet_like import write_imagenet_like  # noqa: E402
 from ddp_utils import hashing  # noqa: E402
-from ddp_utils.data.batch_augment import BatchAugment  # noqa: E402
-from ddp_utils.data.decode import decode_cpu, read_bytes  # noqa: E402
-from ddp_utils.data.image_files import UnreadableFiles, decode_rgb  # noqa: E402
-from ddp_utils.data.image_folder import ImageFiles  # noqa: E402
-from ddp_utils.data.loading import DeviceAugment, DeviceFinish, SeededTransform, collate_files  # noqa: E402
-from ddp_utils.data.packed import pack_to_share  # noqa: E402
-from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, moco_recipe  # noqa: E402
+from ddp_utils.data.batch_augment import BatchAugment, DeviceAugment  # noqa: E402
+from ddp_utils.data.files_on_device import FinishOnDevice, collate_files, pack_to_share  # noqa: E402
+from ddp_utils.data.image_files import ImageFiles, UnreadableFiles, decode_cpu, decode_rgb, read_bytes  # noqa: E402
+from ddp_utils.data.pipeline import SeededTransform  # noqa: E402
+from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, eval_recipe, moco_recipe  # noqa: E402
 from ddp_utils.data.sets import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402
-from ddp_utils.data.transforms import TwoCrops, eval_transform, view_transform  # noqa: E402
+from ddp_utils.data.transforms import TwoCrops, view_transform  # noqa: E402
 
 BATCH = 32
 SIZE = 224
@@ -159,7 +157,7 @@ def rows(files: ImageFiles) -> dict[str, callable]:
 
     def crop_resize(scale):  # what the device path's workers ran per view before this change
         return T.Compose([T.ToImage(), T.RandomResizedCrop(SIZE, scale=scale, antialias=True), T.ToPureTensor()])
-    tensor, encoded = files.reading("tensor"), files.reading("encoded")
+    tensor, encoded = files.reading("decoded"), files.reading("encoded")
     packed_at_8719b0f = module_at("8719b0f", "ddp_utils/data/packed.py")
 
     def in_a_worker(pack_batch):
@@ -194,8 +192,8 @@ def rows(files: ImageFiles) -> dict[str, callable]:
         "classifier view: --aug-on device (decode + pack)":
             per_sample(SeededTransform(tensor, None, 0, with_key=True), collate_files),
         "evaluation view: before this change (the loader path on every path)":
-            per_sample(SeededBefore(files, eval_transform("imagefolder", SIZE), 0)),
-        "evaluation view: --aug-on loader": per_sample(SeededTransform(files, eval_transform("imagefolder", SIZE), 0)),
+            per_sample(SeededBefore(files, view_transform(eval_recipe("imagefolder"), "imagefolder", SIZE), 0)),
+        "evaluation view: --aug-on loader": per_sample(SeededTransform(files, view_transform(eval_recipe("imagefolder"), "imagefolder", SIZE), 0)),
         "evaluation view: --aug-on device (decode + pack)":
             per_sample(SeededTransform(tensor, None, 0, with_key=True), collate_files),
         "reference: the training process on a CPU device, MoCo v2 two views of packed batches":
@@ -204,9 +202,9 @@ def rows(files: ImageFiles) -> dict[str, callable]:
 
 
 def device_side(tensor_files: ImageFiles, recipe: AugmentRecipe):
-    """What DeviceFinish does per image with the CPU as the device, batches packed beforehand."""
-    finish = DeviceFinish(torch.utils.data.DataLoader([]), DeviceAugment(BatchAugment(recipe, SIZE), 0, 2),
-                          torch.device("cpu"), tensor_files, UnreadableFiles())
+    """What FinishOnDevice does per image with the CPU as the device, batches packed beforehand."""
+    finish = FinishOnDevice(torch.utils.data.DataLoader([]), DeviceAugment(BatchAugment(recipe, SIZE), 0, 2),
+                            torch.device("cpu"), tensor_files, UnreadableFiles())
     dataset = SeededTransform(tensor_files, None, 0, with_key=True)
     cache: dict[tuple[int, ...], list] = {}
 

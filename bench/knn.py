@@ -31,7 +31,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the gathered search is the te
 import knn_reference as reference  # noqa: E402
 
 import ddp_utils.eval.knn as knn  # noqa: E402
-from ddp_utils.data.loading import eval_loader  # noqa: E402
+from ddp_utils.data.pipeline import ShardedEvalSampler, data_loader  # noqa: E402
 from ddp_utils.runtime.collectives import all_gather_object  # noqa: E402
 from ddp_utils.runtime.dist import cleanup_distributed, init_distributed  # noqa: E402
 from ddp_utils.runtime.spawn import spawn_local  # noqa: E402
@@ -112,8 +112,8 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)  # the same data on every rank; each loads its shard
     bank = TensorDataset(torch.randn(args.bank, args.dim, generator=gen), torch.randint(0, 100, (args.bank,), generator=gen))
     val = TensorDataset(torch.randn(args.queries, args.dim, generator=gen), torch.randint(0, 100, (args.queries,), generator=gen))
-    loaders = [eval_loader(data, None, batch_size=500, workers=0, rank=info.rank, world_size=info.world_size,
-                           pin_memory=False) for data in (bank, val)]
+    loaders = [data_loader(data, ShardedEvalSampler(data, info.world_size, info.rank), batch_size=500, workers=0,
+                           pin_memory=False, train=False) for data in (bank, val)]
     modes = {"gathered": reference.knn_accuracy_gathered, "sharded": knn.knn_accuracy}
     times: dict[str, list[float]] = {name: [] for name in modes}
     facts: dict[str, dict] = {}

@@ -44,8 +44,8 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ddp_utils.config import UsageError  # noqa: E402
-from ddp_utils.data.batch_augment import BatchAugment  # noqa: E402
-from ddp_utils.data.loading import DeviceAugment, SeededTransform, fit_for_pad_crop  # noqa: E402
+from ddp_utils.data.batch_augment import BatchAugment, DeviceAugment  # noqa: E402
+from ddp_utils.data.pipeline import SeededTransform, padded_for_crop  # noqa: E402
 from ddp_utils.data.recipes import classifier_recipe, moco_recipe  # noqa: E402
 from ddp_utils.data.sets import in_memory_tensors  # noqa: E402
 from ddp_utils.data.transforms import TwoCrops, view_transform  # noqa: E402
@@ -213,13 +213,13 @@ def augmentation_fns(args: argparse.Namespace, run):
             pass
 
     device_augment = DeviceAugment(BatchAugment(recipe, size), cfg.seed, views)
-    if run.loaders.on_device:  # the split the run already holds on the device (fitted by build_data)
+    if run.loaders.plan.aug_on_device:  # the split the run already holds on the device (padded by build_data)
         images = run.loaders.train.images[:n]
     else:
         tensors = in_memory_tensors(raw)
         if tensors is None:
             raise UsageError(f"--dataset {cfg.dataset}: not an in-memory data set")
-        images = fit_for_pad_crop(tensors[0][:n], device_augment.augment).to(device)  # as build_data does
+        images = padded_for_crop(tensors[0][:n], device_augment.augment).to(device)  # as build_data does
     index = torch.arange(n, device=device)
     device_side = lambda: device_augment(images, 0, index)  # noqa: E731
     return loader_side, device_side, n
@@ -253,7 +253,7 @@ def measure_run(args: argparse.Namespace, script, run) -> dict:
         best["device"] = min(best["device"], time_repeats(device_aug, args.aug_repeats, device))
     images_per_step = cfg.batch_size * cfg.accum_steps
     return dict(
-        cfg=cfg, device=device, on_device=run.loaders.on_device, aug_samples=aug_n,
+        cfg=cfg, device=device, on_device=run.loaders.plan.aug_on_device, aug_samples=aug_n,
         step_s=best["step"] / args.steps, floor_s=best["floor"] / args.steps,
         step_rate=images_per_step * args.steps / best["step"],
         loader_rate=aug_n / best["loader"], device_rate=aug_n * args.aug_repeats / best["device"],

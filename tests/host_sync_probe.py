@@ -209,7 +209,7 @@ def count_per_micro_step(main, args: list[str], monkeypatch_setattr, plant_kind:
     micro-step's backward and the end of the next one's (set-up before the first and the work
     after the last left out), and the counted events."""
     import ddp_utils.train.session as session
-    from ddp_utils.data.loading import OneAhead
+    from ddp_utils.data.batch_augment import PreparedAhead
 
     monkeypatch_setattr(session, "init_distributed", on_training_device(session.init_distributed))
     counter, marks = HostSyncCounter(), []
@@ -224,13 +224,13 @@ def count_per_micro_step(main, args: list[str], monkeypatch_setattr, plant_kind:
 
     monkeypatch_setattr(torch.Tensor, "backward", marked)
     prepared = []  # (backward passes so far, whether no sync came since the last of them)
-    prepare_next = OneAhead.prepare_next
+    prepare_next = PreparedAhead.prepare_next
 
     def recorded(self):
         prepared.append((len(marks), bool(marks) and counter.count == marks[-1]))
         return prepare_next(self)
 
-    monkeypatch_setattr(OneAhead, "prepare_next", recorded)
+    monkeypatch_setattr(PreparedAhead, "prepare_next", recorded)
     with counter:
         code = main(args)
     first = marks[0] if marks else 0

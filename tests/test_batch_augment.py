@@ -136,7 +136,7 @@ def test_runs_without_reading_values_on_the_device():
     host's uniforms). The batch of 64 makes every random step draw some samples and not others."""
     images = torch.empty(64, 3, 32, 32, dtype=torch.uint8, device="meta")
     index = torch.arange(64)
-    u = ba.draws(0, 0, index)
+    u = ba.keyed_uniforms(0, 0, index)
     for column, p in ((ba.JITTER_COLUMN, 0.8), (ba.GRAY_COLUMN, 0.2), (ba.BLUR_COLUMN, 0.5), (ba.FLIP_COLUMN, 0.5)):
         assert 0 < len(ba.drawn(u[:, column], p)) < 64
     for recipe, size in [(_moco("v2", 16, mean=(0.5,) * 3, std=(0.2,) * 3), 16),
@@ -374,7 +374,7 @@ def test_blur_sigma_is_drawn_uniformly_from_its_range():
     """The pipeline blurs with sigma = lo + (hi - lo) u, u the blur stream's second column."""
     images, index = as_float(colour_images(32, 8)), torch.arange(32)
     recipe = AugmentRecipe(blur_p=1.0, blur_sigma=(0.3, 1.7), blur_kernel=5)
-    u = ba.draws(2, 1, index, first_view=1)[:, ba.BLUR_COLUMN:ba.BLUR_COLUMN + 2]
+    u = ba.keyed_uniforms(2, 1, index, first_view=1)[:, ba.BLUR_COLUMN:ba.BLUR_COLUMN + 2]
     expected = ba.gaussian_blur(images, 0.3 + 1.4 * u[:, 1], 5)
     assert torch.equal(BatchAugment(recipe, 8)(images, seed=2, epoch=1, index=index, view=1), expected)
 
@@ -382,7 +382,7 @@ def test_blur_sigma_is_drawn_uniformly_from_its_range():
 def test_every_view_of_a_batch_is_drawn_in_one_call(monkeypatch):
     """DeviceAugment hashes the whole batch once for both MoCo views, and gives each view what
     BatchAugment draws for that view alone."""
-    from ddp_utils.data.loading import DeviceAugment
+    from ddp_utils.data.batch_augment import DeviceAugment
 
     images, index = colour_images(16, 32), torch.arange(100, 116)
     augment = BatchAugment(_moco("v2", 16, mean=(0.5,) * 3, std=(0.2,) * 3), 16)

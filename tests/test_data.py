@@ -6,18 +6,18 @@ import torch
 from helpers import assert_ok, in_process, load_ckpt, run_cli, run_on_ranks, write_image_folder
 
 import train_classifier
-from ddp_utils.data.loading import SeededTransform
-from ddp_utils.data.pipeline import DataPlan, build_data
-from ddp_utils.data.recipes import classifier_recipe, moco_recipe
+from ddp_utils.data.pipeline import DataPlan, SeededTransform, build_data
+from ddp_utils.data.recipes import classifier_recipe, eval_recipe, moco_recipe
 from ddp_utils.data.sets import DigitsDataset, SyntheticImages, load_split
-from ddp_utils.data.transforms import eval_transform, view_transform
+from ddp_utils.data.transforms import view_transform
 
 CPU = torch.device("cpu")
 
 
 def classification_transforms(dataset: str, size: int, augment: bool):
     """(train, eval) per-sample transforms of train_classifier.py's loader path."""
-    return view_transform(classifier_recipe(dataset, size, augment), dataset, size), eval_transform(dataset, size)
+    return (view_transform(classifier_recipe(dataset, size, augment), dataset, size),
+            view_transform(eval_recipe(dataset), dataset, size))
 
 
 def plan(**given) -> DataPlan:
@@ -160,7 +160,7 @@ def test_persistent_workers_see_each_epoch_and_resume_exactly():
 def test_imagefolder_on_the_device_splits_the_work_and_stays_seeded(tmp_path):
     """ImageFolder with --aug-on device: workers decode and pack each batch, the device crops and
     augments every view as a batch, keyed by (seed, epoch, index); then a MoCo run through the CLI."""
-    from ddp_utils.data.loading import DeviceFinish
+    from ddp_utils.data.files_on_device import FinishOnDevice
 
     write_image_folder(tmp_path / "tree")
     tree = str(tmp_path / "tree")
@@ -168,7 +168,7 @@ def test_imagefolder_on_the_device_splits_the_work_and_stays_seeded(tmp_path):
     def first_batches(epoch: int):
         loaders = build_data(plan(dataset="imagefolder", data_dir=tree, batch_size=4, views=2, aug_on_device=True,
                                   recipe=moco_recipe("imagefolder", 32, "v2")), rank=0, world_size=1, device=CPU)
-        assert isinstance(loaders.train, DeviceFinish) and isinstance(loaders.val, DeviceFinish)
+        assert isinstance(loaders.train, FinishOnDevice) and isinstance(loaders.val, FinishOnDevice)
         loaders.set_epoch(epoch)
         return next(iter(loaders.train))
 
@@ -239,19 +239,19 @@ def test_a_subset_of_synthetic_images_generates_only_its_samples():
     assert torch.equal(images[1], whole[4000][0]) and labels.tolist() == [whole[i][1] for i in (7, 4000, 12)]
 
 
-def test_fit_for_pad_crop_resizes_a_chunk_at_a_time(monkeypatch):
+def test_padded_for_crop_resizes_a_chunk_at_a_time(monkeypatch):
     """The stored split is resized once to the output size, ``chunk`` images at a time (a whole
     CIFAR-10 split in float at 224 px would take 30 GB), with the result of one pass."""
-    import ddp_utils.data.loading as loading
+    import ddp_utils.data.pipeline as pipeline
     from ddp_utils.data.batch_augment import BatchAugment
 
     augment = BatchAugment(classifier_recipe("cifar10", 12, augment=True), 12)
     assert augment.recipe.pad_crop
     images = torch.randint(0, 256, (10, 3, 8, 8), dtype=torch.uint8)
-    whole = loading.fit_for_pad_crop(images, augment)
-    sizes, interpolate = [], loading.F.interpolate
-    monkeypatch.setattr(loading.F, "interpolate", lambda x, **kw: sizes.append(len(x)) or interpolate(x, **kw))
-    chunked = loading.fit_for_pad_crop(images, augment, chunk=4)
+    whole = pipeline.padded_for_crop(images, augment)
+    sizes, interpolate = [], pipeline.F.interpolate
+    monkeypatch.setattr(pipeline.F, "interpolate", lambda x, **kw: sizes.append(len(x)) or interpolate(x, **kw))
+    chunked = pipeline.padded_for_crop(images, augment, chunk=4)
     assert sizes == [4, 4, 2] and chunked.dtype == torch.uint8 and chunked.shape == (10, 3, 12, 12)
     assert torch.equal(chunked, whole)
 
@@ -259,13 +259,12 @@ def test_fit_for_pad_crop_resizes_a_chunk_at_a_time(monkeypatch):
 def test_device_batches_come_in_the_networks_memory_format(monkeypatch):
     """Augmented on the device, a batch is written straight in the network's layout (CUDA:
     channels_last), so nothing re-lays it before the first convolution."""
-    import ddp_utils.data.loading as loading
-    from ddp_utils.data.batch_augment import BatchAugment
+    import ddp_utils.data.batch_augment as ba
 
-    augment = loading.DeviceAugment(BatchAugment(moco_recipe("cifar10", 16, "v2", 0.2), 16), seed=0, views=2)
+    augment = ba.DeviceAugment(ba.BatchAugment(moco_recipe("cifar10", 16, "v2", 0.2), 16), seed=0, views=2)
     images, index = torch.rand(6, 3, 16, 16), torch.arange(6)
     plain = augment(images, 0, index)
-    monkeypatch.setattr(loading, "memory_format", lambda device: torch.channels_last)
+    monkeypatch.setattr(ba, "memory_format", lambda device: torch.channels_last)
     nhwc = augment(images, 0, index)
     for a, b in zip(plain, nhwc):
         assert b.is_contiguous(memory_format=torch.channels_last) and not a.is_contiguous(memory_format=torch.channels_last)
@@ -274,18 +273,13 @@ def test_device_batches_come_in_the_networks_memory_format(monkeypatch):
 
 def test_device_evaluation_batches_equal_the_evaluation_loader():
     """In-memory splits are evaluated from the copy on the device, batched there: the same
-    images, labels and order as the per-sample evaluation transform's loader, on each rank's shard."""
-    from ddp_utils.data.batch_augment import BatchAugment
-    from ddp_utils.data.loading import device_eval_batches, eval_loader
+    images, labels and order as the loader path's per-sample evaluation view, on each rank's shard."""
+    from ddp_utils.data.pipeline import DeviceBatches
 
-    raw = DigitsDataset(train=False)
-    recipe = classifier_recipe("digits", 32, augment=False)
     for rank in (0, 1):
-        batches = device_eval_batches(raw.images, torch.as_tensor(raw.targets), BatchAugment(recipe, 32), rank=rank,
-                                      world_size=2, batch_size=64)
-        loader = eval_loader(raw, eval_transform("digits", 32), batch_size=64, workers=0, rank=rank, world_size=2,
-                             pin_memory=False)
-        assert len(batches) == len(loader) == 3
+        batches = build_data(plan(batch_size=16, aug_on_device=True), rank=rank, world_size=2, device=CPU).val
+        loader = build_data(plan(batch_size=16), rank=rank, world_size=2, device=CPU).val
+        assert isinstance(batches, DeviceBatches) and len(batches) == len(loader) == 3
         for (x, y), (x_ref, y_ref) in zip(batches, loader, strict=True):
             assert torch.equal(y, y_ref)
             torch.testing.assert_close(x, x_ref, rtol=0, atol=1e-6)
@@ -293,16 +287,15 @@ def test_device_evaluation_batches_equal_the_evaluation_loader():
 
 def test_the_knn_bank_of_in_memory_data_is_batched_from_the_training_tensor():
     """MoCo's kNN bank (a fixed subset of the training split) comes from the images the training
-    batches already hold on the device: the loader's images, labels and order, on each rank."""
-    from ddp_utils.data.loading import DeviceEvalBatches, bank_subset, eval_loader
+    batches already hold on the device: the loader path's images, labels and order, on each rank."""
+    from ddp_utils.data.pipeline import DeviceBatches
 
-    train, eval_tf = DigitsDataset(train=True), eval_transform("digits", 32)
-    bank = bank_subset(train, 300, seed=0)
     for rank in (0, 1):
-        loaders = build_data(plan(batch_size=16, recipe=moco_recipe("digits", 32, "v1", 0.2), views=2,
-                                  aug_on_device=True, bank_samples=300), rank=rank, world_size=2, device=CPU)
-        assert isinstance(loaders.bank, DeviceEvalBatches) and isinstance(loaders.val, DeviceEvalBatches)
-        reference = eval_loader(bank, eval_tf, batch_size=64, workers=0, rank=rank, world_size=2, pin_memory=False)
+        moco = dict(batch_size=16, recipe=moco_recipe("digits", 32, "v1", 0.2), views=2, bank_samples=300)
+        loaders = build_data(plan(**moco, aug_on_device=True), rank=rank, world_size=2, device=CPU)
+        assert isinstance(loaders.bank, DeviceBatches) and isinstance(loaders.val, DeviceBatches)
+        assert loaders.bank.images is loaders.train.images  # no second copy on the device
+        reference = build_data(plan(**moco), rank=rank, world_size=2, device=CPU).bank
         assert len(loaders.bank) == len(reference) == 3
         for (x, y), (x_ref, y_ref) in zip(loaders.bank, reference, strict=True):
             assert torch.equal(y, y_ref)

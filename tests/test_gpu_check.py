@@ -119,7 +119,7 @@ def test_batch_independence_on_the_cpu_is_exact_and_sees_a_shape_dependent_kerne
 def test_race_probe_on_the_cpu_sees_no_race_and_would_count_one(jpeg_folder, capsys, monkeypatch):
     """Two iterations on the CPU: none differs. A decode that changes one pixel in the second
     iteration (the third call: the idle reference is the first) is counted, and exits 1; the
-    control (--unprotected: decode._decode_all on the training stream) counts it too, exit 0."""
+    control (--unprotected: files_on_device._decode_all on the training stream) counts it too, exit 0."""
     args = ("race", "--data-dir", str(jpeg_folder), "--device", "cpu", "--batch-size", "4", "--image-size", "32",
             "--iterations", "2", "--arch", "resnet18")
     code, rows = run_part(capsys, *args)
@@ -149,7 +149,7 @@ def test_race_probe_on_the_cpu_sees_no_race_and_would_count_one(jpeg_folder, cap
     monkeypatch.undo()
     code, rows = run_part(capsys, *args, "--unprotected")
     assert code == 0 and cells(rows[0])[1].startswith("unprotected decode") and cells(rows[0])[2] == "0 of 2 differed"
-    calls = corrupt_third_call(device_finish.decode, "_decode_all")  # decode_on's body: the reference's too
+    calls = corrupt_third_call(device_finish.files_on_device, "_decode_all")  # decode_on's body: the reference's too
     code, rows = run_part(capsys, *args, "--unprotected")
     assert code == 0 and len(calls) == 3 and cells(rows[0])[2] == "1 of 2 differed"
 
@@ -187,7 +187,7 @@ def test_breakdown_prints_a_row_per_range(jpeg_folder, capsys):
         assert re.fullmatch(r"\d+\.\d\d|\?", device_mode)
         assert re.fullmatch(r"-" if name == "decode" else r"\d+\.\d\d|\?", loader_mode)
     whole = cells(rows[-1])
-    assert whole[1].startswith("whole DeviceFinish.finish") and all(float(ms) > 0 for ms in
+    assert whole[1].startswith("whole FinishOnDevice.finish") and all(float(ms) > 0 for ms in
                                                                    whole[2].removesuffix(" ms").split(" / "))
 
 

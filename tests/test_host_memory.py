@@ -14,9 +14,15 @@ import torch
 
 import train_moco
 from bench.host_memory import peak_shm_while
-from ddp_utils.data.host_memory import SHM_DIR, LoaderMemory, shm_problem
-from ddp_utils.data.loading import EVAL_PREFETCH, TRAIN_PREFETCH, eval_batch_size
-from ddp_utils.data.packed import KEPT_PER_WORKER
+from ddp_utils.data.host_memory import (
+    EVAL_PREFETCH,
+    KEPT_PER_WORKER,
+    SHM_DIR,
+    TRAIN_PREFETCH,
+    LoaderMemory,
+    eval_batch_size,
+    shm_problem,
+)
 from ddp_utils.data.pipeline import DataPlan, build_data, plan_memory
 from ddp_utils.data.recipes import moco_recipe
 from tests.helpers import in_process, run_ranks

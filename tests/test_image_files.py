@@ -31,13 +31,13 @@ import train_classifier
 import train_moco
 from ddp_utils.data.image_files import (
     PLACEHOLDER_SIDE,
-    CheckedBatches,
+    ImageFiles,
     UnreadableFiles,
     UnreadableImage,
     decode_rgb,
+    record_unreadable,
 )
-from ddp_utils.data.image_folder import ImageFiles
-from ddp_utils.data.loading import ResumableDistributedSampler, SeededTransform
+from ddp_utils.data.pipeline import ResumableDistributedSampler, SeededTransform
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import moco_recipe
 from ddp_utils.runtime.dist import DistInfo
@@ -116,7 +116,7 @@ def test_a_damaged_file_comes_as_a_placeholder_that_the_batches_record_on_the_ho
 
     seeded = SeededTransform(files, T.Compose([T.ToImage(), T.Resize((8, 8)), T.ToPureTensor()]), seed=0)
     unreadable = UnreadableFiles()
-    loader = CheckedBatches(torch.utils.data.DataLoader(seeded, batch_size=13, num_workers=1), files, unreadable)
+    loader = record_unreadable(torch.utils.data.DataLoader(seeded, batch_size=13, num_workers=1), files, unreadable)
     targets = torch.cat([t for _, t in loader])
     assert len(targets) == len(files) and (targets >= 0).all()  # every batch with valid labels
     assert [e.path for e in unreadable.found] == [files.samples[bad][0]]  # recorded once, by name

@@ -17,12 +17,17 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
-from ddp_utils.data import packed
-from ddp_utils.data.batch_augment import BatchAugment, as_float_rgb, atlas_as_float, draws
-from ddp_utils.data.decode import decode_cpu, device_decodable, read_bytes
-from ddp_utils.data.image_folder import ImageFiles
-from ddp_utils.data.loading import collate_files
-from ddp_utils.data.packed import PackedImages, SharedBuffers, pack, placements, unpack
+from ddp_utils.data.batch_augment import BatchAugment, as_float_rgb, atlas_as_float, keyed_uniforms
+from ddp_utils.data.files_on_device import (
+    PackedImages,
+    SharedBuffers,
+    collate_files,
+    pack,
+    placements,
+    unpack,
+)
+from ddp_utils.data.host_memory import KEPT_PER_WORKER
+from ddp_utils.data.image_files import ImageFiles, decode_cpu, device_decodable, read_bytes
 from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, moco_recipe
 from ddp_utils.data.transforms import SeparableGaussianBlur
@@ -97,7 +102,7 @@ def test_a_reused_buffer_holds_no_more_shared_memory_than_its_batch():
 
 
 def test_loader_workers_reuse_their_buffers_and_the_batches_stay_exact(jpeg_folder):
-    """Through a real DataLoader (2 workers), 12 packed batches consumed as DeviceFinish consumes
+    """Through a real DataLoader (2 workers), 12 packed batches consumed as FinishOnDevice consumes
     them: each equals the same images packed in this process, bit for bit, and the workers
     filled at most 2 x KEPT_PER_WORKER shared-memory segments, not one per batch."""
     files = ImageFiles(str(jpeg_folder / "train"))
@@ -114,7 +119,7 @@ def test_loader_workers_reuse_their_buffers_and_the_batches_stay_exact(jpeg_fold
         segments.add(os.fstat(fd).st_ino)
         batch.release()
         assert batch.lease is None
-    assert i == 11 and len(segments) <= 2 * packed.KEPT_PER_WORKER
+    assert i == 11 and len(segments) <= 2 * KEPT_PER_WORKER
 
 
 def test_the_pin_thread_pins_a_packed_batch_and_releases_its_buffer(monkeypatch):
@@ -158,7 +163,7 @@ def test_a_view_cropped_from_the_atlas_is_the_view_of_the_image_alone(jpeg_folde
     index = torch.arange(len(images))
     for recipe in (AugmentRecipe(crop_scale=(0.9, 1.0), crop_ratio=(0.5, 2.0)), AugmentRecipe()):
         augment = BatchAugment(recipe, 64)
-        u = draws(0, 0, index)
+        u = keyed_uniforms(0, 0, index)
         together = augment.apply_packed(x, places, u)
         for i, image in enumerate(images):
             alone, alone_places = packed_float([image])
@@ -177,7 +182,7 @@ def test_a_samples_views_do_not_depend_on_its_place_in_a_batch_of_256_imagenet_s
     assert atlas.shape[0] > 16384
     alone_atlas, alone_places = pack([last])
     augment = BatchAugment(moco_recipe("imagefolder", 224, "v2"), 224)
-    u = draws(0, 3, torch.tensor([12345]), views=2)
+    u = keyed_uniforms(0, 3, torch.tensor([12345]), views=2)
     batch = atlas_as_float(atlas)
     for view in (u[:, :u.shape[1] // 2], u[:, u.shape[1] // 2:]):
         alone = augment.apply_packed(atlas_as_float(alone_atlas), alone_places, view)
@@ -211,12 +216,12 @@ def test_device_crops_are_torchvisions_resized_crops(jpeg_folder):
     index = torch.arange(len(images))
     crop = BatchAugment(AugmentRecipe(crop_scale=(0.08, 1.0)), 224)
     boxes = crop.crop_boxes(places[:, 2], places[:, 3], seed=0, epoch=0, index=index)
-    ours = crop.apply_packed(x, places, draws(0, 0, index))
+    ours = crop.apply_packed(x, places, keyed_uniforms(0, 0, index))
     floats = [as_float_rgb(image[None])[0] for image in images]
     theirs = torch.stack([TF.resized_crop(image, *box, [224, 224], antialias=True)
                           for image, box in zip(floats, boxes.tolist())])
     assert torch.equal(ours, theirs)
-    evaluation = BatchAugment(AugmentRecipe(), 224).apply_packed(x, places, draws(0, 0, index))
+    evaluation = BatchAugment(AugmentRecipe(), 224).apply_packed(x, places, keyed_uniforms(0, 0, index))
     assert torch.equal(evaluation, torch.stack([TF.center_crop(TF.resize(image, 256, antialias=True), 224)
                                                 for image in floats]))
     uint8 = torch.stack([TF.resized_crop(image, *box, [224, 224], antialias=True).float() / 255

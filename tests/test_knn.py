@@ -17,7 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddp_utils.eval.knn as knn
-from ddp_utils.data.loading import bank_subset, eval_loader
+from ddp_utils.data.pipeline import ShardedEvalSampler, data_loader
+from ddp_utils.data.sets import bank_subset
 from ddp_utils.runtime.dist import DistInfo
 
 CLASSES, IN_DIM, DIM, T = 7, 16, 24, 0.1
@@ -46,8 +47,9 @@ def _loader(x: torch.Tensor, y: torch.Tensor) -> DataLoader:
 
 def _sharded_loader(x: torch.Tensor, y: torch.Tensor, info: DistInfo) -> DataLoader:
     """What train_moco.py builds: rank r takes samples r, r+W, ..."""
-    return eval_loader(TensorDataset(x, y), None, batch_size=32, workers=0, rank=info.rank,
-                       world_size=info.world_size, pin_memory=False)
+    data = TensorDataset(x, y)
+    return data_loader(data, ShardedEvalSampler(data, info.world_size, info.rank), batch_size=32, workers=0,
+                       pin_memory=False, train=False)
 
 
 class Spy:
@@ -172,7 +174,7 @@ def _knn_worker(info: DistInfo, data: dict) -> dict:
     out: dict = {}
     spy, counter = Spy(), CollectiveCounter()
     with spy.installed(), counter.installed():
-        # 1. The real path: Linear backbone, eval_loader shards (601 bank rows: 301 / 300).
+        # 1. The real path: Linear backbone, ShardedEvalSampler's shards (601 bank rows: 301 / 300).
         backbone = _backbone().train()
         bank_loader = _sharded_loader(data["bank_x"], data["bank_y"], info)
         val_loader = _sharded_loader(data["val_x"], data["val_y"], info)
@@ -235,9 +237,7 @@ def _knn_worker(info: DistInfo, data: dict) -> dict:
     # 5. The bank subset: the same indices on every rank; the shards cover it exactly once.
     subset = bank_subset(TensorDataset(data["bank_x3"]), 500, seed=3)
     out["subset"] = list(subset.indices)
-    shard = eval_loader(subset, None, batch_size=32, workers=0, rank=info.rank, world_size=info.world_size,
-                        pin_memory=False)
-    out["subset_shard"] = [subset.indices[i] for i in shard.sampler]
+    out["subset_shard"] = [subset.indices[i] for i in ShardedEvalSampler(subset, info.world_size, info.rank)]
     return out
 
 

@@ -1,3 +1,32 @@
-"""Data: the data sets (``sets``), the augmentation recipes (``recipes``), per-sample transforms
-run in DataLoader workers (``transforms``), batched augmentation on the training device
-(``batch_augment``), and the samplers and loaders that turn them into each rank's batches (``loading``)."""
+"""Data: what one batch is, file by file, in the order a batch passes them.
+
+1. ``recipes``: the augmentation as data, an :class:`AugmentRecipe` per view (the classifier's,
+   MoCo's v1/v2, and ``eval_recipe``, the evaluation view and the one lookup of the
+   normalisation statistics).
+2. ``pipeline``: ``build_data(plan) -> Loaders``, the one way from a run's data plan to its
+   batches. It loads the raw splits, chooses the path (below), and makes the training batches,
+   validation and MoCo's kNN bank with one function, on each rank's share: the samplers
+   (resumable training order, sharded evaluation), per-sample seeding, the DataLoader (written
+   once), and the in-memory path's batches on the device (``DeviceBatches``).
+3. ``sets``: the raw splits (digits, CIFAR-10, synthetic noise, ImageFolder), the ``--debug``
+   and kNN-bank subsets, in-memory splits as tensors.
+4. ``image_files``: ImageFolder's files, each read as PIL, decoded or encoded bytes; decoding on
+   the CPU; and a file that cannot be decoded (its placeholder, the registry of such files, the
+   loader wrapper that records them, ``--check-data``'s check).
+5. Then, on one of three paths:
+
+   * in-memory data augmented on the device: ``pipeline.DeviceBatches`` gathers each batch from
+     the split held there and hands it to ``batch_augment``;
+   * image files augmented on the device: ``files_on_device`` (opt-in, chosen by ``pipeline``):
+     workers pack each batch (or its files' bytes) into shared memory, the training process
+     decodes there if asked and hands the packed batch to ``batch_augment``;
+   * the loader path, the reference: ``transforms``, torchvision's per-sample views in the
+     workers.
+
+6. ``batch_augment``: every view of a batch at once on the device (crop, colour, blur, flip,
+   normalisation), keyed by (seed, epoch, index) through ``ddp_utils.hashing``; the next batch
+   prepared early for the training loop.
+
+Beside the batches: ``host_memory`` bounds the shared and pinned memory the workers fill (checked
+before a run starts); ``preview`` draws the augmentation for TensorBoard.
+"""

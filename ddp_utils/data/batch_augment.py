@@ -1,4 +1,6 @@
-"""An :class:`AugmentRecipe` applied to a whole batch on the training device, with tensor ops.
+"""An :class:`AugmentRecipe` applied to a whole batch on the training device, with tensor ops:
+:class:`BatchAugment` (one view), :class:`DeviceAugment` (every view of a batch, keyed by
+(seed, epoch, index)) and :class:`PreparedAhead` (the next batch's kernels queued early).
 
 The per-sample torchvision pipeline (``transforms.view_transform``) makes one Python call per op
 per image in DataLoader workers, which caps throughput on small images long before a GPU is busy;
@@ -9,9 +11,9 @@ images of different sizes (packed in an atlas) are resized by torchvision's own 
 per sample (:func:`resize_from_atlas`); crops of a batch of one size by one ``roi_align``, close
 to it (:func:`_resample_boxes`).
 
-Randomness is counter based (``ddp_utils.hashing``): each draw is a hash of (seed, epoch, sample
-index, column), so a sample gets the same pixels whatever batch, rank or position it lands in
-(tested bit for bit on CPU). A view takes :data:`VIEW_COLUMNS` columns, a fixed slice per
+Randomness is counter based (``ddp_utils.hashing``, :func:`keyed_uniforms`): each draw is a
+hash of (seed, epoch, sample index, column), so a sample gets the same pixels whatever batch,
+rank or position it lands in (tested bit for bit on CPU). A view takes :data:`VIEW_COLUMNS` columns, a fixed slice per
 purpose (crop, jitter, ...), and all views of a batch are drawn in one call, on the host, from
 the samples' indices: which samples a random step applies to (jitter, grayscale, blur, flip) is
 read there, so each such step runs on those samples only (gathered, changed, written back) and
@@ -25,7 +27,7 @@ import importlib.util
 import math
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from .. import hashing
+from ..runtime.dist import memory_format
 from .recipes import EVAL_RESIZE, AugmentRecipe
 
 _ATTEMPTS = 10  # torchvision's RandomResizedCrop tries 10 boxes before its centre-crop fallback
@@ -47,7 +50,7 @@ _HUE_RAMPS = ((3.0, 2.0, 4.0), (1.0, -1.0, -1.0), (-1.0, 2.0, 2.0))  # centre, s
 Draw = Callable[[int, int], Tensor]  # (purpose, count) -> B x count uniforms
 
 
-def draws(seed: int, epoch: int, index: Tensor, views: int = 1, first_view: int = 0) -> Tensor:
+def keyed_uniforms(seed: int, epoch: int, index: Tensor, views: int = 1, first_view: int = 0) -> Tensor:
     """B x (views * VIEW_COLUMNS) uniforms of the samples ``index``: views ``first_view`` ...,
     side by side, in one call (one hash of the whole batch instead of one per purpose and view)."""
     return hashing.uniforms(hashing.key(seed, epoch), index, views * VIEW_COLUMNS, first_view * VIEW_COLUMNS)
@@ -359,7 +362,7 @@ class BatchAugment:
     ``view`` numbers independent views of a sample (MoCo: query 0, key 1). Returns a new
     B x 3 x out x out float32 batch on the images' device; ``images`` is never modified.
     ``apply(images, u)`` takes the view's uniforms (B x VIEW_COLUMNS, on the host, from
-    :func:`draws`) instead.
+    :func:`keyed_uniforms`) instead.
 
     The steps are named for a profiler (``device_finish/crop``, ``/colour``, ``/blur``,
     ``/normalize``, the flip counted with the normalisation)."""
@@ -368,38 +371,39 @@ class BatchAugment:
         self.recipe, self.out_size = recipe, out_size
 
     def __call__(self, images: Tensor, seed: int, epoch: int, index: Tensor, view: int = 0) -> Tensor:
-        return self.apply(images, draws(seed, epoch, index, first_view=view))
+        return self.apply(images, keyed_uniforms(seed, epoch, index, first_view=view))
 
     def apply(self, images: Tensor, u: Tensor, layout: torch.memory_format = torch.contiguous_format) -> Tensor:
         """The view of ``u``'s draws, written in memory format ``layout`` (channels_last for the
         network on CUDA: no copy to re-lay it afterwards)."""
-        on_device = to_device(u, images.device)
-        with record_function("device_finish/crop"):
-            x = self._geometry(as_float_rgb(images), _drawer(on_device))  # B x 3 x out x out
-            if x is images:
-                x = x.clone()  # the steps below work in place, on a buffer of our own
-        return self._finish(x, u, on_device, layout)
+        def crop(draw: Draw) -> Tensor:
+            x = self._geometry(as_float_rgb(images), draw)
+            return x.clone() if x is images else x  # the steps after it work in place, on a buffer of our own
+
+        return self._view(crop, u, images.device, layout)
 
     def apply_packed(self, atlas: Tensor, places: Tensor, u: Tensor,
                      layout: torch.memory_format = torch.contiguous_format) -> Tensor:
         """:meth:`apply` for images of different sizes packed in one atlas (1 x 3 x H x W float
         in [0, 1], from :func:`atlas_as_float`; ``places`` B x 4 on the host: top, left, height,
-        width, as ``packed.pack`` made them): each sample's crop drawn for its own size and
-        resized from its place (:func:`resize_from_atlas`). A recipe without a crop gives the
+        width, as ``files_on_device.pack`` made them): each sample's crop drawn for its own size
+        and resized from its place (:func:`resize_from_atlas`). A recipe without a crop gives the
         evaluation view."""
-        r, on_device = self.recipe, to_device(u, atlas.device)
-        with record_function("device_finish/crop"):
+        r = self.recipe
+
+        def crop(draw: Draw) -> Tensor:
             boxes = None
-            if r.crop_scale is not None:  # drawn on the host: the loop below reads them there
+            if r.crop_scale is not None:  # drawn on the host: the loop of resize_from_atlas reads them there
                 boxes = resized_crop_boxes(u[:, CROP_COLUMN:CROP_COLUMN + 2 * _ATTEMPTS + 2], places[:, 2],
                                            places[:, 3], r.crop_scale, r.crop_ratio).tolist()
-            x = resize_from_atlas(atlas, places.tolist(), boxes, self.out_size, round(self.out_size * EVAL_RESIZE))
-        return self._finish(x, u, on_device, layout)
+            return resize_from_atlas(atlas, places.tolist(), boxes, self.out_size, round(self.out_size * EVAL_RESIZE))
+
+        return self._view(crop, u, atlas.device, layout)
 
     def crop_boxes(self, height: int, width: int, seed: int, epoch: int, index: Tensor, view: int = 0) -> Tensor:
         """B x 4 int64 (top, left, height, width) of each sample's crop in input pixels; a pad
         crop's window may start above or left of the image; no crop: the whole image."""
-        return self._boxes(height, width, _drawer(draws(seed, epoch, index, first_view=view)))
+        return self._boxes(height, width, _drawer(keyed_uniforms(seed, epoch, index, first_view=view)))
 
     def _boxes(self, height: int, width: int, draw: Draw) -> Tensor:
         r = self.recipe
@@ -420,11 +424,16 @@ class BatchAugment:
             return _crop_windows(x, boxes, r.pad_crop, self.out_size)
         return _resample_boxes(x, boxes, self.out_size)
 
-    def _finish(self, x: Tensor, u: Tensor, on_device: Tensor, layout: torch.memory_format) -> Tensor:
-        """Jitter, grayscale and blur in the recipe's order, flip and normalisation of the cropped
-        batch ``x`` (B x 3 x out x out float32 in [0, 1], changed in place); ``u`` the view's
-        uniforms on the host (who draws which step), ``on_device`` the same on ``x``'s device."""
-        r, draw = self.recipe, _drawer(on_device)
+    def _view(self, crop: Callable[[Draw], Tensor], u: Tensor, device: torch.device,
+              layout: torch.memory_format) -> Tensor:
+        """One view: ``crop(draw)`` (the geometry: B x 3 x out x out float32 in [0, 1], a buffer
+        the steps below may change in place), then jitter, grayscale and blur in the recipe's
+        order, flip and normalisation. ``u``: the view's uniforms on the host, where who draws
+        which step is read; a copy on ``device`` gives the per-sample parameters."""
+        r, on_device = self.recipe, to_device(u, device)
+        draw = _drawer(on_device)
+        with record_function("device_finish/crop"):
+            x = crop(draw)
         with record_function("device_finish/colour"):
             if r.gray_before_jitter:
                 x = self._gray_(x, u)
@@ -453,6 +462,67 @@ class BatchAugment:
                            lambda chosen, pick: luma(chosen).expand_as(chosen))
 
 
+class DeviceAugment:
+    """The batched augmentation of ``views`` views of a batch, keyed by (seed, epoch, index),
+    written in the network's memory format; ``index`` is on the host, where every view's
+    uniforms are drawn in one call (:func:`keyed_uniforms`). Returns one batch, or a tuple of
+    ``views`` batches."""
+
+    def __init__(self, augment: BatchAugment, seed: int, views: int = 1):
+        self.augment, self.seed, self.views = augment, seed, views
+        self._atlas = torch.empty(0)  # kept between batches: see packed()
+
+    def __call__(self, images, epoch: int, index: torch.Tensor):
+        """The views of ``images``: one batch (every view is drawn from it) or, when DataLoader
+        workers already cropped each view, a tuple with one batch per view."""
+        sources = images if isinstance(images, (tuple, list)) else [images] * self.views
+        layout = memory_format(sources[0].device)
+        return self._views(epoch, index, lambda view, u: self.augment.apply(sources[view], u, layout))
+
+    def packed(self, atlas: torch.Tensor, places: torch.Tensor, epoch: int, index: torch.Tensor):
+        """The views of images of different sizes packed in one atlas (H x W x 3 uint8, on the
+        device; ``places`` B x 4, on the host): each cropped from its place
+        (:meth:`BatchAugment.apply_packed`).
+
+        The atlas is made float in one buffer kept for the next batch (on the CPU a fresh one
+        would cost a page fault per 4 KiB; on CUDA it is what the caching allocator would keep
+        for it): 12 bytes per atlas pixel, the largest atlas of the run."""
+        if self._atlas.device != atlas.device or self._atlas.numel() < atlas.numel():
+            self._atlas = torch.empty(0)  # the old one freed first
+            self._atlas = atlas.new_empty(atlas.numel(), dtype=torch.float32)
+        x = atlas_as_float(atlas, out=self._atlas)  # 1 x 3 x H x W, made once for every view
+        layout = memory_format(atlas.device)
+        return self._views(epoch, index, lambda view, u: self.augment.apply_packed(x, places, u, layout))
+
+    def _views(self, epoch: int, index: torch.Tensor, make: Callable[[int, Tensor], Tensor]):
+        """``make(view, u)`` for each view, ``u`` its B x VIEW_COLUMNS slice of one call's uniforms."""
+        u = keyed_uniforms(self.seed, epoch, index, self.views)
+        views = [make(v, u[:, v * VIEW_COLUMNS:(v + 1) * VIEW_COLUMNS]) for v in range(self.views)]
+        return views[0] if self.views == 1 else tuple(views)
+
+
+class PreparedAhead:
+    """An iterator over batches made on the device that can make the next one early:
+    ``prepare_next()`` queues its kernels now (e.g. while the host waits for the ranks'
+    agreement), and ``next()`` then hands it out."""
+
+    def __init__(self, batches: Iterator):
+        self._batches, self._ahead = batches, None
+
+    def __iter__(self) -> PreparedAhead:
+        return self
+
+    def __next__(self):
+        if self._ahead is not None:
+            batch, self._ahead = self._ahead, None
+            return batch
+        return next(self._batches)
+
+    def prepare_next(self) -> None:
+        if self._ahead is None:
+            self._ahead = next(self._batches, None)  # None at the end: next() then stops
+
+
 def normalize(x: Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] | None,
               layout: torch.memory_format = torch.contiguous_format) -> Tensor:
     """``(x - mean) / std`` per channel (or ``x`` as it is without ``mean``), in memory format ``layout``."""
@@ -465,7 +535,7 @@ def normalize(x: Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] 
 
 def atlas_as_float(atlas: Tensor, out: Tensor | None = None) -> Tensor:
     """1 x 3 x H x W float32 in [0, 1] (scaled as :func:`as_float_rgb`) of an H x W x 3 uint8
-    atlas (:mod:`packed`), the input of :meth:`BatchAugment.apply_packed`, written into ``out``
+    atlas (``files_on_device.pack``), the input of :meth:`BatchAugment.apply_packed`, written into ``out``
     (1-D float32, at least 3 H W long) where given."""
     height, width, _ = atlas.shape
     planar = atlas.new_empty(3 * height * width, dtype=torch.float32) if out is None else out[:3 * height * width]

@@ -1,11 +1,12 @@
 """The host memory a rank's DataLoader workers fill: batches in shared memory (``/dev/shm``) on
-their way to the training process, and on CUDA the pinned copies the loader makes of them; and
-the pre-flight check that this node's ``/dev/shm`` can hold what its ranks need.
+their way to the training process, and on CUDA the pinned copies the loader makes of them; the
+loader settings that bound it (each loader's prefetch, the evaluation batch's size); and the
+pre-flight check that this node's ``/dev/shm`` can hold what its ranks need.
 
 Bounds, per rank: a loader's batches in flight are at most ``workers x prefetch`` prepared plus
 the one in use; a worker that packs decoded images keeps the buffers of its batches for the
-next ones (``packed.SharedBuffers``, at most ``packed.KEPT_PER_WORKER``, each holding no more
-than its last batch), so each such worker counts ``KEPT_PER_WORKER`` batches. A batch is in
+next ones (``files_on_device.SharedBuffers``, at most :data:`KEPT_PER_WORKER`, each holding no
+more than its last batch), so each such worker counts ``KEPT_PER_WORKER`` batches. A batch is in
 shared memory until the loader pins it, then in pinned memory (the caching host allocator
 rounds each block up to a power of two and keeps it for reuse), so each bound below holds for
 either place. Evaluation and the kNN bank start their workers for each pass while the training
@@ -21,12 +22,16 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ..config import UsageError
-from .decode import device_decodable, read_bytes
-from .image_files import image_files_of
-from .loading import EVAL_PREFETCH, TRAIN_PREFETCH, eval_batch_size
-from .packed import KEPT_PER_WORKER
+from .image_files import device_decodable, image_files_of, read_bytes
 
-ATLAS_PADDING = 1.4     # an atlas's pixels over its images' pixels, at most (packed.placements: 1.33 seen at 32)
+TRAIN_PREFETCH = 2     # batches each training worker prepares ahead (DataLoader's prefetch_factor)
+EVAL_PREFETCH = 1      # batches each evaluation worker prepares ahead: the larger batches
+# A worker's batches in flight: its prefetch (at most TRAIN_PREFETCH) plus the one it fills
+# (tested against the prefetch).
+KEPT_PER_WORKER = 3
+EVAL_BATCH_FACTOR = 4  # evaluation batches are this many training micro-batches: no activations kept
+EVAL_MAX_IMAGES = 256  # images per evaluation batch of image files, at most (or one training batch)
+ATLAS_PADDING = 1.4     # an atlas's pixels over its images' pixels, at most (files_on_device.placements: 1.33 seen at 32)
 SIZE_SAMPLE = 64        # image files whose headers give the mean image size
 SHM_DIR = "/dev/shm"
 
@@ -35,7 +40,7 @@ SHM_DIR = "/dev/shm"
 class LoaderMemory:
     """Bytes of one training and one evaluation batch as ``workers`` workers per rank hand them
     over, and how many of each a rank may hold at once (``kept``: the workers keep their
-    buffers, :class:`packed.SharedBuffers`)."""
+    buffers, ``files_on_device.SharedBuffers``)."""
 
     train_batch: int
     eval_batch: int
@@ -63,6 +68,14 @@ class LoaderMemory:
         """Pinned bytes per rank on CUDA, at most: the batches in flight, in the allocator's
         power-of-two blocks."""
         return _pow2(self.train_batch) * self.train_in_flight + _pow2(self.eval_batch) * self.eval_in_flight
+
+
+def eval_batch_size(batch_size: int, image_files: bool) -> int:
+    """Evaluation (and kNN-bank) batch size for a training micro-batch of ``batch_size``:
+    ``EVAL_BATCH_FACTOR`` times it, capped for image files, whose batches go through shared memory."""
+    if not image_files:
+        return EVAL_BATCH_FACTOR * batch_size
+    return min(EVAL_BATCH_FACTOR * batch_size, max(batch_size, EVAL_MAX_IMAGES))
 
 
 def loader_memory(train: Dataset, *, batch_size: int, workers: int, views: int, image_size: int,
@@ -95,7 +108,7 @@ def mean_image_pixels(files) -> float:
 
 def mean_encoded_bytes(files) -> float:
     """Mean bytes per image of an ``--decode-on device`` batch over an even sample of the files:
-    the file's, or the pixels' of a file its worker decodes (``decode.device_decodable``)."""
+    the file's, or the pixels' of a file its worker decodes (``image_files.device_decodable``)."""
     sizes = []
     for path in _sample_paths(files):
         try:

@@ -1,36 +1,190 @@
-"""Image files (``--dataset imagefolder``): every file decoded to RGB whatever it holds (CMYK,
-grayscale, a PNG named ``.JPEG``: ImageNet has all three), a file that cannot be decoded named
-with its reason, and the data check that decodes whole splits on every usable core.
+"""Image files (``--dataset imagefolder``): the data set (:class:`ImageFiles`), each file read
+as the path that uses it needs it; decoding on the CPU; and everything about a file that
+cannot be decoded, in one place: its placeholder, the run's registry of such files, the
+loader wrapper that records them, the data check that decodes whole splits, and the hints.
+
+Every file is decoded to RGB whatever it holds (CMYK, grayscale, a PNG named ``.JPEG``:
+ImageNet has all three). JPEGs are decoded by ``torchvision.io.decode_jpeg`` (libjpeg-turbo;
+its output equals PIL's, pixel for pixel), any other file by PIL. torchvision 0.29 deprecates
+its image decoding in favour of TorchCodec; it is what both supported torchvision releases
+(0.26 on the GPU machines, 0.29 here) have, batched on CUDA, so its deprecation warning is
+silenced here, once. torchvision is imported on first use only: a run without image files
+never pays for it (about 2 s a process).
 
 A file that cannot be decoded never raises inside a DataLoader worker: the traceback would name no
 file, and the rank that met it would leave while its peers wait in a collective. It comes as a
-black placeholder with target ``-1 - index``; :class:`CheckedBatches` finds such targets on the
-host, records the file in the run's :class:`UnreadableFiles` and hands on the batch with a valid
-target, so every rank finishes the step and the per-step agreement stops them together.
+black placeholder with target ``-1 - index``; :class:`RecordingUnreadable` finds such targets on
+the host, records the file in the run's :class:`UnreadableFiles` and hands on the batch with a
+valid target, so every rank finishes the step and the per-step agreement stops them together.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import os
-import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from io import BytesIO
 from typing import Iterator
 
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import Dataset, Subset
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..runtime.collectives import all_gather_object
 
 PLACEHOLDER_SIDE = 8  # px: the placeholder's side (any transform resizes it)
+READS = ("pil", "decoded", "encoded")
 
 
-class UnreadableImage(Exception):
-    """A file that cannot be decoded; ``str()`` is "PATH (reason)"."""
+# ----------------------------------------------------------------------------- the data set
+class ImageFiles(Dataset):
+    """torchvision's ImageFolder listing of ``root`` (``classes``, ``samples``: (path, class)),
+    each file as ``read`` says: "pil", a PIL RGB image (:func:`decode_rgb`: the loader path, the
+    reference); "decoded", 3 x H x W uint8 RGB (:func:`decode_cpu`: workers of the device path);
+    "encoded", the file's bytes (1-D uint8) when the device can decode them
+    (:func:`device_decodable`), else decoded as "decoded". A file that cannot be decoded gives a
+    black placeholder and target ``-1 - index``. Raises FileNotFoundError as ImageFolder does (a
+    class folder without images)."""
 
-    def __init__(self, path: str, reason: str):
-        super().__init__(f"{path} ({reason})")
-        self.path, self.reason = path, reason
+    read = "pil"
+
+    def __init__(self, root: str):
+        from torchvision.datasets import ImageFolder
+
+        listing = ImageFolder(root)
+        self.root, self.classes, self.samples = root, listing.classes, listing.samples
+
+    def reading(self, read: str) -> ImageFiles:
+        """The same files, read as ``read``."""
+        if read not in READS:
+            raise ValueError(f"ImageFiles: read must be one of {', '.join(READS)}, not {read!r}")
+        other = copy.copy(self)
+        other.read = read
+        return other
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        path, target = self.samples[index]
+        try:
+            return self._load(path), target
+        except (UnreadableImage, OSError, RuntimeError, SyntaxError, ValueError):
+            if self.read == "pil":
+                return Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE)), -1 - index
+            return torch.zeros((3, PLACEHOLDER_SIDE, PLACEHOLDER_SIDE), dtype=torch.uint8), -1 - index
+
+    def _load(self, path: str):
+        if self.read == "pil":
+            return decode_rgb(path)
+        data = read_bytes(path)
+        if self.read == "encoded" and device_decodable(data):
+            return data
+        return decode_cpu(data)
+
+
+def underlying(ds: Dataset) -> Dataset:
+    """The data set under Subsets and the wrappers that keep its samples (a ``base``:
+    ``pipeline.SeededTransform``)."""
+    while isinstance(ds, Subset) or hasattr(ds, "base"):
+        ds = ds.dataset if isinstance(ds, Subset) else ds.base
+    return ds
+
+
+def image_files_of(ds: Dataset) -> ImageFiles | None:
+    """The :class:`ImageFiles` under ``ds``, or None for other data."""
+    files = underlying(ds)
+    return files if isinstance(files, ImageFiles) else None
+
+
+def read_as(raw: Dataset, read: str) -> Dataset:
+    """``raw`` (ImageFiles, or a Subset of it) with its files read as ``read`` (:meth:`ImageFiles.reading`)."""
+    if isinstance(raw, Subset):
+        return Subset(read_as(raw.dataset, read), raw.indices)
+    if not isinstance(raw, ImageFiles):
+        raise TypeError(f"read_as: image files expected, got {type(raw).__name__}")
+    return raw.reading(read)
+
+
+def sample_path(raw: Dataset, index: int) -> str:
+    """The file behind sample ``index`` of ``raw`` (ImageFiles, or Subsets of it)."""
+    while isinstance(raw, Subset):
+        raw, index = raw.dataset, raw.indices[index]
+    return raw.samples[index][0]
+
+
+# ----------------------------------------------------------------------------- decoding on the CPU
+@functools.lru_cache(maxsize=None)
+def jpeg_decoder():
+    """(torchvision.io.decode_jpeg, its RGB mode), imported on first use, its deprecation warning
+    silenced once."""
+    warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision are "
+                                              "deprecated")
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    return decode_jpeg, ImageReadMode.RGB
+
+
+_SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
+_BASELINE = (0xC0, 0xC1)  # SOF0, SOF1: Huffman-coded sequential DCT, what nvJPEG's batched path decodes
+_OTHER_FRAMES = (0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF)  # progressive, lossless, ...
+
+
+def read_bytes(path: str) -> Tensor:
+    """The file's bytes as a 1-D uint8 tensor (read straight into it, no copy)."""
+    with open(path, "rb") as f:
+        data = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
+        f.readinto(data.numpy())
+    return data
+
+
+def is_jpeg(data: Tensor) -> bool:
+    return data.numel() > 3 and bytes(data[:2].tolist()) == _SOI
+
+
+def device_decodable(data: Tensor) -> bool:
+    """Whether the bytes are a whole baseline JPEG with 3 components (YCbCr), the kind the device
+    decoder is given (progressive, arithmetic-coded, CMYK or grayscale JPEGs are not): it starts
+    with SOI, ends with EOI, and its first frame header is SOF0 or SOF1 with 3 components at 8
+    bits. Reads the markers only, not the image data."""
+    raw = data.numpy().tobytes() if data.numel() < 65536 else data[:65536].numpy().tobytes()
+    if not raw.startswith(_SOI) or bytes(data[-2:].tolist()) != _EOI:
+        return False
+    at = 2
+    while at + 4 <= len(raw):
+        if raw[at] != 0xFF:
+            return False
+        marker = raw[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        length = int.from_bytes(raw[at + 2:at + 4], "big")
+        if marker in _BASELINE:
+            precision, components = raw[at + 4], raw[at + 9] if at + 9 < len(raw) else 0
+            return precision == 8 and components == 3
+        if marker in _OTHER_FRAMES or marker == 0xDA:  # another frame type, or scan data before a frame
+            return False
+        at += 2 + length
+    return False
+
+
+def decode_cpu(data: Tensor) -> Tensor:
+    """3 x H x W uint8 RGB of an image file's bytes: torchvision for JPEG, PIL for the rest (a PNG
+    named .JPEG, say) and for a JPEG torchvision refuses, so that what PIL reads is read
+    (:func:`decode_rgb` decides what cannot be decoded). Raises on such a file."""
+    if is_jpeg(data):
+        decode_jpeg, rgb = jpeg_decoder()
+        try:
+            return decode_jpeg(data, mode=rgb)
+        except RuntimeError:
+            pass
+    with Image.open(BytesIO(data.numpy().tobytes())) as image:
+        image.load()
+        return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
 
 
 def decode_rgb(path: str) -> Image.Image:
@@ -44,25 +198,20 @@ def decode_rgb(path: str) -> Image.Image:
         raise UnreadableImage(path, _reason(path, err)) from None
 
 
+# ----------------------------------------------------------------------------- files that cannot be decoded
+class UnreadableImage(Exception):
+    """A file that cannot be decoded; ``str()`` is "PATH (reason)"."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path} ({reason})")
+        self.path, self.reason = path, reason
+
+
 def _reason(path: str, err: Exception) -> str:
     if isinstance(err, UnidentifiedImageError):
         return "empty file" if os.path.getsize(path) == 0 else "not an image file PIL can read"
     text = str(err).split(". ")[0].strip() or type(err).__name__
     return text[0].lower() + text[1:]
-
-
-def image_files_of(ds: Dataset) -> Dataset | None:
-    """The ImageFiles (``image_folder``) under Subsets and wrappers (``base``), or None for other
-    data (a run that loaded no image files never imported their module, or torchvision)."""
-    while isinstance(ds, Subset) or hasattr(ds, "base"):
-        ds = ds.dataset if isinstance(ds, Subset) else ds.base
-    folder = sys.modules.get(f"{__package__}.image_folder")
-    return ds if folder is not None and isinstance(ds, folder.ImageFiles) else None
-
-
-def unreadable_in(files: Dataset, targets: torch.Tensor) -> list[UnreadableImage]:
-    """The files behind the placeholder targets of a batch (a host tensor), with their reasons."""
-    return [why_unreadable(files.samples[-1 - code][0]) for code in targets[targets < 0].tolist()]
 
 
 def why_unreadable(path: str) -> UnreadableImage:
@@ -74,11 +223,9 @@ def why_unreadable(path: str) -> UnreadableImage:
     return UnreadableImage(path, "could not be decoded where the run decoded it")
 
 
-def sample_path(raw: Dataset, index: int) -> str:
-    """The file behind sample ``index`` of ``raw`` (ImageFiles, or Subsets of it)."""
-    while isinstance(raw, Subset):
-        raw, index = raw.dataset, raw.indices[index]
-    return raw.samples[index][0]
+def unreadable_in(files: ImageFiles, targets: Tensor) -> list[UnreadableImage]:
+    """The files behind the placeholder targets of a batch (a host tensor), with their reasons."""
+    return [why_unreadable(files.samples[-1 - code][0]) for code in targets[targets < 0].tolist()]
 
 
 @dataclass
@@ -97,24 +244,12 @@ class UnreadableFiles:
         return [UnreadableImage(path, reason) for path, reason in unique]
 
 
-def describe_unreadable(files: list[UnreadableImage], shown: int = 3) -> str:
-    """"cannot decode PATH (reason)", or "cannot decode 5 files: A (..); B (..); C (..) and 2 more"."""
-    if len(files) == 1:
-        return f"cannot decode {files[0]}"
-    more = f" and {len(files) - shown} more" if len(files) > shown else ""
-    return f"cannot decode {len(files)} files: {'; '.join(map(str, files[:shown]))}{more}"
+class RecordingUnreadable:
+    """A loader's batches of image files with the placeholders found: ``batch[1]`` (targets, on
+    the host) comes with valid labels, the unreadable files go into ``unreadable``. Has the
+    loader's length, data set and batch size."""
 
-
-def fix_hint(files: list[UnreadableImage]) -> str:
-    return f"fix or remove {'it' if len(files) == 1 else 'them'} (--check-data lists every such file)"
-
-
-class CheckedBatches:
-    """Batches of image files with the placeholders found: ``batch[1]`` (targets, on the host)
-    comes with valid labels, the unreadable files go into ``unreadable``. Has the loader's
-    length, data set and batch size."""
-
-    def __init__(self, loader, files: Dataset, unreadable: UnreadableFiles):
+    def __init__(self, loader: DataLoader, files: ImageFiles, unreadable: UnreadableFiles):
         self.loader, self.files, self.unreadable = loader, files, unreadable
         self.dataset, self.batch_size = loader.dataset, loader.batch_size
 
@@ -130,7 +265,15 @@ class CheckedBatches:
             yield batch
 
 
-def check_decodes(files: Dataset, threads: int) -> list[UnreadableImage]:
+def record_unreadable(loader: DataLoader, raw: Dataset, unreadable: UnreadableFiles
+                      ) -> DataLoader | RecordingUnreadable:
+    """``loader`` (of ``raw``) with the files it cannot decode recorded in ``unreadable``, when
+    ``raw`` is image files; other data's loader as it is."""
+    files = image_files_of(raw)
+    return loader if files is None else RecordingUnreadable(loader, files, unreadable)
+
+
+def check_decodes(files: ImageFiles, threads: int) -> list[UnreadableImage]:
     """Decode every file of ``files`` on ``threads`` threads (PIL's decoder releases the GIL);
     the files that fail, in the data set's order."""
     paths = [path for path, _ in files.samples]
@@ -144,3 +287,15 @@ def check_decodes(files: Dataset, threads: int) -> list[UnreadableImage]:
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         return [err for err in pool.map(problem, paths) if err is not None]
+
+
+def describe_unreadable(files: list[UnreadableImage], shown: int = 3) -> str:
+    """"cannot decode PATH (reason)", or "cannot decode 5 files: A (..); B (..); C (..) and 2 more"."""
+    if len(files) == 1:
+        return f"cannot decode {files[0]}"
+    more = f" and {len(files) - shown} more" if len(files) > shown else ""
+    return f"cannot decode {len(files)} files: {'; '.join(map(str, files[:shown]))}{more}"
+
+
+def fix_hint(files: list[UnreadableImage]) -> str:
+    return f"fix or remove {'it' if len(files) == 1 else 'them'} (--check-data lists every such file)"

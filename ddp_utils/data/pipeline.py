@@ -1,61 +1,48 @@
-"""The one way from a run's data settings to its batches: the raw splits, where augmentation and
-decoding run, the training batches, the evaluation batches and MoCo's kNN bank. Both scripts
-build their data through :func:`build_data`; every decode and augmentation mode is wired here.
+"""The one way from a run's data plan to its batches (:func:`build_data`): the training batches,
+the evaluation batches and MoCo's kNN bank, each rank's share of them, on the path the plan
+chooses. Both scripts build their data here; every decode and augmentation mode is wired here.
 
-Where each step runs (``aug_on_device``, ``decode_on_device``):
+One function makes every kind of batch (:func:`_batches`: training, validation and the kNN
+bank alike, the evaluation ones with ``recipes.eval_recipe``), on one of three paths:
 
-* in-memory data (digits, CIFAR-10, synthetic) on the device: the split is one tensor there,
-  batched and augmented as a whole (:class:`loading.DeviceBatches`), no workers;
-* image files on the device: DataLoader workers decode each file (or, with ``decode_on_device``,
-  only read its bytes) and pack the batch; the training process crops, resizes and augments every
-  view as a batch (:class:`loading.DeviceFinish`), evaluation and the kNN bank likewise;
-* the loader path (the reference): workers run torchvision's per-sample transforms.
+* in-memory data (digits, CIFAR-10, synthetic) with ``aug_on_device``: the split is one tensor
+  on the device, batched and augmented there as a whole (:class:`DeviceBatches`), no workers;
+  an evaluation split stored at another size than the network's goes the loader path's way;
+* image files with ``aug_on_device``: DataLoader workers decode each file (or, with
+  ``decode_on_device``, only read its bytes) and pack the batch; the training process crops,
+  resizes and augments every view as a batch (the opt-in module ``files_on_device``);
+* the loader path (the reference): workers run torchvision's per-sample transforms
+  (``transforms.view_transform``).
+
+Randomness: data order comes from ``DistributedSampler`` (seed + epoch, identical on every rank,
+then sharded); augmentation is a function of (seed, epoch, sample index), so a resumed or
+re-sharded run applies exactly the crops and flips of an uninterrupted one.
 """
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sized, TypeAlias
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from .. import hashing
 from ..config import UsageError
-from .batch_augment import BatchAugment
-from .host_memory import check_shared_memory, loader_memory
-from .image_files import UnreadableFiles, image_files_of
-from .loading import (
-    EVAL_PREFETCH,
-    TRAIN_PREFETCH,
-    DeviceAugment,
-    DeviceBatches,
-    DeviceFinish,
-    Loaders,
-    ResumableDistributedSampler,
-    SeededTransform,
-    ShardedEvalSampler,
-    bank_subset,
-    checked,
-    collate_files,
-    device_eval_batches,
-    eval_batch_size,
-    eval_loader,
-    fit_for_pad_crop,
-    private_generator,
-    require_a_batch,
-)
-from .recipes import AugmentRecipe
-from .sets import (
-    DEBUG_TRAIN_SAMPLES,
-    DEBUG_VAL_SAMPLES,
-    debug_subset,
-    in_memory_tensors,
-    load_split,
-    normalization_stats,
-    num_classes_of,
-)
+from .batch_augment import BatchAugment, DeviceAugment, PreparedAhead, to_device
+from .host_memory import EVAL_PREFETCH, TRAIN_PREFETCH, check_shared_memory, eval_batch_size, loader_memory
+from .image_files import RecordingUnreadable, UnreadableFiles, image_files_of, read_as, record_unreadable
+from .recipes import AugmentRecipe, eval_recipe
+from .sets import bank_subset, in_memory_tensors, load_raw_splits, num_classes_of
 
+if TYPE_CHECKING:
+    from .files_on_device import FinishOnDevice
+
+Batches: TypeAlias = "DataLoader | RecordingUnreadable | DeviceBatches | FinishOnDevice"  # one path's batches
 log = logging.getLogger("train")
+Key = tuple[int, int]  # (epoch, sample index): what the training sampler yields
 
 
 @dataclass(frozen=True)
@@ -78,18 +65,40 @@ class DataPlan:
     bank_samples: int | None = None  # MoCo's kNN bank: this many training samples (0: all); None: no bank
 
 
-def load_raw_splits(dataset: str, data_dir: str, image_size: int, synthetic_samples: int = 2048,
-                    debug: bool = False) -> tuple[Dataset, Dataset]:
-    """Train and val splits without transforms (CIFAR-10 must be on disk already); the same class
-    folders in both, else bad input."""
-    train = load_split(dataset, data_dir, True, image_size, synthetic_samples)
-    val = load_split(dataset, data_dir, False, image_size, synthetic_samples)
-    if num_classes_of(train) != num_classes_of(val):
-        raise UsageError(f"--data-dir {data_dir}: train/ has {num_classes_of(train)} classes but val/ "
-                         f"has {num_classes_of(val)}; both need the same class folders")
-    if debug:
-        return debug_subset(train, DEBUG_TRAIN_SAMPLES), debug_subset(val, DEBUG_VAL_SAMPLES)
-    return train, val
+@dataclass
+class Loaders:
+    """A rank's batches of a run, as :func:`build_data` made them for ``plan``."""
+
+    plan: DataPlan
+    train: Batches
+    val: Batches
+    bank: Batches | None  # MoCo's kNN bank
+    train_sampler: ResumableDistributedSampler
+    train_set: Dataset    # the raw training split
+    num_classes: int
+    unreadable: UnreadableFiles = field(default_factory=UnreadableFiles)  # files this rank could not decode
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Training micro-batches in a whole epoch (``len(train)`` shrinks while resuming)."""
+        return self.train_sampler.num_samples // self.train.batch_size
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Reshuffle for ``epoch`` (augmentation follows: the epoch travels with each index);
+        skip the batches a checkpoint consumed."""
+        self.train_sampler.set_epoch(epoch, skip=skip_batches * self.train.batch_size)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What one kind of batch is: training (``train``: shuffled by the resumable sampler,
+    drop_last, resident workers) or evaluation (every sample of the shard once, workers per pass)."""
+
+    recipe: AugmentRecipe
+    views: int
+    seed: int
+    batch_size: int
+    train: bool
 
 
 def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.device, ranks_on_node: int = 1
@@ -100,24 +109,95 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
     train_raw, val_raw = load_raw_splits(plan.dataset, plan.data_dir, plan.image_size, plan.synthetic_samples,
                                          plan.debug)
     check_shared_memory(plan_memory(plan, train_raw), ranks_on_node)
-    bank_raw = None
-    if plan.bank_samples is not None:
-        bank_raw = bank_subset(train_raw, plan.bank_samples, plan.seed) if plan.bank_samples else train_raw
-    sampler = ResumableDistributedSampler(train_raw, world_size, rank, plan.seed)
     unreadable = UnreadableFiles()
-    common = dict(plan=plan, rank=rank, world_size=world_size, device=device, unreadable=unreadable)
-    tensors = in_memory_tensors(train_raw) if plan.aug_on_device else None
-    if tensors is not None:
-        train, val, bank = _in_memory_on_device(tensors, val_raw, bank_raw, sampler, **common)
-        if rank == 0:
-            log.info("data: the training split held on %s, batches made there%s", device,
-                     f" (--workers {plan.workers} unused)" if plan.workers else "")
-    elif plan.aug_on_device:
-        train, val, bank = _files_on_device(train_raw, val_raw, bank_raw, sampler, **common)
-    else:
-        train, val, bank = _loader_path(train_raw, val_raw, bank_raw, sampler, **common)
+    held = _held_on_device(plan, train_raw, val_raw, device)
+    if held and rank == 0:
+        log.info("data: the training split held on %s, batches made there%s", device,
+                 f" (--workers {plan.workers} unused)" if plan.workers else "")
+
+    def batches(raw: Dataset, sampler: Iterable, kind: _Kind) -> Batches:
+        return _batches(raw, sampler, kind, plan=plan, device=device, unreadable=unreadable, held=held)
+
+    sampler = ResumableDistributedSampler(train_raw, world_size, rank, plan.seed)
+    train = batches(train_raw, sampler, _Kind(plan.recipe, plan.views, plan.seed, plan.batch_size, train=True))
     require_a_batch(len(train), len(train_raw), world_size, plan.batch_size)
-    return Loaders(train, val, sampler, train_raw, num_classes_of(train_raw), plan.aug_on_device, unreadable, bank)
+    evaluation = _Kind(eval_recipe(plan.dataset, plan.normalization), views=1, seed=0, train=False,
+                       batch_size=eval_batch_size(plan.batch_size, image_files_of(train_raw) is not None))
+
+    def eval_batches(raw: Dataset) -> Batches:  # validation and the kNN bank, on every path
+        return batches(raw, ShardedEvalSampler(raw, world_size, rank), evaluation)
+
+    bank = None
+    if plan.bank_samples is not None:
+        bank = eval_batches(bank_subset(train_raw, plan.bank_samples, plan.seed) if plan.bank_samples else train_raw)
+    return Loaders(plan, train, eval_batches(val_raw), bank, sampler, train_raw, num_classes_of(train_raw), unreadable)
+
+
+def _held_on_device(plan: DataPlan, train_raw: Dataset, val_raw: Dataset, device: torch.device) -> dict:
+    """{split: (images N x C x H x W, targets N) on ``device``} of in-memory data augmented
+    there; empty for the other paths."""
+    tensors = in_memory_tensors(train_raw) if plan.aug_on_device else None
+    if tensors is None:
+        return {}
+    return {raw: tuple(t.to(device) for t in pair) for raw, pair in ((train_raw, tensors),
+                                                                    (val_raw, in_memory_tensors(val_raw)))}
+
+
+def _batches(raw: Dataset, sampler: Iterable, kind: _Kind, *, plan: DataPlan, device: torch.device,
+             unreadable: UnreadableFiles, held: dict) -> Batches:
+    """``kind`` of batch of ``raw`` in ``sampler``'s order, on the plan's path (see the module
+    docstring); ``held``: the splits :func:`_held_on_device` put there. Image files the batches
+    cannot decode go into ``unreadable``."""
+    size = plan.image_size
+    augment = DeviceAugment(BatchAugment(kind.recipe, size), kind.seed, kind.views)  # the device paths'
+    if held:  # in-memory data; the kNN bank, a subset of the training split, is batched from its tensor
+        subset = raw not in held
+        images, targets = held[raw.dataset if subset else raw]
+        order = [raw.indices[i] for i in sampler] if subset else sampler
+        if kind.train:
+            return DeviceBatches(padded_for_crop(images, augment.augment), targets, order, kind.batch_size, augment)
+        if tuple(images.shape[-2:]) == (size, size):
+            return DeviceBatches(images, targets, order, kind.batch_size, augment, drop_last=False)
+        # an evaluation split stored at another size than the network's: resized per sample below
+    elif plan.aug_on_device:
+        from .files_on_device import FinishOnDevice, collate_files
+
+        data = SeededTransform(read_as(raw, "encoded" if plan.decode_on_device else "decoded"), None, kind.seed,
+                               with_key=True)
+        loader = data_loader(data, sampler, batch_size=kind.batch_size, workers=plan.workers,
+                             pin_memory=device.type == "cuda", train=kind.train, collate=collate_files)
+        return FinishOnDevice(record_unreadable(loader, raw, unreadable), augment, device, raw, unreadable)
+    from .transforms import TwoCrops, view_transform
+
+    view = view_transform(kind.recipe, plan.dataset, size)
+    data = SeededTransform(raw, view if kind.views == 1 else TwoCrops(view), kind.seed)
+    loader = data_loader(data, sampler, batch_size=kind.batch_size, workers=plan.workers,
+                         pin_memory=device.type == "cuda", train=kind.train)
+    return record_unreadable(loader, raw, unreadable)
+
+
+def data_loader(data: Dataset, sampler: Iterable, *, batch_size: int, workers: int, pin_memory: bool, train: bool,
+                collate: Callable | None = None) -> DataLoader:
+    """``data`` in ``sampler``'s order, ``batch_size`` samples a batch, ``collate`` (default:
+    torch's) making each. Training (``train``): full batches only (every micro-batch has
+    batch_size samples, so the 1/window loss scale is exact) and a resident pool of workers,
+    each preparing ``TRAIN_PREFETCH`` batches ahead; evaluation: every sample, its workers
+    started for each pass and gone after it, ``EVAL_PREFETCH`` batches ahead each (its batches
+    are the larger)."""
+    prefetch = TRAIN_PREFETCH if train else EVAL_PREFETCH
+    # Each iterator draws its workers' base seed from a generator of its own: from the global RNG,
+    # a resumed run would shift its position.
+    return DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=train, num_workers=workers,
+                      pin_memory=pin_memory, persistent_workers=train and workers > 0, collate_fn=collate,
+                      prefetch_factor=prefetch if workers else None, generator=torch.Generator().manual_seed(0))
+
+
+def require_a_batch(batches: int, samples: int, world_size: int, batch_size: int) -> int:
+    """``batches``, the training micro-batches per rank in an epoch; bad input when there are none."""
+    if batches == 0:
+        raise UsageError(f"the training split has {samples} samples: too few for {world_size} rank(s) x batch "
+                         f"{batch_size}; lower --batch-size")
+    return batches
 
 
 def plan_memory(plan: DataPlan, train_raw: Dataset):
@@ -127,95 +207,114 @@ def plan_memory(plan: DataPlan, train_raw: Dataset):
                          decode_on_device=plan.decode_on_device)
 
 
-def _eval_recipe(plan: DataPlan) -> AugmentRecipe:
-    mean, std = normalization_stats(plan.dataset, plan.normalization) or (None, None)
-    return AugmentRecipe(mean=mean, std=std)
+# ----------------------------------------------------------------------------- samples and their order
+class SeededTransform(Dataset):
+    """``transform(base[i])`` with the RNG seeded from (seed, epoch, i).
+
+    The key is an (epoch, index) pair from :class:`ResumableDistributedSampler`, so the epoch
+    travels with the index into persistent workers; a plain index (evaluation) means epoch 0.
+    The caller's global RNG is restored afterwards. ``with_key``: also return (epoch, index), for
+    the half of the augmentation that runs on the device (``files_on_device.FinishOnDevice``).
+    """
+
+    def __init__(self, base: Dataset, transform: Callable | None, seed: int, with_key: bool = False):
+        self.base, self.transform, self.seed, self.with_key = base, transform, seed, with_key
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: Key | int):
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        image, target = self.base[index]
+        if self.transform is not None:
+            with torch.random.fork_rng(devices=[]):
+                # the CPU generator alone (the transforms' own): torch.manual_seed would also queue
+                # a seed for every CUDA device, which costs a millisecond per sample
+                torch.default_generator.manual_seed(hashing.seed(self.seed, epoch, index))
+                image = self.transform(image)
+        return (image, target, epoch, index) if self.with_key else (image, target)
 
 
-def _train_loader(data: Dataset, raw: Dataset, sampler, plan: DataPlan, device: torch.device,
-                  unreadable: UnreadableFiles, collate=None):
-    # drop_last: every micro-batch has batch_size samples, so the 1/window loss scale is exact.
-    loader = DataLoader(data, batch_size=plan.batch_size, sampler=sampler, drop_last=True, num_workers=plan.workers,
-                        pin_memory=device.type == "cuda", persistent_workers=plan.workers > 0,
-                        prefetch_factor=TRAIN_PREFETCH if plan.workers else None,
-                        generator=private_generator(), **({"collate_fn": collate} if collate else {}))
-    return checked(loader, raw, unreadable)
+class ResumableDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` that can start an epoch part-way, after the samples a checkpoint
+    already consumed, so a resumed run sees exactly the batches it had not seen yet."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Key]:
+        """(epoch, index) pairs: the epoch travels with each index (see SeededTransform)."""
+        indices = list(super().__iter__())
+        return iter([(self.epoch, i) for i in indices[self.skip:]])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
 
 
-def _in_memory_on_device(tensors, val_raw, bank_raw, sampler, *, plan, rank, world_size, device, unreadable):
-    """The training split as one tensor on the device; evaluation and the bank batched there too
-    when stored at the network's size, else per sample."""
-    augment = DeviceAugment(BatchAugment(plan.recipe, plan.image_size), plan.seed, plan.views)
-    images, targets = (t.to(device) for t in tensors)
-    train = DeviceBatches(fit_for_pad_crop(images, augment.augment), targets, sampler, plan.batch_size, augment)
-    eval_batch = eval_batch_size(plan.batch_size, image_files=False)
-    val_images, val_targets = (t.to(device) for t in in_memory_tensors(val_raw))
-    val = device_eval_batches(val_images, val_targets, augment.augment, rank=rank, world_size=world_size,
-                              batch_size=eval_batch)
-    bank = None
-    if bank_raw is not None and val is not None:  # the stored size is the network's: the training tensor serves
-        subset = torch.as_tensor(list(bank_raw.indices)) if isinstance(bank_raw, Subset) else None
-        bank = device_eval_batches(images, targets, augment.augment, rank=rank, world_size=world_size,
-                                   batch_size=eval_batch, subset=subset)
+class ShardedEvalSampler(Sampler[int]):
+    """Rank r takes samples r, r+W, r+2W, ...: every sample exactly once, no padding duplicates
+    (``DistributedSampler`` pads, which would count some validation samples twice)."""
 
-    def per_sample(raw: Dataset):  # a split stored at another size than the network's: resized per sample
-        from .transforms import eval_transform
+    def __init__(self, data: Sized, num_replicas: int, rank: int):
+        self.indices = range(rank, len(data), num_replicas)
 
-        return eval_loader(raw, eval_transform(plan.dataset, plan.image_size, plan.normalization),
-                           batch_size=eval_batch, workers=plan.workers, rank=rank, world_size=world_size,
-                           pin_memory=device.type == "cuda", unreadable=unreadable)
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
 
-    if val is None:
-        val = per_sample(val_raw)
-    if bank is None and bank_raw is not None:
-        bank = per_sample(bank_raw)
-    return train, val, bank
+    def __len__(self) -> int:
+        return len(self.indices)
 
 
-def _files_on_device(train_raw, val_raw, bank_raw, sampler, *, plan, rank, world_size, device, unreadable):
-    """Workers decode (or only read) and pack; the device makes every view, evaluation's too."""
-    read = "encoded" if plan.decode_on_device else "tensor"
-    train_set = SeededTransform(read_as(train_raw, read), None, plan.seed, with_key=True)
-    augment = DeviceAugment(BatchAugment(plan.recipe, plan.image_size), plan.seed, plan.views)
-    train = DeviceFinish(_train_loader(train_set, train_raw, sampler, plan, device, unreadable, collate_files),
-                         augment, device, train_raw, unreadable)
-    evaluate = DeviceAugment(BatchAugment(_eval_recipe(plan), plan.image_size), seed=0)
+# ----------------------------------------------------------------------------- in-memory data on the device
+class DeviceBatches:
+    """Batches of an in-memory split held once, as one tensor, on the training device: gathered
+    by index in ``sampler``'s order (training: the DataLoader path's order, sharding and resume
+    skip; evaluation: a shard's indices, the last batch short) and augmented as a whole; no
+    workers, no per-sample Python, no image copies."""
 
-    def eval_batches(raw: Dataset) -> DeviceFinish:
-        data = SeededTransform(read_as(raw, read), None, seed=0, with_key=True)
-        loader = DataLoader(data, batch_size=eval_batch_size(plan.batch_size, image_files=True),
-                            sampler=ShardedEvalSampler(data, world_size, rank), num_workers=plan.workers,
-                            pin_memory=device.type == "cuda", collate_fn=collate_files,
-                            prefetch_factor=EVAL_PREFETCH if plan.workers else None, generator=private_generator())
-        return DeviceFinish(checked(loader, raw, unreadable), evaluate, device, raw, unreadable)
+    def __init__(self, images: torch.Tensor, targets: torch.Tensor, sampler: Iterable[Key | int], batch_size: int,
+                 augment: DeviceAugment, drop_last: bool = True):
+        self.images, self.targets = images, targets    # N x C x H x W (uint8 or float), N
+        self.sampler, self.batch_size, self.augment, self.drop_last = sampler, batch_size, augment, drop_last
 
-    return train, eval_batches(val_raw), None if bank_raw is None else eval_batches(bank_raw)
+    def __len__(self) -> int:
+        samples = len(self.sampler)  # type: ignore[arg-type]
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
 
+    def __iter__(self) -> PreparedAhead:
+        return PreparedAhead(self._batches())
 
-def _loader_path(train_raw, val_raw, bank_raw, sampler, *, plan, rank, world_size, device, unreadable):
-    """torchvision's per-sample transforms in the workers: the reference path."""
-    from .transforms import TwoCrops, eval_transform, view_transform
-
-    one_view = view_transform(plan.recipe, plan.dataset, plan.image_size)
-    train_set = SeededTransform(train_raw, one_view if plan.views == 1 else TwoCrops(one_view), plan.seed)
-    train = _train_loader(train_set, train_raw, sampler, plan, device, unreadable)
-    eval_tf = eval_transform(plan.dataset, plan.image_size, plan.normalization)
-    options = dict(batch_size=eval_batch_size(plan.batch_size, image_files_of(train_raw) is not None),
-                   workers=plan.workers, rank=rank,
-                   world_size=world_size, pin_memory=device.type == "cuda", unreadable=unreadable)
-    return train, eval_loader(val_raw, eval_tf, **options), \
-        None if bank_raw is None else eval_loader(bank_raw, eval_tf, **options)
+    def _batches(self):
+        keys = [key if isinstance(key, tuple) else (0, key) for key in self.sampler]  # evaluation: epoch 0
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            chunk = keys[start:start + self.batch_size]
+            index = torch.tensor([i for _, i in chunk])  # B, on the host: the augmentation draws there
+            on_device = to_device(index, self.images.device)
+            yield self.augment(self.images[on_device], chunk[0][0], index), self.targets[on_device]
 
 
-def read_as(raw: Dataset, read: str) -> Dataset:
-    """``raw`` (ImageFiles, or a Subset of it) with its files read as ``read`` (ImageFiles.reading)."""
-    if isinstance(raw, Subset):
-        return Subset(read_as(raw.dataset, read), raw.indices)
-    if image_files_of(raw) is not raw:
-        raise TypeError(f"read_as: image files expected, got {type(raw).__name__}")
-    return raw.reading(read)
+def padded_for_crop(images: torch.Tensor, augment: BatchAugment, chunk: int = 1024) -> torch.Tensor:
+    """The stored images ready for ``augment``'s pad-and-crop view, which keeps the input's size:
+    resized once to the output size (as the per-sample pipeline's Resize does before its
+    RandomCrop), ``chunk`` images at a time, so the float copy of a whole split (CIFAR-10 at
+    224 px: 30 GB) never exists at once; as they are for any other view."""
+    size = augment.out_size
+    if not augment.recipe.pad_crop or images.shape[-1] == size:
+        return images
+    out = images.new_empty((len(images), images.shape[1], size, size))
+    for start in range(0, len(images), chunk):
+        part = F.interpolate(images[start:start + chunk].float(), size=(size, size), mode="bilinear",
+                             antialias=True, align_corners=False)
+        out[start:start + chunk] = part.round().clamp(0, 255) if images.dtype == torch.uint8 else part
+    return out
 
 
+# ----------------------------------------------------------------------------- workers
 def default_workers(dataset: str, sharing: int) -> int:
     """``--workers -1``: DataLoader workers per rank, from the CPUs this process may run on (its
     affinity: SLURM's cpuset, taskset), shared by ``sharing`` ranks, one CPU kept for the rank."""

@@ -7,8 +7,9 @@ import torch
 from torch.utils.data import default_collate
 
 from .image_files import UnreadableFiles, image_files_of, unreadable_in
-from .loading import DeviceBatches, DeviceFinish, Loaders, collate_files
-from .sets import in_memory_tensors, normalization_stats
+from .pipeline import DeviceBatches, Loaders
+from .recipes import eval_recipe
+from .sets import in_memory_tensors
 
 COLUMNS = {1: ("image", "augmented"), 2: ("image", "query", "key")}  # by the number of views
 MIN_TILE = 64  # px on screen: small images are enlarged (nearest neighbour, pixels kept sharp)
@@ -59,17 +60,24 @@ def _header(labels: tuple[str, ...], width: int, tile: int) -> torch.Tensor:
 
 
 def _views(loaders: Loaders, index: list[int]) -> list[torch.Tensor]:
+    """The training views of samples ``index`` at epoch 0, as the run's training batches make them."""
     train = loaders.train
     if isinstance(train, DeviceBatches):
         at = torch.tensor(index, device=train.images.device)
         out = train.augment(train.images[at], 0, torch.tensor(index))  # the draws take host indices
     else:
-        loader = train.loader if isinstance(train, DeviceFinish) else train
+        on_device = loaders.plan.aug_on_device  # image files, finished on the device (files_on_device)
+        loader = train.loader if on_device else train
         samples = [loader.dataset[(0, i)] for i in index]
-        batch = collate_files(samples) if isinstance(train, DeviceFinish) else default_collate(samples)
+        if on_device:
+            from .files_on_device import collate_files
+
+            batch = collate_files(samples)
+        else:
+            batch = default_collate(samples)
         _record_unreadable(loaders.train_set, batch[1], loaders.unreadable)
         batch[1] = batch[1].clamp(min=0)
-        out = train.finish(batch)[0] if isinstance(train, DeviceFinish) else batch[0]
+        out = train.finish(batch)[0] if on_device else batch[0]
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
@@ -98,8 +106,8 @@ def _record_unreadable(raw, targets: torch.Tensor, unreadable: UnreadableFiles) 
 
 
 def _unnormalize(view: torch.Tensor, dataset: str, normalization: str) -> torch.Tensor:
-    stats = normalization_stats(dataset, normalization)
-    if stats is None:  # synthetic noise: stretch to [0, 1]
+    recipe = eval_recipe(dataset, normalization)
+    if recipe.mean is None:  # synthetic noise: stretch to [0, 1]
         return (view - view.min()) / (view.max() - view.min()).clamp_min(1e-6)
-    mean, std = (torch.tensor(s).view(-1, 1, 1) for s in stats)
+    mean, std = (torch.tensor(s).view(-1, 1, 1) for s in (recipe.mean, recipe.std))
     return (view * std + mean).clamp(0, 1)

@@ -5,11 +5,11 @@ grayscale, jitter, flip), v2 "strong" (jitter with p 0.8, grayscale, blur with p
 the authors' CIFAR-10 demo. Digits are never flipped (a mirrored digit is another symbol)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from .sets import normalization_stats
+from .sets import CIFAR10_DEMO_STD, CIFAR10_MEAN, NORMALIZATION
 
 MOCO_AUGS = ("v1", "v2", "v2-noblur")
 AUG_ON = ("auto", "device", "loader")
@@ -68,33 +68,39 @@ class AugmentRecipe:
             raise ValueError("AugmentRecipe: probabilities must lie in [0, 1]")
 
 
-def _normalize(dataset: str, normalization: str) -> dict:
-    mean, std = normalization_stats(dataset, normalization) or (None, None)
-    return dict(mean=mean, std=std)
+def eval_recipe(dataset: str, normalization: str = "auto") -> AugmentRecipe:
+    """The evaluation view: ``--normalization``'s statistics for ``dataset`` and nothing else
+    (synthetic noise needs none). The one place the statistics are looked up: every other
+    recipe adds its steps to this one."""
+    if normalization == "cifar10-demo":
+        return AugmentRecipe(mean=CIFAR10_MEAN, std=CIFAR10_DEMO_STD)
+    mean, std = NORMALIZATION.get(dataset, (None, None))
+    return AugmentRecipe(mean=mean, std=std)
 
 
 def classifier_recipe(dataset: str, size: int, augment: bool = True, normalization: str = "auto") -> AugmentRecipe:
     """The classifier's training view; without ``augment`` only the normalisation."""
+    plain = eval_recipe(dataset, normalization)
     if not augment:
-        return AugmentRecipe(**_normalize(dataset, normalization))
+        return plain
     if dataset == "imagefolder":
-        return AugmentRecipe(crop_scale=IMAGENET_CROP_SCALE, flip=True, **_normalize(dataset, normalization))
+        return replace(plain, crop_scale=IMAGENET_CROP_SCALE, flip=True)
     # 32 px data: shift by up to an eighth of the side
-    return AugmentRecipe(pad_crop=max(1, size // 8), flip=dataset != "digits", **_normalize(dataset, normalization))
+    return replace(plain, pad_crop=max(1, size // 8), flip=dataset != "digits")
 
 
 def moco_recipe(dataset: str, size: int, aug: str, crop_min: float = 0.2, normalization: str = "auto") -> AugmentRecipe:
     """One MoCo view (``aug``: v1, v2 or v2-noblur) at ``size`` px, crops from ``crop_min`` of the area."""
     if aug not in MOCO_AUGS:
         raise ValueError(f"unknown MoCo augmentation {aug!r}; one of {', '.join(MOCO_AUGS)}")
-    crop = dict(crop_scale=(crop_min, 1.0), flip=dataset != "digits", **_normalize(dataset, normalization))
+    crop = replace(eval_recipe(dataset, normalization), crop_scale=(crop_min, 1.0), flip=dataset != "digits")
     if dataset == "synthetic":  # Gaussian noise: colour has no meaning there
-        return AugmentRecipe(**crop)
+        return crop
     if aug == "v1":
-        return AugmentRecipe(**crop, gray_p=0.2, gray_before_jitter=True, jitter=JITTER_V1)
+        return replace(crop, gray_p=0.2, gray_before_jitter=True, jitter=JITTER_V1)
     # about a tenth of the side, odd: 23 px at 224, 5 px at 32
     blur = dict(blur_p=0.5, blur_kernel=2 * max(1, round(0.05 * size)) + 1) if aug == "v2" else {}
-    return AugmentRecipe(**crop, jitter=JITTER_V2, jitter_p=0.8, gray_p=0.2, **blur)
+    return replace(crop, jitter=JITTER_V2, jitter_p=0.8, gray_p=0.2, **blur)
 
 
 def augment_on_device(aug_on: str, dataset: str, device: torch.device) -> bool:

@@ -1,5 +1,7 @@
-"""The data sets: scikit-learn's digits (no download), CIFAR-10, ImageFolder and synthetic noise,
-loaded raw (no transform), and the checks that name what is wrong with a data location."""
+"""The data sets: scikit-learn's digits (no download), CIFAR-10, ImageFolder
+(``image_files.ImageFiles``) and synthetic noise, loaded raw (no transform); a run's raw splits
+and their fixed subsets (``--debug``, MoCo's kNN bank); in-memory splits as tensors; and the
+checks that name what is wrong with a data location."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
 
+from .. import hashing
 from ..config import UsageError
+from .image_files import ImageFiles, underlying
 
 DATASETS = ("digits", "cifar10", "imagefolder", "synthetic")
 NATIVE_SIZE = {"digits": 32, "cifar10": 32, "imagefolder": 224, "synthetic": 32}
@@ -27,14 +31,7 @@ NORMALIZATION = {"digits": (DIGITS_MEAN, DIGITS_STD), "cifar10": (CIFAR10_MEAN, 
                  "imagefolder": (IMAGENET_MEAN, IMAGENET_STD)}
 # The MoCo authors' CIFAR-10 demo normalises with another std (from a widely copied snippet).
 CIFAR10_DEMO_STD = (0.2023, 0.1994, 0.2010)
-NORMALIZATIONS = ("auto", "cifar10-demo")
-
-
-def normalization_stats(dataset: str, normalization: str = "auto") -> tuple[tuple, tuple] | None:
-    """(mean, std) for ``--normalization`` on ``dataset``; None: the data needs none (synthetic)."""
-    if normalization == "cifar10-demo":
-        return CIFAR10_MEAN, CIFAR10_DEMO_STD
-    return NORMALIZATION.get(dataset)
+NORMALIZATIONS = ("auto", "cifar10-demo")  # looked up by recipes.eval_recipe
 DIGITS_SPLIT_SEED = 20240  # the train/val split never moves with --seed
 DIGITS_VAL_FRACTION = 0.2
 DEBUG_TRAIN_SAMPLES, DEBUG_VAL_SAMPLES = 256, 128
@@ -144,8 +141,6 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_sa
             raise UsageError(f"--data-dir {data_dir}: cifar-10-batches-py/ is incomplete or damaged ({err}); "
                              f"delete it and run once with --download") from None
     if dataset == "imagefolder":
-        from .image_folder import ImageFiles  # torchvision's ImageFolder underneath
-
         split = "train" if train else "val"
         try:
             return ImageFiles(os.path.join(data_dir, split))
@@ -155,10 +150,22 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_sa
     raise ValueError(f"unknown dataset {dataset!r}")
 
 
+def load_raw_splits(dataset: str, data_dir: str, image_size: int, synthetic_samples: int = 2048,
+                    debug: bool = False) -> tuple[Dataset, Dataset]:
+    """Train and val splits without transforms (CIFAR-10 must be on disk already); the same class
+    folders in both, else bad input."""
+    train = load_split(dataset, data_dir, True, image_size, synthetic_samples)
+    val = load_split(dataset, data_dir, False, image_size, synthetic_samples)
+    if num_classes_of(train) != num_classes_of(val):
+        raise UsageError(f"--data-dir {data_dir}: train/ has {num_classes_of(train)} classes but val/ "
+                         f"has {num_classes_of(val)}; both need the same class folders")
+    if debug:
+        return debug_subset(train, DEBUG_TRAIN_SAMPLES), debug_subset(val, DEBUG_VAL_SAMPLES)
+    return train, val
+
+
 def num_classes_of(ds: Dataset) -> int:
-    while isinstance(ds, Subset) or hasattr(ds, "base"):  # a Subset, or a wrapper such as SeededTransform
-        ds = ds.dataset if isinstance(ds, Subset) else ds.base
-    return len(ds.classes)  # type: ignore[attr-defined]
+    return len(underlying(ds).classes)  # type: ignore[attr-defined]
 
 
 def in_memory_tensors(ds: Dataset) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -190,3 +197,17 @@ def _generate(ds: SyntheticImages, indices) -> tuple[torch.Tensor, torch.Tensor]
 
 def debug_subset(ds: Dataset, n: int) -> Dataset:
     return Subset(ds, range(min(n, len(ds))))  # type: ignore[arg-type]
+
+
+def bank_subset(train_dataset: Dataset, n: int, seed: int) -> Subset:
+    """A fixed subset of ``n`` samples (all of them when ``n >= len``), indices in increasing
+    order, for a cheaper kNN bank: a function of (len, n, seed) alone, so the same on every rank,
+    at any world size and across resumes. A larger ``n`` with the same seed gives a superset."""
+    size = len(train_dataset)  # type: ignore[arg-type]
+    if n < 0:
+        raise ValueError(f"bank_subset: n must be >= 0, got {n}")
+    if n >= size:
+        return Subset(train_dataset, list(range(size)))
+    scores = hashing.ranking(hashing.key(seed), torch.arange(size))
+    chosen = torch.argsort(scores, stable=True)[:n].sort().values
+    return Subset(train_dataset, chosen.tolist())

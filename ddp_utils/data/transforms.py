@@ -1,10 +1,11 @@
-"""Per-sample torchvision pipelines, run in DataLoader workers on the loader path: the evaluation
-transform, and the training views built from an :class:`AugmentRecipe` (the reference for the
-batched path).
+"""Per-sample torchvision pipelines, run in DataLoader workers on the loader path: a view built
+from an :class:`AugmentRecipe` (a training view, or the evaluation view of
+``recipes.eval_recipe``), the reference for the batched path.
 
-Order of a training view: decode (files), geometry on the decoded image, to float, colour (jitter,
+Order of a view: decode (files), geometry on the decoded image, to float, colour (jitter,
 grayscale), blur, flip, normalisation; the batched path (``batch_augment``) takes the same steps
-in the same order.
+in the same order. Nothing here comes from the batched path: its hue shift and blur are
+written here on their own, and each is tested against torchvision's.
 """
 from __future__ import annotations
 
@@ -15,9 +16,7 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2 as T
 
-from .batch_augment import shift_hue
 from .recipes import EVAL_RESIZE, AugmentRecipe
-from .sets import normalization_stats
 
 FROM_FILES = ("cifar10", "imagefolder")  # decoded from PIL images; the others are float tensors
 
@@ -30,8 +29,8 @@ def _to_float(dataset: str) -> list:
     return [T.ToDtype(torch.float32, scale=True)] if dataset in FROM_FILES else []
 
 
-def _normalize(mean, std) -> list:
-    return [] if mean is None else [T.Normalize(mean, std)]
+def _normalize(recipe: AugmentRecipe) -> list:
+    return [] if recipe.mean is None else [T.Normalize(recipe.mean, recipe.std)]
 
 
 def _fixed_geometry(dataset: str, size: int) -> list:
@@ -71,23 +70,42 @@ def _blur(recipe: AugmentRecipe) -> list:
 class ColorJitterFastHue(T.ColorJitter):
     """torchvision's ColorJitter on float tensors (its draws from the global RNG, its random
     order, its brightness, contrast and saturation kernels) with the hue shift in closed form
-    (``batch_augment.shift_hue``: torchvision's ``adjust_hue`` to float rounding, in a third of
-    its time)."""
+    (:func:`shifted_hue`: torchvision's ``adjust_hue`` to float rounding, in a third of its time)."""
 
     def transform(self, inpt, params):
         output = inpt
         for fn_id in params["fn_idx"].tolist():
             if fn_id == 3 and params["hue_factor"] is not None:
-                output = shift_hue(output.unsqueeze(0), torch.tensor([params["hue_factor"]]))[0]
+                output = shifted_hue(output, params["hue_factor"])
             else:
                 output = super().transform(output, {**params, "fn_idx": [fn_id]})
         return output
 
 
+def shifted_hue(image: torch.Tensor, shift: float) -> torch.Tensor:
+    """torchvision's ``adjust_hue`` of a float C x H x W image in [0, 1] without HSV images. The
+    hue h in [0, 1) as torchvision's ``_rgb_to_hsv`` gets it (red, then green, then blue wins a
+    tie; grey pixels 0), moved by ``shift``; each channel is then min + (max - min) x its ramp of
+    6 h, clamp(|6 h - c| - 1, 0, 1) for red (c = 3) and clamp(2 - |6 h - c|, 0, 1) for green
+    (c = 2) and blue (c = 4): max and min do not change with the hue."""
+    r, g, b = image.unbind(-3)
+    maxc = torch.maximum(torch.maximum(r, g), b)
+    minc = torch.minimum(torch.minimum(r, g), b)
+    spread = maxc - minc
+    six_h = torch.where(maxc == r, g - b, torch.where(maxc == g, (b - r) + 2 * spread, (r - g) + 4 * spread))
+    six_h = six_h / torch.where(spread == 0, 1.0, spread)
+    six_h = torch.remainder(six_h + 6 * torch.tensor(shift), 6.0)  # the shift rounded to float32 first
+    ramps = torch.stack([(six_h - 3).abs() - 1, 2 - (six_h - 2).abs(), 2 - (six_h - 4).abs()], -3).clamp(0, 1)
+    return torch.addcmul(minc.unsqueeze(-3), ramps, spread.unsqueeze(-3))
+
+
 class SeparableGaussianBlur:
     """torchvision's GaussianBlur on a float C x H x W tensor (its sigma draw from the global RNG,
     its 1-D kernel, reflect padding) computed in two 1-D passes: 2k multiply-adds per pixel
-    instead of k x k (for the 23-tap kernel at 224 px, a tenth of the work)."""
+    instead of k x k (for the 23-tap kernel at 224 px, a tenth of the work). Its taps are
+    torchvision's own formula, bit for bit. The batched path's ``gaussian_blur`` computes a row of
+    taps per sample in another order of float operations: one tap function for both would move
+    one path's pixels in the last bit, and tie this reference to the path it checks."""
 
     def __init__(self, kernel_size: int, sigma: tuple[float, float]):
         self.kernel_size, self.sigma = kernel_size, sigma
@@ -107,19 +125,14 @@ class SeparableGaussianBlur:
         return out.reshape(image.shape)
 
 
-def eval_transform(dataset: str, size: int, normalization: str = "auto") -> T.Compose:
-    stats = normalization_stats(dataset, normalization) or (None, None)
-    return T.Compose(_decode(dataset) + _fixed_geometry(dataset, size) + _to_float(dataset)
-                     + _normalize(*stats) + [T.ToPureTensor()])
-
-
 def view_transform(recipe: AugmentRecipe, dataset: str, size: int) -> T.Compose:
-    """One training view of one sample, as ``recipe`` says: torchvision's transforms, the hue
-    shift and the blur computed faster (:class:`ColorJitterFastHue`, :class:`SeparableGaussianBlur`:
-    the same values to float rounding)."""
+    """One view of one sample, as ``recipe`` says (the evaluation view: ``recipes.eval_recipe``,
+    resize, centre crop and normalisation): torchvision's transforms, the hue shift and the blur
+    computed faster (:class:`ColorJitterFastHue`, :class:`SeparableGaussianBlur`: the same values
+    to float rounding)."""
     flip = [T.RandomHorizontalFlip()] if recipe.flip else []
     return T.Compose(_decode(dataset) + _geometry(recipe, dataset, size) + _to_float(dataset) + _colour(recipe)
-                     + _blur(recipe) + flip + _normalize(recipe.mean, recipe.std) + [T.ToPureTensor()])
+                     + _blur(recipe) + flip + _normalize(recipe) + [T.ToPureTensor()])
 
 
 class TwoCrops:

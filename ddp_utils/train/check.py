@@ -15,8 +15,7 @@ from torch.utils.data import Dataset
 from ..config import UsageError
 from ..data.host_memory import check_shared_memory, describe_memory
 from ..data.image_files import UnreadableImage, check_decodes, image_files_of
-from ..data.loading import ResumableDistributedSampler, require_a_batch
-from ..data.pipeline import plan_memory, usable_cpus
+from ..data.pipeline import ResumableDistributedSampler, plan_memory, require_a_batch, usable_cpus
 from ..data.recipes import AugmentRecipe
 from ..data.sets import check_data_dir
 from ..runtime.dist import LaunchEnv, detect_launch, device_type, restart_count

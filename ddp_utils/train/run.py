@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
-from ..data.loading import Loaders
+from ..data.pipeline import Loaders
 from ..runtime.dist import DistInfo, unwrap
 from .accumulation import MicroStep, WindowStart, plan_windows
 from .monitor import TensorBoard, WaitClock

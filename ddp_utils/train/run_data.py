@@ -6,10 +6,10 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from ..data.loading import Loaders
-from ..data.pipeline import DataPlan, build_data, load_raw_splits
+from ..data.pipeline import DataPlan, Loaders, build_data
 from ..data.preview import augmentation_grid
 from ..data.recipes import AugmentRecipe
+from ..data.sets import load_raw_splits
 from ..runtime.dist import DistInfo
 from .checkpoint import Resume
 from .train_config import TrainConfig
