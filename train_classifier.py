@@ -166,7 +166,7 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
     with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
         recipe = classifier_recipe(cfg.dataset, resolved["image_size"], cfg.augment, cfg.normalization)
         loaders = build_run_data(cfg, info, resolved, recipe)
-        preview = augmentation_preview(cfg, loaders, info.is_main, resume)
+        preview = augmentation_preview(loaders, info.is_main, resume)
         model = build_network(cfg, info, loaders.num_classes)
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
         trainable = [p for p in model.parameters() if p.requires_grad]

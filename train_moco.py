@@ -239,7 +239,7 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
         # --knn-bank-samples of it).
         recipe = moco_recipe(cfg.dataset, resolved["image_size"], cfg.aug, cfg.crop_min, cfg.normalization)
         loaders = build_run_data(cfg, info, resolved, recipe, bank_samples=cfg.knn_bank_samples)
-        preview = augmentation_preview(cfg, loaders, info.is_main, resume)
+        preview = augmentation_preview(loaders, info.is_main, resume)
         if info.is_main:
             for remark in queue_remarks(cfg, len(loaders.train_sampler.dataset)):
                 log.warning("%s", remark)

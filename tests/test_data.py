@@ -205,7 +205,7 @@ def test_the_preview_enlarges_small_images_and_names_its_columns(size, views, ti
     recipe = moco_recipe("digits", size, "v2") if views == 2 else classifier_recipe("digits", size)
     loaders = build_data(plan(image_size=size, recipe=recipe, views=views, aug_on_device=True), rank=0, world_size=1,
                          device=CPU)
-    grid = augmentation_grid(loaders, "digits", size)
+    grid = augmentation_grid(loaders)
     columns = 1 + views
     assert grid.shape == (3, 14 + 8 * (tile + 2) + 2, columns * (tile + 2) + 2)
     header = grid[:, :14]

@@ -141,7 +141,7 @@ def test_cmyk_grayscale_and_png_named_jpeg_are_rgb_on_every_path(jpeg_folder, au
     for split in (loaders.val, loaders.bank):
         images = torch.cat([x for x, _ in split])
         assert images.shape[1:] == (3, 32, 32) and len(images) in (12, 39)
-    grid = augmentation_grid(loaders, "imagefolder", 32)  # its rows are samples 0..7: the odd files first
+    grid = augmentation_grid(loaders)  # its rows are samples 0..7: the odd files first
     assert grid.shape[0] == 3
     assert not loaders.unreadable
 

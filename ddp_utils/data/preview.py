@@ -17,12 +17,13 @@ PADDING, HEADER = 2, 14  # px
 
 
 @torch.no_grad()
-def augmentation_grid(loaders: Loaders, dataset: str, size: int, count: int = 8,
-                      normalization: str = "auto") -> torch.Tensor:
+def augmentation_grid(loaders: Loaders, count: int = 8) -> torch.Tensor:
     """3 x H x W in [0, 1]: a header naming the columns, then one row per sample (indices
     0..count-1, epoch 0): the image, then its view(s); tiles of at least MIN_TILE px. An image
     file among them that cannot be decoded is shown black and recorded in
     ``loaders.unreadable``, so that the first step stops the run, naming it."""
+    plan = loaders.plan
+    dataset, size, normalization = plan.dataset, plan.image_size, plan.normalization
     index = list(range(min(count, len(loaders.train_set))))  # type: ignore[arg-type]
     views = _views(loaders, index)
     originals = _originals(loaders.train_set, index, size, loaders.unreadable)

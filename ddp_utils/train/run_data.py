@@ -39,9 +39,9 @@ def raw_splits(cfg: TrainConfig) -> tuple[Dataset, Dataset]:
     return load_raw_splits(cfg.dataset, cfg.data_dir, cfg.resolved_image_size(), cfg.synthetic_samples, cfg.debug)
 
 
-def augmentation_preview(cfg: TrainConfig, loaders: Loaders, is_main: bool, resume: Resume | None):
+def augmentation_preview(loaders: Loaders, is_main: bool, resume: Resume | None):
     """Rank 0 of a fresh run: the picture of the augmentation for TensorBoard, else None (an
     image file among its samples that cannot be decoded stops the run at its first step)."""
     if not is_main or resume is not None:
         return None
-    return augmentation_grid(loaders, cfg.dataset, cfg.resolved_image_size(), normalization=cfg.normalization)
+    return augmentation_grid(loaders)
