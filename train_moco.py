@@ -297,8 +297,8 @@ def train_one_epoch(run: MocoRun, meter: StepMeter) -> None:
         # step's only read of the device.
         overflow = unscale_and_clip(run.optimizer, run.scaler, cfg.clip_grad)
         verdict = run.session.agree_on_step(~torch.isfinite(meter.window_loss.detach()), overflow,
-                                    unreadable=run.batches.files_met > 0)
-        if verdict.unreadable_ranks:  # an image file of this window cannot be decoded: undone, the run stops
+                                            give_up=bool(run.loaders.unreadable))
+        if verdict.given_up_ranks:  # a rank met an image file it cannot decode: the window is undone, the run stops
             run.optimizer.zero_grad(set_to_none=not info.is_distributed)
             run.batches.undo_window()
             stop_if_files_unreadable(run, f"step {run.state.step + 1} (not taken)")  # raises

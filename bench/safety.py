@@ -35,7 +35,7 @@ def modes(ckpt_every: int) -> list[tuple[str, bool, int]]:
             ("agreement on, checkpoint every step", True, 1)]
 
 
-def no_agreement(nonfinite, overflow=None, unreadable=False) -> StepVerdict:
+def no_agreement(nonfinite, overflow=None, give_up=False) -> StepVerdict:
     """The per-step agreement left out: no collective, no host read."""
     return StepVerdict()
 

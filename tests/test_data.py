@@ -168,7 +168,7 @@ def test_imagefolder_on_the_device_splits_the_work_and_stays_seeded(tmp_path):
     def first_batches(epoch: int):
         loaders = build_data(plan(dataset="imagefolder", data_dir=tree, batch_size=4, views=2, aug_on_device=True,
                                   recipe=moco_recipe("imagefolder", 32, "v2")), rank=0, world_size=1, device=CPU)
-        assert isinstance(loaders.train, FinishOnDevice) and isinstance(loaders.val, FinishOnDevice)
+        assert isinstance(loaders.train.batches, FinishOnDevice) and isinstance(loaders.val.batches, FinishOnDevice)
         loaders.set_epoch(epoch)
         return next(iter(loaders.train))
 

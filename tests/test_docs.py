@@ -1,10 +1,13 @@
 """The docs are generated where they can be and cannot drift: docs/flags.md lists every flag,
-docs/bad-input.md every bad input the tests try, the README the exit codes and every test file;
+docs/bad-input.md every bad input the tests try, docs/accumulation.md shows the classifier's
+training loop as it is, the README the exit codes and every test file;
 the README stays short, every relative link in it and in docs/ resolves, and each entry script
 opens with its copy-paste commands."""
 from __future__ import annotations
 
+import inspect
 import re
+import textwrap
 
 import pytest
 from helpers import REPO
@@ -150,6 +153,26 @@ def test_readme_tests_table_lists_every_test_file():
     assert sorted(rows) == sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
 
 
+LOOP_PAGE, LOOP_INTRO = "docs/accumulation.md", "`train_classifier.py`'s reads:\n\n```python\n"
+
+
+def classifier_loop() -> str:
+    """train_classifier.py's training loop, the ``for micro ...`` statement of train_one_epoch, dedented."""
+    lines = inspect.getsource(train_classifier.train_one_epoch).split("\n")
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("for micro, "))
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent):
+        end += 1
+    return textwrap.dedent("\n".join(lines[start:end])).strip("\n")
+
+
+def test_the_accumulation_page_shows_the_classifiers_loop():
+    page = (REPO / LOOP_PAGE).read_text()
+    assert LOOP_INTRO in page
+    assert page.split(LOOP_INTRO, 1)[1].split("\n```", 1)[0] == classifier_loop(), REGENERATE
+
+
 # ----------------------------------------------------------------------------- regenerating the tables
 def _replace_table(doc: str, heading: str, table: str) -> None:
     """Put ``table`` in place of the first table under ``heading`` in ``doc``."""
@@ -165,10 +188,14 @@ def _replace_table(doc: str, heading: str, table: str) -> None:
 
 
 def regenerate() -> None:
-    """Rewrite the generated tables: the flags (docs/flags.md) and the bad inputs (docs/bad-input.md)."""
+    """Rewrite what is generated: the flags (docs/flags.md), the bad inputs (docs/bad-input.md) and
+    the classifier's loop (docs/accumulation.md)."""
     for script, cls in SCRIPTS.items():
         _replace_table("docs/flags.md", f"## Every flag of {script}", markdown_flag_table(cls))
     _replace_table("docs/bad-input.md", "## Bad input", "\n".join(readme_rows()))
+    page = (REPO / LOOP_PAGE).read_text()
+    head, rest = page.split(LOOP_INTRO, 1)
+    (REPO / LOOP_PAGE).write_text(head + LOOP_INTRO + classifier_loop() + "\n```" + rest.split("\n```", 1)[1])
 
 
 if __name__ == "__main__":  # PYTHONPATH=. python tests/test_docs.py

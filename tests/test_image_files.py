@@ -157,7 +157,8 @@ def test_check_data_lists_every_file_that_cannot_be_decoded(jpeg_folder, tmp_pat
     proc = in_process(train_classifier.main, args + ["--data-dir", str(data), "--check-data"], capsys)
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.splitlines()
-    assert lines[0] == "train_classifier.py --check-data: 3 of 51 image files cannot be decoded; fix or remove them:"
+    assert lines[0] == ("train_classifier.py: error: --check-data: 3 of 51 image files cannot be decoded; fix or "
+                        "remove them:")
     expected = {broken["truncated"]: "image file is truncated", broken["empty"]: "empty file",
                 broken["text"]: "not an image file PIL can read"}
     listed = dict(re.fullmatch(r"  (\S+) \((.*)\)", line).groups() for line in lines[1:])

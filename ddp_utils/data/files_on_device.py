@@ -30,22 +30,13 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import Tensor
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from .batch_augment import DeviceAugment, PreparedAhead
 from .host_memory import KEPT_PER_WORKER
-from .image_files import (
-    PLACEHOLDER_SIDE,
-    RecordingUnreadable,
-    UnreadableFiles,
-    decode_cpu,
-    jpeg_decoder,
-    sample_path,
-    why_unreadable,
-)
+from .image_files import jpeg_decoder
 
 ATLAS_WIDTH = 2048  # px: rows of the atlas are at least this wide (wider for a wider image)
 
@@ -244,14 +235,11 @@ class FinishOnDevice:
     """Finishes on the device what DataLoader workers started (``loader``: batches of
     :func:`collate_files`): every view cropped, resized, coloured, blurred, flipped and
     normalised as a batch by ``augment`` (the evaluation view with an evaluation recipe, which
-    has no crop). A file decoded here that cannot be decoded becomes a worker's placeholder and
-    goes into ``unreadable``, named by its path in ``files`` (the loader's raw data set), as
-    ``image_files.RecordingUnreadable`` records a worker's."""
+    has no crop). An image the device cannot decode is read as the loader path reads it, from
+    ``decoded`` (the loader's raw data set, read as "decoded"), target included."""
 
-    def __init__(self, loader: DataLoader | RecordingUnreadable, augment: DeviceAugment, device: torch.device,
-                 files: Dataset, unreadable: UnreadableFiles):
-        self.loader, self.augment, self.device = loader, augment, device
-        self.files, self.unreadable = files, unreadable
+    def __init__(self, loader: DataLoader, augment: DeviceAugment, device: torch.device, decoded: Dataset):
+        self.loader, self.augment, self.device, self.decoded = loader, augment, device, decoded
         self.batch_size = loader.batch_size
 
     def __len__(self) -> int:
@@ -270,7 +258,9 @@ class FinishOnDevice:
         if isinstance(images, EncodedBatch):  # decoded and packed on the device
             with record_function("device_finish/decode"):
                 decoded, failed = decode_on(self.device, images)
-                self.unreadable.found += [why_unreadable(sample_path(self.files, int(index[i]))) for i in failed]
+                for i in failed:  # what the device cannot decode: the CPU's decode, as a worker's
+                    image, targets[i] = self.decoded[int(index[i])]
+                    decoded[i] = image.to(self.device)
                 atlas, places = pack(decoded)
         else:
             atlas, places = images.atlas, images.places
@@ -282,15 +272,15 @@ class FinishOnDevice:
         return views, targets
 
 
-def decode_on(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor], list[int]]:
+def decode_on(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor | None], list[int]]:
     """The batch's images on ``device``, 3 x H x W uint8 each: the encoded ones (device-decodable
     JPEGs) decoded there as one batch (nvJPEG on CUDA, libjpeg-turbo on the CPU), the decoded ones
-    copied; and the positions of those that could not be decoded at all.
+    copied; and the positions of those the device could not decode (None there).
 
     One file the batched decoder refuses fails the whole batch (its header passed the worker's
-    check, its data did not): the batch is then decoded image by image, on the device, else on
-    the CPU (PIL reads some files that libjpeg-turbo refuses), else the image becomes the black
-    placeholder a worker gives such a file, and its position is returned.
+    check, its data did not): the batch is then decoded image by image, and only the images the
+    device refuses alone are returned as failed (the caller decodes them on the CPU: PIL reads
+    some files that libjpeg-turbo refuses).
 
     On CUDA the images are ready for the caller's (the training) stream when this returns, and
     safe to free there: see :func:`_decode_on_cuda`."""
@@ -299,7 +289,7 @@ def decode_on(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor], 
     return _decode_on_cuda(device, batch)
 
 
-def _decode_on_cuda(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor], list[int]]:
+def _decode_on_cuda(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor | None], list[int]]:
     """:func:`decode_on` on a stream of its own, its images then handed to the current stream.
 
     torchvision's batched decoder allocates its outputs on the current stream and writes them
@@ -320,7 +310,8 @@ def _decode_on_cuda(device: torch.device, batch: EncodedBatch) -> tuple[list[Ten
         images, failed = _decode_all(device, batch)
     consumer.wait_stream(stream)
     for image in images:
-        image.record_stream(consumer)
+        if image is not None:
+            image.record_stream(consumer)
     return images, failed
 
 
@@ -329,7 +320,7 @@ def _decode_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def _decode_all(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor], list[int]]:
+def _decode_all(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor | None], list[int]]:
     images = batch.images()
     encoded = [i for i, image in enumerate(images) if image.dim() == 1]
     out = [image.to(device, non_blocking=True) if image.dim() == 3 else None for image in images]
@@ -343,19 +334,15 @@ def _decode_all(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor]
         for i, image in zip(encoded, decoded):
             if image is None:
                 failed.append(i)
-                image = torch.zeros((3, PLACEHOLDER_SIDE, PLACEHOLDER_SIDE), dtype=torch.uint8)
-            out[i] = image.to(device, non_blocking=True)  # there already (a CPU decode's "cpu" is "cpu:0" too)
+            else:
+                out[i] = image.to(device, non_blocking=True)  # there already
     return out, failed
 
 
 def _decode_one(device: torch.device, data: Tensor) -> Tensor | None:
-    """One JPEG's pixels: decoded on ``device``, else on the CPU, else None."""
+    """One JPEG's pixels decoded on ``device``; None if the device's decoder refuses it."""
     decode_jpeg, rgb = jpeg_decoder()
     try:
         return decode_jpeg(data, mode=rgb, device=device)
     except RuntimeError:
-        pass
-    try:
-        return decode_cpu(data)
-    except (OSError, RuntimeError, SyntaxError, ValueError, Image.DecompressionBombError):
         return None

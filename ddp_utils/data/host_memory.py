@@ -126,7 +126,7 @@ def _image_size(path: str) -> tuple[int, int] | None:
         with Image.open(path) as image:
             return image.size
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-        return None  # named when it is read; its placeholder is small
+        return None  # no header: left out of the estimate
 
 
 def check_shared_memory(memory: LoaderMemory | None, ranks_on_node: int) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,8 +33,9 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import Dataset, Subset
 
+from ..config import UsageError
 from ..runtime.collectives import all_gather_object
 
 PLACEHOLDER_SIDE = 8  # px: the placeholder's side (any transform resizes it)
@@ -245,32 +247,53 @@ class UnreadableFiles:
 
 
 class RecordingUnreadable:
-    """A loader's batches of image files with the placeholders found: ``batch[1]`` (targets, on
-    the host) comes with valid labels, the unreadable files go into ``unreadable``. Has the
-    loader's length, data set and batch size."""
+    """Batches of image files (a loader's, or the device path's finished ones) with the
+    placeholders found as each batch is handed out: ``batch[1]`` (targets, on the host) comes with
+    valid labels, the files behind the placeholders go into ``unreadable``. A batch made early
+    (prepared ahead) is recorded when it is taken. Has its batches' length and batch size."""
 
-    def __init__(self, loader: DataLoader, files: ImageFiles, unreadable: UnreadableFiles):
-        self.loader, self.files, self.unreadable = loader, files, unreadable
-        self.dataset, self.batch_size = loader.dataset, loader.batch_size
+    def __init__(self, batches, files: ImageFiles, unreadable: UnreadableFiles):
+        self.batches, self.files, self.unreadable = batches, files, unreadable
+        self.batch_size = batches.batch_size
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return len(self.batches)
 
-    def __iter__(self) -> Iterator:
-        for batch in self.loader:
-            targets = batch[1]
-            if (targets < 0).any():  # a host tensor: no device is read
-                self.unreadable.found += unreadable_in(self.files, targets)
-                batch = [batch[0], targets.clamp(min=0), *batch[2:]]
-            yield batch
+    def __iter__(self) -> _Recorded:
+        return _Recorded(iter(self.batches), self)
+
+    def record(self, batch: list | tuple) -> list | tuple:
+        """``batch`` with each placeholder target replaced by a valid label, its file recorded."""
+        targets = batch[1]
+        if not (targets < 0).any():  # a host tensor: no device is read
+            return batch
+        self.unreadable.found += unreadable_in(self.files, targets)
+        return [batch[0], targets.clamp(min=0), *batch[2:]]
 
 
-def record_unreadable(loader: DataLoader, raw: Dataset, unreadable: UnreadableFiles
-                      ) -> DataLoader | RecordingUnreadable:
-    """``loader`` (of ``raw``) with the files it cannot decode recorded in ``unreadable``, when
-    ``raw`` is image files; other data's loader as it is."""
+class _Recorded:
+    """The iterator of :class:`RecordingUnreadable`; ``prepare_next`` reaches the batches' own."""
+
+    def __init__(self, batches: Iterator, recorder: RecordingUnreadable):
+        self._batches, self._recorder = batches, recorder
+
+    def __iter__(self) -> _Recorded:
+        return self
+
+    def __next__(self):
+        return self._recorder.record(next(self._batches))
+
+    def prepare_next(self) -> None:
+        prepare = getattr(self._batches, "prepare_next", None)
+        if prepare is not None:
+            prepare()
+
+
+def record_unreadable(batches, raw: Dataset, unreadable: UnreadableFiles):
+    """``batches`` (of ``raw``) with the files they could not decode recorded in ``unreadable``,
+    when ``raw`` is image files; other data's batches as they are."""
     files = image_files_of(raw)
-    return loader if files is None else RecordingUnreadable(loader, files, unreadable)
+    return batches if files is None else RecordingUnreadable(batches, files, unreadable)
 
 
 def check_decodes(files: ImageFiles, threads: int) -> list[UnreadableImage]:
@@ -287,6 +310,30 @@ def check_decodes(files: ImageFiles, threads: int) -> list[UnreadableImage]:
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         return [err for err in pool.map(problem, paths) if err is not None]
+
+
+class UnreadableSplits(UsageError):
+    """``--check-data`` found image files that cannot be decoded: the message lists each on a line."""
+
+    def __init__(self, files: list[UnreadableImage], total: int):
+        listed = "".join(f"\n  {file}" for file in files)
+        super().__init__(f"--check-data: {len(files)} of {total:,} image files cannot be decoded; fix or remove "
+                         f"them:{listed}")
+        self.files = files
+
+
+def decode_every_file(*splits: Dataset, threads: int) -> str:
+    """``--check-data``: decode every image file of the splits on ``threads`` threads; raise
+    :class:`UnreadableSplits` listing the files that fail, else say how long it took."""
+    started = time.perf_counter()
+    files = [image_files_of(split) for split in splits]
+    bad = [err for f in files if f is not None for err in check_decodes(f, threads)]
+    total = sum(len(f.samples) for f in files if f is not None)
+    if bad:
+        raise UnreadableSplits(bad, total)
+    seconds = time.perf_counter() - started
+    return (f"data check: all {total:,} image files decode ({seconds:.1f} s on {threads} "
+            f"thread{'' if threads == 1 else 's'})")
 
 
 def describe_unreadable(files: list[UnreadableImage], shown: int = 3) -> str:

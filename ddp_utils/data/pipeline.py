@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sized, TypeAlias
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 
 from .. import hashing
 from ..config import UsageError
@@ -83,10 +83,35 @@ class Loaders:
         """Training micro-batches in a whole epoch (``len(train)`` shrinks while resuming)."""
         return self.train_sampler.num_samples // self.train.batch_size
 
+    def training_views(self, index: list[int]) -> list[torch.Tensor]:
+        """The training views (each N x C x H x W) of samples ``index`` at epoch 0, made as the
+        training batches make them (image files they cannot decode recorded alike)."""
+        train = self.train
+        if isinstance(train, DeviceBatches):
+            at = torch.tensor(index, device=train.images.device)
+            return _as_list(train.augment(train.images[at], 0, torch.tensor(index)))  # the draws take host indices
+        recorder = train if isinstance(train, RecordingUnreadable) else None
+        made = recorder.batches if recorder else train  # a DataLoader, or the device path's FinishOnDevice
+        loader = made.loader if self.plan.aug_on_device else made
+        samples = [loader.dataset[(0, i)] for i in index]
+        if self.plan.aug_on_device:
+            from .files_on_device import collate_files
+
+            batch = made.finish(collate_files(samples))
+        else:
+            batch = default_collate(samples)
+        if recorder:
+            batch = recorder.record(batch)
+        return _as_list(batch[0])
+
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Reshuffle for ``epoch`` (augmentation follows: the epoch travels with each index);
         skip the batches a checkpoint consumed."""
         self.train_sampler.set_epoch(epoch, skip=skip_batches * self.train.batch_size)
+
+
+def _as_list(views) -> list[torch.Tensor]:
+    return list(views) if isinstance(views, (list, tuple)) else [views]
 
 
 @dataclass(frozen=True)
@@ -115,8 +140,8 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
         log.info("data: the training split held on %s, batches made there%s", device,
                  f" (--workers {plan.workers} unused)" if plan.workers else "")
 
-    def batches(raw: Dataset, sampler: Iterable, kind: _Kind) -> Batches:
-        return _batches(raw, sampler, kind, plan=plan, device=device, unreadable=unreadable, held=held)
+    def batches(raw: Dataset, sampler: Iterable, kind: _Kind) -> Batches:  # image files: undecodable ones recorded
+        return record_unreadable(_batches(raw, sampler, kind, plan=plan, device=device, held=held), raw, unreadable)
 
     sampler = ResumableDistributedSampler(train_raw, world_size, rank, plan.seed)
     train = batches(train_raw, sampler, _Kind(plan.recipe, plan.views, plan.seed, plan.batch_size, train=True))
@@ -144,10 +169,9 @@ def _held_on_device(plan: DataPlan, train_raw: Dataset, val_raw: Dataset, device
 
 
 def _batches(raw: Dataset, sampler: Iterable, kind: _Kind, *, plan: DataPlan, device: torch.device,
-             unreadable: UnreadableFiles, held: dict) -> Batches:
+             held: dict) -> Batches:
     """``kind`` of batch of ``raw`` in ``sampler``'s order, on the plan's path (see the module
-    docstring); ``held``: the splits :func:`_held_on_device` put there. Image files the batches
-    cannot decode go into ``unreadable``."""
+    docstring); ``held``: the splits :func:`_held_on_device` put there."""
     size = plan.image_size
     augment = DeviceAugment(BatchAugment(kind.recipe, size), kind.seed, kind.views)  # the device paths'
     if held:  # in-memory data; the kNN bank, a subset of the training split, is batched from its tensor
@@ -166,14 +190,14 @@ def _batches(raw: Dataset, sampler: Iterable, kind: _Kind, *, plan: DataPlan, de
                                with_key=True)
         loader = data_loader(data, sampler, batch_size=kind.batch_size, workers=plan.workers,
                              pin_memory=device.type == "cuda", train=kind.train, collate=collate_files)
-        return FinishOnDevice(record_unreadable(loader, raw, unreadable), augment, device, raw, unreadable)
+        return FinishOnDevice(loader, augment, device, read_as(raw, "decoded"))
     from .transforms import TwoCrops, view_transform
 
     view = view_transform(kind.recipe, plan.dataset, size)
     data = SeededTransform(raw, view if kind.views == 1 else TwoCrops(view), kind.seed)
     loader = data_loader(data, sampler, batch_size=kind.batch_size, workers=plan.workers,
                          pin_memory=device.type == "cuda", train=kind.train)
-    return record_unreadable(loader, raw, unreadable)
+    return loader
 
 
 def data_loader(data: Dataset, sampler: Iterable, *, batch_size: int, workers: int, pin_memory: bool, train: bool,

@@ -4,10 +4,8 @@ writes it to TensorBoard's images tab at the start of a run."""
 from __future__ import annotations
 
 import torch
-from torch.utils.data import default_collate
 
-from .image_files import UnreadableFiles, image_files_of, unreadable_in
-from .pipeline import DeviceBatches, Loaders
+from .pipeline import Loaders
 from .recipes import eval_recipe
 from .sets import in_memory_tensors
 
@@ -19,14 +17,13 @@ PADDING, HEADER = 2, 14  # px
 @torch.no_grad()
 def augmentation_grid(loaders: Loaders, count: int = 8) -> torch.Tensor:
     """3 x H x W in [0, 1]: a header naming the columns, then one row per sample (indices
-    0..count-1, epoch 0): the image, then its view(s); tiles of at least MIN_TILE px. An image
-    file among them that cannot be decoded is shown black and recorded in
-    ``loaders.unreadable``, so that the first step stops the run, naming it."""
+    0..count-1, epoch 0): the image, then its view(s) (``Loaders.training_views``); tiles of at
+    least MIN_TILE px."""
     plan = loaders.plan
     dataset, size, normalization = plan.dataset, plan.image_size, plan.normalization
     index = list(range(min(count, len(loaders.train_set))))  # type: ignore[arg-type]
-    views = _views(loaders, index)
-    originals = _originals(loaders.train_set, index, size, loaders.unreadable)
+    views = loaders.training_views(index)
+    originals = _originals(loaders.train_set, index, size)
     rows = [torch.stack([originals[i], *(_unnormalize(v[i].float().cpu(), dataset, normalization) for v in views)])
             for i in range(len(index))]
     scale = -(-MIN_TILE // size)  # ceil
@@ -60,29 +57,7 @@ def _header(labels: tuple[str, ...], width: int, tile: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(strip.tobytes()), dtype=torch.uint8).view(HEADER, width, 3).permute(2, 0, 1) / 255
 
 
-def _views(loaders: Loaders, index: list[int]) -> list[torch.Tensor]:
-    """The training views of samples ``index`` at epoch 0, as the run's training batches make them."""
-    train = loaders.train
-    if isinstance(train, DeviceBatches):
-        at = torch.tensor(index, device=train.images.device)
-        out = train.augment(train.images[at], 0, torch.tensor(index))  # the draws take host indices
-    else:
-        on_device = loaders.plan.aug_on_device  # image files, finished on the device (files_on_device)
-        loader = train.loader if on_device else train
-        samples = [loader.dataset[(0, i)] for i in index]
-        if on_device:
-            from .files_on_device import collate_files
-
-            batch = collate_files(samples)
-        else:
-            batch = default_collate(samples)
-        _record_unreadable(loaders.train_set, batch[1], loaders.unreadable)
-        batch[1] = batch[1].clamp(min=0)
-        out = train.finish(batch)[0] if on_device else batch[0]
-    return list(out) if isinstance(out, (list, tuple)) else [out]
-
-
-def _originals(raw, index: list[int], size: int, unreadable: UnreadableFiles) -> list[torch.Tensor]:
+def _originals(raw, index: list[int], size: int) -> list[torch.Tensor]:
     """The un-augmented images at the network's input size, 3 channels in [0, 1]."""
     tensors = in_memory_tensors(torch.utils.data.Subset(raw, index))
     if tensors is not None:
@@ -92,18 +67,9 @@ def _originals(raw, index: list[int], size: int, unreadable: UnreadableFiles) ->
 
         to_tensor = T.Compose([T.ToImage(), T.Resize(size, antialias=True), T.CenterCrop(size),
                                T.ToDtype(torch.float32, scale=True)])
-        samples = [raw[i] for i in index]
-        _record_unreadable(raw, torch.tensor([target for _, target in samples]), unreadable)
-        images = torch.stack([to_tensor(image) for image, _ in samples])
+        images = torch.stack([to_tensor(raw[i][0]) for i in index])
     images = torch.nn.functional.interpolate(images, size=(size, size), mode="bilinear", antialias=True)
     return list(images.expand(-1, 3, -1, -1).clamp(0, 1))
-
-
-def _record_unreadable(raw, targets: torch.Tensor, unreadable: UnreadableFiles) -> None:
-    files = image_files_of(raw)
-    if files is not None and (targets < 0).any():
-        known = {err.path for err in unreadable.found}
-        unreadable.found += [err for err in unreadable_in(files, targets) if err.path not in known]
 
 
 def _unnormalize(view: torch.Tensor, dataset: str, normalization: str) -> torch.Tensor:

@@ -97,7 +97,7 @@ class StepVerdict:
     preempted: bool = False    # a rank received SIGUSR1/SIGTERM
     interrupted: bool = False  # a rank received Ctrl-C
     overflow: bool = False     # fp16: a gradient overflowed after unscaling (the step is skipped)
-    unreadable_ranks: int = 0  # ranks that met an image file they could not decode in this window
+    given_up_ranks: int = 0    # ranks that cannot train on this window (it is undone on every rank)
 
     @property
     def stop(self) -> bool:
@@ -119,8 +119,8 @@ class StepGuard:
         self.flags = torch.zeros(5, dtype=torch.int32, device=device)
 
     def __call__(self, nonfinite: torch.Tensor, overflow: torch.Tensor | None = None,
-                 unreadable: bool = False) -> StepVerdict:
-        """``unreadable``: this rank met an image file it could not decode in this window."""
+                 give_up: bool = False) -> StepVerdict:
+        """``give_up``: this rank cannot train on this window (e.g. its data could not be read)."""
         flags = self.flags
         flags.zero_()
         if self.signals is not None and self.signals.preempt_signal is not None:
@@ -130,8 +130,8 @@ class StepGuard:
         flags[2].copy_(nonfinite)
         if overflow is not None:
             flags[3].copy_(overflow)
-        if unreadable:
+        if give_up:
             flags[4].fill_(1)
-        preempted, interrupted, nonfinite_ranks, overflow_ranks, unreadable_ranks = all_reduce_sum(flags).tolist()
+        preempted, interrupted, nonfinite_ranks, overflow_ranks, given_up_ranks = all_reduce_sum(flags).tolist()
         return StepVerdict(nonfinite_ranks, bool(preempted), bool(interrupted), bool(overflow_ranks),
-                           unreadable_ranks)
+                           given_up_ranks)

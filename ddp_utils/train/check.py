@@ -5,7 +5,6 @@ exit 2, never a restarted group or a launcher's traceback."""
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,7 +13,7 @@ from torch.utils.data import Dataset
 
 from ..config import UsageError
 from ..data.host_memory import check_shared_memory, describe_memory
-from ..data.image_files import UnreadableImage, check_decodes, image_files_of
+from ..data.image_files import decode_every_file
 from ..data.pipeline import ResumableDistributedSampler, plan_memory, require_a_batch, usable_cpus
 from ..data.recipes import AugmentRecipe
 from ..data.sets import check_data_dir
@@ -38,11 +37,6 @@ def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCh
     says = launch.rank == 0  # a requeued job's check speaks too: its log is where a user looks
     try:
         lines = _checked_run(cfg, script, model, script_check, launch)
-    except UnreadableSplits as err:
-        if says:
-            print(f"{script} --check-data: {len(err.files)} of {err.total:,} image files cannot be decoded; fix or "
-                  f"remove them:", *(f"  {file}" for file in err.files), sep="\n", file=sys.stderr, flush=True)
-        return EXIT_USAGE
     except UsageError as err:
         if says and not err.said:
             print(f"{script}: error: {err}", file=sys.stderr, flush=True)
@@ -75,7 +69,7 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         if memory is not None:
             lines.append(describe_memory(memory, launch.local_world_size))
         if cfg.check_data:
-            lines.append(_decode_every_file(train, val))
+            lines.append(decode_every_file(train, val, threads=usable_cpus()))
         lines.append(f"steps: {steps:,} per epoch, {steps * cfg.epochs:,} in {_count(cfg.epochs, 'epoch')}"
                      + (f" (stopping at --max-steps {cfg.max_steps})" if cfg.max_steps else ""))
     lines.append(f"model: {model}")
@@ -92,27 +86,6 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         later = ", continued by restarted attempts" if cfg.resume == RESUME_IF_RESTARTED else ""
         lines.append(f"run folder: {cfg.out}, {fresh}{later}")
     return lines + [f"warning: {text}" for text in extra]
-
-
-class UnreadableSplits(UsageError):
-    """--check-data found image files that cannot be decoded (each is listed on its own line)."""
-
-    def __init__(self, files: list[UnreadableImage], total: int):
-        super().__init__(f"{len(files)} image files cannot be decoded")
-        self.files, self.total = files, total
-
-
-def _decode_every_file(*splits: Dataset) -> str:
-    """--check-data: decode every image file of the splits on every CPU this process may use;
-    raise :class:`UnreadableSplits` listing the files that fail, else say how long it took."""
-    started, threads = time.perf_counter(), usable_cpus()
-    files = [image_files_of(split) for split in splits]
-    bad = [err for f in files if f is not None for err in check_decodes(f, threads)]
-    total = sum(len(f.samples) for f in files if f is not None)
-    if bad:
-        raise UnreadableSplits(bad, total)
-    seconds = time.perf_counter() - started
-    return f"data check: all {total:,} image files decode ({seconds:.1f} s on {_count(threads, 'thread')})"
 
 
 def _count(n: int, noun: str) -> str:

@@ -19,7 +19,7 @@ from .checkpoint import Resume
 from .resume import choose_resume
 from .run_folder import check_out_dir
 from .train_config import TrainConfig
-from .unreadable_files import refuse_unfixed_files
+from .unreadable_files import forget_unreadable, refuse_unfixed_files
 
 if TYPE_CHECKING:
     from .session import RunSession
@@ -38,6 +38,8 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dic
     restarted = any(all_gather_object(restart_count() > 0))
     with all_ranks_agree():
         resume, session.faults = checks_before_start(cfg, restarted, announce=info.is_main)
+    if info.is_main:
+        forget_unreadable(cfg.out)  # every rank found the files a run here stopped on fixed, or starts afresh
     download_once_per_node(cfg, info)
     if info.device.type == "cuda" and info.is_distributed:
         problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))

@@ -75,7 +75,6 @@ class TrainingBatches:
         self.loaders, self.state, self.accum_steps = loaders, state, accum_steps
         self.data_wait = WaitClock()
         self.epoch_started = (0.0, 0, 0.0)  # this epoch's start here: time, batches done, data wait
-        self.files_met = 0  # undecodable files in the batches handed out so far (not in one made early)
         self._window_start = 0  # state.batches_done before the window in progress
         self._window_undo = WindowStart(model, device)  # the rest of what the window changes
         self._batches: Iterator | None = None
@@ -92,7 +91,6 @@ class TrainingBatches:
             batch = self.data_wait.next(self._batches)
             if batch is None:
                 return
-            self.files_met = len(self.loaders.unreadable.found)  # a batch made early is met when taken
             if micro.index == 0:
                 self._window_start = state.batches_done
                 self._window_undo.save()

@@ -40,8 +40,7 @@ def raw_splits(cfg: TrainConfig) -> tuple[Dataset, Dataset]:
 
 
 def augmentation_preview(loaders: Loaders, is_main: bool, resume: Resume | None):
-    """Rank 0 of a fresh run: the picture of the augmentation for TensorBoard, else None (an
-    image file among its samples that cannot be decoded stops the run at its first step)."""
+    """Rank 0 of a fresh run: the picture of the augmentation for TensorBoard, else None."""
     if not is_main or resume is not None:
         return None
     return augmentation_grid(loaders)

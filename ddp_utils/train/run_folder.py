@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("train")
 TB_DIR = "tb"
-UNREADABLE_MARKER = "UNREADABLE"  # the image files a run stopped on, one "PATH\treason" per line
 
 
 def check_out_dir(out: str) -> None:
@@ -54,8 +53,8 @@ def prepare_run_folder(out: str, overwrite: bool, resuming: bool) -> None:
     path.mkdir(parents=True, exist_ok=True)
     if resuming:
         return
-    old = checkpoint_files(path) + [p for p in (path / TB_DIR, path / MARKER, path / UNREADABLE_MARKER,
-                                                  path / "config.json", path / f".{LAST}.tmp") if p.exists()]
+    old = checkpoint_files(path) + [p for p in (path / TB_DIR, path / MARKER, path / "config.json",
+                                                  path / f".{LAST}.tmp") if p.exists()]
     if not old:
         return
     for item in old:
@@ -106,7 +105,6 @@ def open_run_folder(cfg: TrainConfig, session: RunSession, resume: Resume | None
         prepare_run_folder(cfg.out, cfg.overwrite, resuming=resume is not None)
         write_run_record(cfg, session.info.world_size, resume, step, resolved)
         session.signals.clear_marker()
-        (Path(cfg.out) / UNREADABLE_MARKER).unlink(missing_ok=True)  # they decode now, or are gone (pre-flight)
         tb = session.close_at_exit(TensorBoard(Path(cfg.out) / TB_DIR, purge_step=step + 1 if resume else None))
         if preview is not None:  # what the augmentation does, once per run
             tb.image("data/augmented_views", preview, step)

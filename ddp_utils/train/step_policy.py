@@ -1,6 +1,6 @@
 """What a run does around its optimizer steps, for the training loops to call by name: the start
 of training, checkpoints, and after a step a NaN/Inf loss skipped or stopped on, or a stop
-signal (image files that could not be decoded: ``unreadable_files``)."""
+signal."""
 from __future__ import annotations
 
 import logging

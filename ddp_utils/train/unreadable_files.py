@@ -1,19 +1,29 @@
-"""Image files that cannot be decoded, on the training side: the whole of what a run does about them.
+"""Image files that cannot be decoded: the whole of what a run does about them, in six files.
 
-The data side (``data.image_files``) gives such a file a placeholder target (``-1 - index``) in
-its worker, records it on its rank when the batch is made, and names it. Here, in order:
+Data side (``data/image_files.py``; ``data/pipeline.py`` wraps every kind of batch of image
+files in its recorder):
 
-1. each window keeps, as it begins, what it changes besides the gradients
-   (``accumulation.WindowStart``), so that a window that met such a file can be undone exactly
-   (``run.TrainingBatches``, which also counts the files met in the batches it handed out);
-2. the ranks' agreement at the window's end carries a flag for it (``runtime.stopping``), and the
-   training loop, seeing it, zeroes the gradients, undoes the window and calls
-   :func:`stop_if_files_unreadable` (as evaluation and the kNN monitor do after their pass): the
-   last completed step is checkpointed, the files are listed in the run folder
-   (:func:`mark_unreadable`) and every rank exits 2;
-3. a resume, or a restarted attempt, refuses to start while a listed file still fails to decode
-   (:func:`refuse_unfixed_files`); once every one decodes or is gone, the run continues exactly
-   where the undone window began, and the list is removed as the run folder opens.
+* a DataLoader worker never raises on such a file (the traceback would name no file, and the
+  rank would leave while its peers wait in a collective): the file comes as a black placeholder
+  with target ``-1 - index`` (the device path's own decoder falls back to the same read);
+* ``RecordingUnreadable`` finds such targets on the host as each batch is handed out, records
+  the file with its reason in the rank's ``UnreadableFiles`` and hands on valid labels, so the
+  rank finishes its micro-steps like its peers.
+
+Training side (here and the two scripts' ``train_one_epoch``):
+
+1. the ranks' one agreement per optimizer step carries a "give up this window" flag; a rank
+   that met such a file raises it, and on every rank the training loop zeroes the gradients,
+   undoes the window (``TrainingBatches.undo_window``: its batches count as unseen, BatchNorm
+   statistics and RNG streams as the last step left them) and calls
+   :func:`stop_if_files_unreadable`, as evaluation and the kNN monitor do after their pass;
+2. that gathers every rank's files (one all_gather_object), checkpoints the last completed
+   step, lists the files in the run folder (:func:`mark_unreadable`) and stops every rank with
+   exit code 2, naming them;
+3. the pre-flight of a resume, or of a restarted attempt, refuses to start while a listed file
+   still fails to decode (:func:`refuse_unfixed_files`); once every one decodes or is gone, the
+   list goes (:func:`forget_unreadable`) and the run continues exactly where the undone window
+   began.
 """
 from __future__ import annotations
 
@@ -23,12 +33,14 @@ from typing import TYPE_CHECKING
 from ..config import UsageError
 from ..data.image_files import UnreadableImage, decode_rgb, describe_unreadable, fix_hint
 from ..runtime.stopping import EXIT_USAGE, RunStopped
-from .run_folder import UNREADABLE_MARKER
 from .step_policy import save_checkpoint
 
 if TYPE_CHECKING:
     from .checkpoint import Resume
     from .run import TrainRun
+
+UNREADABLE_MARKER = "UNREADABLE"  # in the run folder: the image files a run stopped on, one "PATH\treason" per line
+
 
 def mark_unreadable(out: str, files: list[UnreadableImage]) -> None:
     """Rank 0, when a run stops on image files it cannot decode: list them in the run folder, so
@@ -67,6 +79,12 @@ def refuse_unfixed_files(out: str, resume: Resume | None, restarted: bool) -> No
     if unfixed:
         raise UsageError(f"{describe_unreadable(unfixed)}: the run in {out} stopped there; {fix_hint(unfixed)}, then continue "
                          f"with --resume auto", said=restarted)
+
+
+def forget_unreadable(out: str) -> None:
+    """Rank 0, once every rank passed :func:`refuse_unfixed_files`: the list goes (its files
+    decode now or are gone, or this is a fresh start)."""
+    (Path(out) / UNREADABLE_MARKER).unlink(missing_ok=True)
 
 
 def stop_if_files_unreadable(run: TrainRun, where: str) -> None:
