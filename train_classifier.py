@@ -41,6 +41,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_utils.config import UsageError, opt
+from ddp_utils.data.pipeline import build_data
+from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import classifier_recipe
 from ddp_utils.data.sets import num_classes_of
 from ddp_utils.models.backbones import build_model
@@ -66,7 +68,6 @@ from ddp_utils.train.pretrained import (
 )
 from ddp_utils.train.resume import state_to_start_from, stop_if_complete
 from ddp_utils.train.run import TrainRun
-from ddp_utils.train.run_data import augmentation_preview, build_run_data
 from ddp_utils.train.run_folder import open_run_folder
 from ddp_utils.train.session import RunSession
 from ddp_utils.train.step_policy import (
@@ -165,8 +166,9 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
     resume, resolved = preflight(cfg, session)  # checked on every rank; the "auto" data flags resolved
     with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
         recipe = classifier_recipe(cfg.dataset, resolved["image_size"], cfg.augment, cfg.normalization)
-        loaders = build_run_data(cfg, info, resolved, recipe)
-        preview = augmentation_preview(loaders, info.is_main, resume)
+        loaders = build_data(cfg.data_plan(resolved, recipe), rank=info.rank, world_size=info.world_size,
+                             device=info.device, ranks_on_node=info.local_world_size)
+        preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         model = build_network(cfg, info, loaders.num_classes)
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
         trainable = [p for p in model.parameters() if p.requires_grad]

@@ -44,6 +44,8 @@ import torch
 from torch import nn
 
 from ddp_utils.config import UsageError, flag_name, opt
+from ddp_utils.data.pipeline import build_data
+from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import MOCO_AUGS, moco_recipe
 from ddp_utils.eval.knn import knn_accuracy
 from ddp_utils.models.backbones import build_model, feature_dim
@@ -60,7 +62,6 @@ from ddp_utils.train.preflight import preflight
 from ddp_utils.train.pretrained import export_backbone
 from ddp_utils.train.resume import state_to_start_from, stop_if_complete
 from ddp_utils.train.run import TrainRun, is_complete
-from ddp_utils.train.run_data import augmentation_preview, build_run_data
 from ddp_utils.train.run_folder import open_run_folder
 from ddp_utils.train.session import RunSession
 from ddp_utils.train.step_policy import (
@@ -238,8 +239,10 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
         # Two views per training sample; the kNN monitor's bank: the un-augmented train split (or
         # --knn-bank-samples of it).
         recipe = moco_recipe(cfg.dataset, resolved["image_size"], cfg.aug, cfg.crop_min, cfg.normalization)
-        loaders = build_run_data(cfg, info, resolved, recipe, bank_samples=cfg.knn_bank_samples)
-        preview = augmentation_preview(loaders, info.is_main, resume)
+        plan = cfg.data_plan(resolved, recipe, bank_samples=cfg.knn_bank_samples)
+        loaders = build_data(plan, rank=info.rank, world_size=info.world_size, device=info.device,
+                             ranks_on_node=info.local_world_size)
+        preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         if info.is_main:
             for remark in queue_remarks(cfg, len(loaders.train_sampler.dataset)):
                 log.warning("%s", remark)

@@ -37,12 +37,11 @@ from ddp_utils.data.image_files import (
     decode_rgb,
     record_unreadable,
 )
-from ddp_utils.data.pipeline import ResumableDistributedSampler, SeededTransform
+from ddp_utils.data.pipeline import ResumableDistributedSampler, SeededTransform, build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import moco_recipe
 from ddp_utils.runtime.dist import DistInfo
 from ddp_utils.train.preflight import resolved_settings
-from ddp_utils.train.run_data import build_run_data
 
 CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), None, "single")
 # small_cnn at 32 px on the full-size JPEGs: decoding is most of the work
@@ -131,7 +130,8 @@ def test_cmyk_grayscale_and_png_named_jpeg_are_rgb_on_every_path(jpeg_folder, au
                                 workers=0, aug_on=aug_on, decode_on=decode_on, device="cpu", moco_k=64)
     resolved = resolved_settings(cfg, "single", 1, CPU.device)
     recipe = moco_recipe(cfg.dataset, resolved["image_size"], cfg.aug, cfg.crop_min, cfg.normalization)
-    loaders = build_run_data(cfg, CPU, resolved, recipe, bank_samples=cfg.knn_bank_samples)
+    loaders = build_data(cfg.data_plan(resolved, recipe, bank_samples=cfg.knn_bank_samples), rank=0, world_size=1,
+                         device=CPU.device)
     loaders.set_epoch(0)
     seen = 0
     for (im_q, im_k), targets in loaders.train:

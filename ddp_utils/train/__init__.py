@@ -1,11 +1,11 @@
 """Training, by job, in the order a run meets them:
 
-- ``train_config``: the settings both scripts share and the command line that fills them in;
+- ``train_config``: the settings both scripts share, the command line that fills them in, and
+  the data plan they give ``data.pipeline.build_data``;
 - ``session``: the life of one process (signals, process group, logging, exit codes, clean-up);
 - ``preflight``: the checks every rank passes before anything is built, and what the "auto"
   data flags resolve to; ``check``: the same checks as ``--check``, printing the run;
-- ``run_data``: the run's data from its config; ``network``: the network on its device (DDP,
-  compile, the GPU fast path); ``optimization``: SGD, the scaler, the LR of every step;
+- ``network``: the network on its device (DDP, compile, the GPU fast path); ``optimization``: SGD, the scaler, the LR of every step;
 - ``resume`` (which checkpoint, does it fit, where the run starts), ``checkpoint`` (the file),
   ``run_folder`` (``--out`` and its records), ``pretrained`` (backbones for the classifier);
 - ``run``: the record of one run and where it stands; ``accumulation``: the pieces of one

@@ -16,14 +16,13 @@ from ..data.host_memory import check_shared_memory, describe_memory
 from ..data.image_files import decode_every_file
 from ..data.pipeline import ResumableDistributedSampler, plan_memory, require_a_batch, usable_cpus
 from ..data.recipes import AugmentRecipe
-from ..data.sets import check_data_dir
+from ..data.sets import check_data_dir, load_raw_splits
 from ..runtime.dist import LaunchEnv, detect_launch, device_type, restart_count
 from ..runtime.stopping import EXIT_OK, EXIT_USAGE
 from .accumulation import steps_per_epoch
 from .preflight import checks_before_start, describe_settings, resolved_settings
 from .resume import check_resume_fits
 from .run import describe_position
-from .run_data import data_plan, raw_splits
 from .train_config import RESUME_IF_RESTARTED, TrainConfig
 
 ScriptCheck = Callable[[Dataset], tuple[dict[str, Any], list[str]]]
@@ -58,13 +57,14 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         lines.append(f"data: cifar10, downloaded into {cfg.data_dir} at start; {settings}")
         facts, extra = {}, []
     else:
-        train, val = raw_splits(cfg)
+        train, val = load_raw_splits(cfg.dataset, cfg.data_dir, cfg.resolved_image_size(), cfg.synthetic_samples,
+                                     cfg.debug)
         facts, extra = script_check(train)
         samples_per_rank = ResumableDistributedSampler(train, world_size, 0, cfg.seed).num_samples
         batches = require_a_batch(samples_per_rank // cfg.batch_size, len(train), world_size, cfg.batch_size)
         steps = steps_per_epoch(batches, cfg.accum_steps)
         lines.append(f"data: {cfg.dataset}, {len(train):,} training and {len(val):,} validation images; {settings}")
-        memory = plan_memory(data_plan(cfg, resolved, AugmentRecipe()), train)
+        memory = plan_memory(cfg.data_plan(resolved, AugmentRecipe()), train)
         check_shared_memory(memory, launch.local_world_size)
         if memory is not None:
             lines.append(describe_memory(memory, launch.local_world_size))

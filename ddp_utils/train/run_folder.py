@@ -95,7 +95,7 @@ def write_run_record(cfg: TrainConfig, world_size: int, resume: Resume | None, s
 def open_run_folder(cfg: TrainConfig, session: RunSession, resume: Resume | None, step: int,
                     resolved: dict | None = None, preview: torch.Tensor | None = None) -> TensorBoard:
     """Rank 0, once every check has passed: the folder (an old run cleared on --overwrite), its
-    config.json, TensorBoard from ``step`` on, and ``preview`` (``run_data.augmentation_preview``).
+    config.json, TensorBoard from ``step`` on, and ``preview`` (``data.preview.augmentation_grid``).
     Returns the TensorBoard writer (a no-op on other ranks). A resumed checkpoint in this folder
     counts as saved."""
     tb = TensorBoard(None)

@@ -11,7 +11,8 @@ from typing import Any, Callable, ClassVar, Sequence, TypeVar
 import torch
 
 from ..config import UsageError, config_dict, fields_on_resume, flag_name, opt, parse_config, recorded_run
-from ..data.recipes import AUG_ON, augment_on_device
+from ..data.pipeline import DataPlan
+from ..data.recipes import AUG_ON, AugmentRecipe, augment_on_device
 from ..data.sets import DATASETS, NATIVE_SIZE, NORMALIZATIONS
 from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
 from ..runtime.dist import (
@@ -228,6 +229,16 @@ class TrainConfig:
 
     def resolved_image_size(self) -> int:
         return self.image_size or NATIVE_SIZE[self.dataset]
+
+    def data_plan(self, resolved: dict[str, Any], recipe: AugmentRecipe, bank_samples: int | None = None) -> DataPlan:
+        """The run's data, as ``data.pipeline.build_data`` takes it: these flags with what the
+        "auto" ones resolved to (``resolved``), the script's training view (``recipe``, ``VIEWS``
+        per sample) and MoCo's kNN bank (``bank_samples``; None: no bank)."""
+        return DataPlan(dataset=self.dataset, data_dir=self.data_dir, image_size=resolved["image_size"],
+                        synthetic_samples=self.synthetic_samples, debug=self.debug, seed=self.seed,
+                        batch_size=self.batch_size, workers=resolved["workers"], normalization=self.normalization,
+                        recipe=recipe, views=self.VIEWS, aug_on_device=resolved["aug_on"] == "device",
+                        decode_on_device=resolved["decode_on"] == "device", bank_samples=bank_samples)
 
 
 def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[Any]]:
