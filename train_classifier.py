@@ -77,29 +77,30 @@ from ddp_utils.train.step_policy import (
     start_training,
     stop_for_signal,
 )
-from ddp_utils.train.train_config import OUT_HELP, TrainConfig, parse_args
+from ddp_utils.train.train_config import OUT_HELP, RUN_FOLDER, TrainConfig, parse_args
 from ddp_utils.train.unreadable_files import stop_if_files_unreadable
 
 log = logging.getLogger("train")
 SCRIPT = "train_classifier.py"
+PRETRAINED = "pretrained backbone"  # --help's section of this script's own flags
 
 
 @dataclass
 class ClassifierConfig(TrainConfig):
-    SECTIONS: ClassVar[tuple[str, ...]] = (*TrainConfig.SECTIONS, "pretrained backbone")
+    SECTIONS: ClassVar[tuple[str, ...]] = (*TrainConfig.SECTIONS, PRETRAINED)
 
-    out: str = opt("runs/classifier", OUT_HELP, group="run folder and checkpoints", on_resume="invocation")
+    out: str = opt("runs/classifier", OUT_HELP, group=RUN_FOLDER, on_resume="invocation")
     pretrained: str = opt("", "initialise the backbone from a train_moco.py checkpoint, its run folder "
                           "(the newest checkpoint) or an exported backbone (--export-backbone); fc starts "
                           "fresh; --image-size 0 then means the size it was pretrained at",
-                          group="pretrained backbone")
+                          group=PRETRAINED)
     linear_probe: bool = opt(False, "freeze the backbone (kept in eval mode) and train only a new linear "
                              "classifier; without --pretrained the backbone is randomly initialised (a "
-                             "baseline)", group="pretrained backbone", on_resume="fixed")
+                             "baseline)", group=PRETRAINED, on_resume="fixed")
     probe_bn: bool = opt(False, "with --linear-probe: normalise the frozen features with a "
                          "parameter-free BatchNorm before the classifier (MAE's probe; LRs near 0.1 "
                          "then work); off = MoCo's protocol (LR about 30)",
-                         group="pretrained backbone", on_resume="fixed")
+                         group=PRETRAINED, on_resume="fixed")
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
         super().validate(launch, cuda_devices)

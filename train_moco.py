@@ -43,7 +43,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ddp_utils.config import UsageError, flag_name, opt
+from ddp_utils.config import UsageError, opt
 from ddp_utils.data.pipeline import build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import MOCO_AUGS, moco_recipe
@@ -71,7 +71,7 @@ from ddp_utils.train.step_policy import (
     start_training,
     stop_for_signal,
 )
-from ddp_utils.train.train_config import OUT_HELP, TrainConfig, parse_args
+from ddp_utils.train.train_config import MODEL, OUT_HELP, RUN_FOLDER, TrainConfig, parse_args
 from ddp_utils.train.unreadable_files import stop_if_files_unreadable
 
 log = logging.getLogger("train")
@@ -95,62 +95,64 @@ DATASET_DEFAULTS = {
 }
 
 
+MOCO, KNN = "MoCo", "kNN monitor"  # --help's sections of this script's own flags
+DEFAULT = PRESETS["v2"]  # the fields' defaults of the flags a preset sets
+
+
 @dataclass
 class MocoConfig(TrainConfig):
     PRESETS: ClassVar[dict[str, dict]] = PRESETS
     DATASET_DEFAULTS: ClassVar[dict[str, dict]] = DATASET_DEFAULTS
-    SECTIONS: ClassVar[tuple[str, ...]] = (*TrainConfig.SECTIONS, "MoCo", "kNN monitor")
+    SECTIONS: ClassVar[tuple[str, ...]] = (*TrainConfig.SECTIONS, MOCO, KNN)
     VIEWS: ClassVar[int] = 2  # the query's and the key's
 
-    preset: str = opt("v2", "the defaults of the flags marked (v1: ...): v1 = linear head, T 0.07, step "
-                      "LR at 60%% and 80%% of --epochs, weak augmentation; v2 = MLP head, T 0.2, cosine LR, "
-                      "strong augmentation with blur; a --config file and flags override it",
-                      choices=("v1", "v2"))
-    out: str = opt("runs/moco", OUT_HELP, group="run folder and checkpoints", on_resume="invocation")
+    preset: str = opt("v2", "the defaults of the flags whose help names a preset, as the MoCo v1 or v2 paper "
+                      "set them; a --config file and flags override them", choices=tuple(PRESETS))
+    out: str = opt("runs/moco", OUT_HELP, group=RUN_FOLDER, on_resume="invocation")
     lr: float = opt(0.03, "peak learning rate for the global batch (MoCo: 0.03 for 256)",
-                    group="model and optimisation")
-    lr_schedule: str = opt("cosine", "the LR schedule after warm-up (v1: step)", choices=LR_SCHEDULES,
-                           group="model and optimisation")
-    lr_milestones: str = opt("", "epochs where the step schedule multiplies the LR by 0.1; N%% = N percent "
-                             "of --epochs (v1: 60%%,80%%)", group="model and optimisation")
-    weight_decay: float = opt(1e-4, "SGD weight decay (L2)", group="model and optimisation")
+                    group=MODEL, above=0)
+    lr_schedule: str = opt(DEFAULT["lr_schedule"], "the LR schedule after warm-up", choices=LR_SCHEDULES,
+                           group=MODEL)
+    lr_milestones: str = opt(DEFAULT["lr_milestones"], "epochs where the step schedule multiplies the LR by 0.1; "
+                             "N%% = N percent of --epochs", group=MODEL)
+    weight_decay: float = opt(1e-4, "SGD weight decay (L2)", group=MODEL, at_least=0)
     moco_dim: int = opt(128, "output size of the projection head (key/query feature dimension)",
-                        group="MoCo", on_resume="fixed")
+                        group=MOCO, on_resume="fixed", above=0)
     moco_k: int = opt(65536, "queue length: negatives per query; must be >= the global batch",
-                      group="MoCo", on_resume="fixed")
-    moco_m: float = opt(0.999, "momentum of the key encoder update k = m*k + (1-m)*q", group="MoCo")
+                      group=MOCO, on_resume="fixed")
+    moco_m: float = opt(0.999, "momentum of the key encoder update k = m*k + (1-m)*q", group=MOCO, at_least=0, below=1)
     moco_m_cos: bool = opt(False, "raise the momentum from --moco-m to 1 on a half cosine over training",
-                           group="MoCo")
-    moco_t: float = opt(0.2, "softmax temperature (v1: 0.07)", group="MoCo")
+                           group=MOCO)
+    moco_t: float = opt(DEFAULT["moco_t"], "softmax temperature", group=MOCO, above=0)
     symmetric: bool = opt(False, "symmetric loss: the SUM loss(q1,k2) + loss(q2,k1), as the MoCo authors' "
                           "CIFAR-10 demo does; both crops go through both encoders and both key sets are "
-                          "enqueued (2 x the global batch per step: --moco-k must hold them)", group="MoCo")
-    mlp: bool = opt(True, "2-layer MLP projection head instead of one linear layer (v1: off)",
-                    group="MoCo", on_resume="fixed")
-    aug: str = opt("v2", "augmentation: v1 weak, v2 strong with blur, v2-noblur (v1: v1)",
-                   choices=MOCO_AUGS, group="MoCo")
+                          "enqueued (2 x the global batch per step: --moco-k must hold them)", group=MOCO)
+    mlp: bool = opt(DEFAULT["mlp"], "2-layer MLP projection head instead of one linear layer",
+                    group=MOCO, on_resume="fixed")
+    aug: str = opt(DEFAULT["aug"], "augmentation: v1 weak, v2 strong with blur, v2-noblur",
+                   choices=MOCO_AUGS, group=MOCO)
     crop_min: float = opt(0.2, "smallest crop of the random resized crop, as a fraction of the image area "
                           "(MoCo on ImageNet 0.2; the authors' CIFAR-10 demo 0.08, torchvision's default)",
-                          group="MoCo")
+                          group=MOCO, above=0, at_most=1)
     shuffle_bn: bool = opt(True, "shuffle BN: key batch shuffled across ranks (one process: split BN)",
-                           group="MoCo")
+                           group=MOCO)
     bn_splits: int = opt(8, "one process with --shuffle-bn: BatchNorm groups emulating that many GPUs",
-                         group="MoCo")
+                         group=MOCO, above=0)
     sync_bn: bool = opt(False, "SyncBatchNorm in both encoders instead of shuffle BN (it defeats "
-                        "shuffle BN's purpose; for comparison only)", group="MoCo")
-    knn_k: int = opt(200, "kNN monitor: neighbours that vote", group="kNN monitor", on_resume="free")
+                        "shuffle BN's purpose; for comparison only)", group=MOCO)
+    knn_k: int = opt(200, "kNN monitor: neighbours that vote", group=KNN, on_resume="free", above=0)
     knn_t: float = opt(0.1, "kNN monitor: temperature of the exp(similarity / T) vote weights",
-                       group="kNN monitor", on_resume="free")
+                       group=KNN, on_resume="free", above=0)
     knn_features: str = opt("backbone", "kNN monitor features: backbone (what a linear probe sees) or head "
                             "(the projection head's output, as the MoCo authors' CIFAR-10 demo monitors)",
-                            choices=("backbone", "head"), group="kNN monitor", on_resume="free")
+                            choices=("backbone", "head"), group=KNN, on_resume="free")
     knn_every: int = opt(1, "run the kNN monitor every this many epochs (and at step 0); 0 = never",
-                         group="kNN monitor", on_resume="free")
+                         group=KNN, on_resume="free", at_least=0)
     knn_bank_samples: int = opt(0, "kNN monitor: memory bank = this many train samples (a fixed, seeded "
-                                "subset); 0 = the whole train split", group="kNN monitor", on_resume="free")
+                                "subset); 0 = the whole train split", group=KNN, on_resume="free", at_least=0)
     export_backbone: str = opt("", "after training, write the query backbone (no head) as a plain "
                                "state dict to this path, loadable by torchvision's model",
-                               group="MoCo", on_resume="free")
+                               group=MOCO, on_resume="free")
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
         super().validate(launch, cuda_devices)
@@ -168,19 +170,9 @@ class MocoConfig(TrainConfig):
             raise UsageError(f"--moco-k {self.moco_k} is smaller than the global batch (world size "
                              f"{launch.world_size} x accum steps {self.accum_steps} x batch "
                              f"{self.batch_size} = {global_batch}); raise --moco-k or lower the batch")
-        if not 0 <= self.moco_m < 1:
-            raise UsageError(f"--moco-m must be in [0, 1), got {self.moco_m}")
-        if not 0 < self.crop_min <= 1:
-            raise UsageError(f"--crop-min must be in (0, 1], got {self.crop_min}")
-        for name in ("moco_t", "knn_t", "moco_dim", "knn_k", "bn_splits"):
-            if getattr(self, name) <= 0:
-                raise UsageError(f"{flag_name(name)} must be positive, got {getattr(self, name)}")
         if self.sync_bn and launch.world_size > 1 and (self.device == "cpu" or not cuda_devices):
             raise UsageError("--sync-bn needs CUDA when running several processes (SyncBatchNorm is "
                              "GPU-only there); drop --sync-bn on CPU")
-        for name in ("knn_every", "knn_bank_samples"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"{flag_name(name)} must be >= 0, got {getattr(self, name)}")
         if self.uses_split_bn(launch.world_size) and self.batch_size % self.bn_splits:
             raise UsageError(f"--batch-size {self.batch_size} must be a multiple of --bn-splits "
                              f"{self.bn_splits} (split BN on one process); or pass --bn-splits 1")

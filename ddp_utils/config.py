@@ -45,14 +45,46 @@ ON_RESUME = ("fixed", "experiment", "free", "invocation")
 
 
 def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group: str | None = None,
-        on_resume: str = "experiment", from_file: bool = True) -> Any:
+        on_resume: str = "experiment", from_file: bool = True, at_least: float | None = None,
+        above: float | None = None, below: float | None = None, at_most: float | None = None) -> Any:
     """A config field: its default, help text (unit and meaning) and allowed values; the --help
     section it is listed in (``group``; None: at the top, with --config); what a resume may do
-    with it (``on_resume``, one of ON_RESUME); whether ``--config FILE`` may set it."""
+    with it (``on_resume``, one of ON_RESUME); whether ``--config FILE`` may set it; the bounds of
+    a number (``at_least``/``above`` below it, ``below``/``at_most`` above it), which
+    :func:`check_bounds` enforces whatever set the value."""
     if on_resume not in ON_RESUME:
         raise ValueError(f"opt: on_resume must be one of {', '.join(ON_RESUME)}, got {on_resume!r}")
+    if at_least is not None and above is not None or below is not None and at_most is not None:
+        raise ValueError("opt: give at most one lower bound (at_least, above) and one upper (below, at_most)")
+    bounds = {"at_least": at_least, "above": above, "below": below, "at_most": at_most}
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "group": group,
-                                                        "on_resume": on_resume, "from_file": from_file})
+                                                        "on_resume": on_resume, "from_file": from_file,
+                                                        "bounds": {k: v for k, v in bounds.items() if v is not None}})
+
+
+def bounds_text(bounds: dict[str, float]) -> str:
+    """"positive", ">= 0", "in [0, 1)", ... for a field's ``opt`` bounds."""
+    low = ("[", bounds["at_least"]) if "at_least" in bounds else ("(", bounds["above"]) if "above" in bounds else None
+    high = (bounds["below"], ")") if "below" in bounds else (bounds["at_most"], "]") if "at_most" in bounds else None
+    if low and high:
+        return f"in {low[0]}{low[1]:g}, {high[0]:g}{high[1]}"
+    if low:
+        return "positive" if low == ("(", 0) else f"{'>=' if low[0] == '[' else '>'} {low[1]:g}"
+    return f"{'<' if high[1] == ')' else '<='} {high[0]:g}"
+
+
+def within_bounds(value: float, bounds: dict[str, float]) -> bool:
+    return (value >= bounds.get("at_least", -math.inf) and value > bounds.get("above", -math.inf)
+            and value < bounds.get("below", math.inf) and value <= bounds.get("at_most", math.inf))
+
+
+def check_bounds(cfg: Any) -> None:
+    """Raise UsageError for the first field of ``cfg`` outside its ``opt`` bounds:
+    "--lr must be positive, got 0"."""
+    for f in dataclasses.fields(cfg):
+        bounds, value = f.metadata.get("bounds"), getattr(cfg, f.name)
+        if bounds and not within_bounds(value, bounds):
+            raise UsageError(f"{flag_name(f.name)} must be {bounds_text(bounds)}, got {value}")
 
 
 def fields_on_resume(cls: type, *kinds: str) -> tuple[str, ...]:
@@ -223,10 +255,21 @@ def _default(cls: type, name: str) -> Any:
 
 
 def help_text(cls: type, field: dataclasses.Field) -> str:
-    """A field's help, followed by the data sets' own defaults of it: "...; --dataset digits: 128"."""
-    own = [f"--dataset {dataset}: {values[field.name]}" for dataset, values in
-           (getattr(cls, "DATASET_DEFAULTS", None) or {}).items() if field.name in values]
+    """A field's help, followed by the values the presets other than its default give it and the
+    data sets' own defaults of it: "...; --preset v1: 0.07", "...; --dataset digits: 128"."""
+    name = field.name
+    own = [f"--preset {preset}: {_shown(values[name])}" for preset, values in
+           (getattr(cls, "PRESETS", None) or {}).items() if name in values and values[name] != field.default]
+    own += [f"--dataset {dataset}: {_shown(values[name])}" for dataset, values in
+            (getattr(cls, "DATASET_DEFAULTS", None) or {}).items() if name in values]
     return field.metadata["help"] + (f"; {', '.join(own)}" if own else "")
+
+
+def _shown(value: Any) -> str:
+    """A value as --help shows it (argparse %-formats help text: a % is written %%)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value).replace("%", "%%") if value != "" else "empty"
 
 
 def read_config_file(cls: type, path: str) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 same (tests/test_docs.py keeps it equal to CASES)."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -72,10 +73,10 @@ CASES = [
     ("classifier", ["--ckpt-every", "-1"], "--ckpt-every must be >= 0"),
     ("classifier", ["--keep-checkpoints", "0"], "--keep-checkpoints must be positive"),
     ("classifier", ["--skip-nonfinite", "-1"], "--skip-nonfinite must be >= 0"),
-    ("classifier", ["--dist-timeout", "0"], "--dist-timeout must be positive seconds"),
+    ("classifier", ["--dist-timeout", "0"], "--dist-timeout must be positive, got 0.0"),
     ("classifier", ["--dist-timeout", "nan"], "argument --dist-timeout: nan is not a finite number"),
     ("classifier", ["--synthetic-samples", "0"], "--synthetic-samples must be positive"),
-    ("classifier", ["--workers", "-2"], "--workers must be -1 (auto) or >= 0"),
+    ("classifier", ["--workers", "-2"], "--workers must be >= -1, got -2"),
     ("classifier", ["--image-size", "-1"], "--image-size must be >= 0"),
     ("classifier", ["--image-size", "8", "--arch", "lenet"], "--image-size 8 is too small for --arch lenet"),
     ("classifier", ["--image-size", "12", "--arch", "resnet18"], "give at least 16 px"),
@@ -251,7 +252,6 @@ NEGATIVE_OK = {"seed", "workers"}
 
 
 def _numeric_cases():
-    import dataclasses
     import typing
 
     from ddp_utils.config import field_type
@@ -295,6 +295,91 @@ def test_every_numeric_flag_at_zero_negative_nan_and_inf(capsys, script, name, v
         assert problem is None, problem
     else:
         assert problem is not None and problem.strip().count("\n") == 0 and flag in problem, problem
+
+
+def _bounded_fields():
+    for script, module in SCRIPTS.items():
+        cls = module.ClassifierConfig if script == "classifier" else module.MocoConfig
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("bounds"):
+                yield script, cls, f
+
+
+BOUNDED = list(_bounded_fields())
+
+
+def test_bounds_sit_on_the_fields_and_one_checker_enforces_them():
+    """Every bound is an opt() keyword: a value just outside it is refused with "FLAG must be
+    ..., got VALUE", the bound itself (where it is included) passes; a field a script redefines
+    keeps its bounds; and the messages are the ones users meet."""
+    from ddp_utils.config import bounds_text, check_bounds, flag_name
+    from ddp_utils.train.train_config import TrainConfig
+
+    assert len(BOUNDED) >= 30  # 18 shared fields in both scripts, MoCo's own
+    for script, cls, f in BOUNDED:
+        bounds, kind = f.metadata["bounds"], type(f.default)
+        step = 1 if kind is int else 0.5
+        cfg = cls()
+        outside = ([bounds["at_least"] - step] if "at_least" in bounds else []) + \
+                  ([bounds["above"]] if "above" in bounds else []) + \
+                  ([bounds["below"]] if "below" in bounds else []) + \
+                  ([bounds["at_most"] + step] if "at_most" in bounds else [])
+        for value in outside:
+            value = kind(value)
+            with pytest.raises(UsageError) as err:
+                check_bounds(dataclasses.replace(cfg, **{f.name: value}))
+            assert str(err.value) == f"{flag_name(f.name)} must be {bounds_text(bounds)}, got {value}"
+        for edge in ("at_least", "at_most"):
+            if edge in bounds:
+                check_bounds(dataclasses.replace(cfg, **{f.name: kind(bounds[edge])}))
+        check_bounds(cfg)  # the defaults are within bounds
+    shared = {f.name: f.metadata.get("bounds") for f in dataclasses.fields(TrainConfig)}
+    for script, module in SCRIPTS.items():
+        cls = module.ClassifierConfig if script == "classifier" else module.MocoConfig
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("bounds") == shared.get(f.name, f.metadata.get("bounds")), (script, f.name)
+    texts = {(s, f.name): bounds_text(f.metadata["bounds"]) for s, _, f in BOUNDED}
+    assert texts[("classifier", "lr")] == "positive" and texts[("classifier", "momentum")] == "in [0, 1)"
+    assert texts[("moco", "crop_min")] == "in (0, 1]" and texts[("classifier", "max_steps")] == ">= 0"
+
+
+def test_a_bound_is_enforced_on_a_config_files_value_too(tmp_path, capsys):
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text('{"momentum": 1.5, "device": "cpu"}')
+    proc = in_process(train_classifier.main, ["--config", str(recipe)], capsys)
+    assert proc.returncode == 2 and proc.stderr.endswith(": error: --momentum must be in [0, 1), got 1.5\n")
+    assert proc.stderr.count("\n") == 1
+
+
+def test_presets_write_their_values_once_and_name_them_in_the_help():
+    """train_moco.PRESETS holds what each paper sets; the fields' defaults are the default preset's,
+    and each such flag's help ends with the other presets' values, generated, never by hand."""
+    from ddp_utils.config import help_text
+
+    cls, presets = train_moco.MocoConfig, train_moco.PRESETS
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    default = presets[fields["preset"].default]
+    assert set(default) == set(presets["v1"])  # both presets set the same flags
+    for name, value in default.items():
+        assert fields[name].default == value, name
+        text = help_text(cls, fields[name])
+        for preset, values in presets.items():
+            shown = {True: "on", False: "off"}.get(values[name], str(values[name]).replace("%", "%%"))
+            assert (f"--preset {preset}: {shown}" in text) == (values[name] != value), (name, text)
+    assert help_text(cls, fields["moco_t"]).endswith("; --preset v1: 0.07")
+    assert help_text(cls, fields["mlp"]).endswith("; --preset v1: off")
+    assert not [f.name for f in fields.values() if "(v1:" in f.metadata["help"] or "(v2:" in f.metadata["help"]]
+
+
+def test_help_sections_are_named_once():
+    """Each --help section is a constant, named by the fields that use it and listed in SECTIONS."""
+    from ddp_utils.config import flag_groups
+
+    for script, module in SCRIPTS.items():
+        cls = module.ClassifierConfig if script == "classifier" else module.MocoConfig
+        assert list(flag_groups(cls)) == list(cls.SECTIONS), script  # every section used, in order
+        source = Path(module.__file__).read_text() + (REPO / "ddp_utils/train/train_config.py").read_text()
+        assert 'group="' not in source, script
 
 
 # ----------------------------------------------------------------------------- the README's table

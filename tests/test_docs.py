@@ -57,7 +57,7 @@ def test_moco_help_lists_the_preset_first_and_no_none_defaults():
     options = text.split("options:")[1]
     assert options.index("--config") < options.index("--preset") < options.index("--dataset") < options.index("--lr LR")
     # a preset is a set of ordinary defaults: the help shows the default preset's, and v1's beside them
-    assert "softmax temperature (v1: 0.07) (default: 0.2)" in options and "(default: None)" not in options
+    assert "softmax temperature; --preset v1: 0.07 (default: 0.2)" in options and "(default: None)" not in options
     assert "(default: v2)" in options
 
 

@@ -10,7 +10,16 @@ from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
 import torch
 
-from ..config import UsageError, config_dict, fields_on_resume, flag_name, opt, parse_config, recorded_run
+from ..config import (
+    UsageError,
+    check_bounds,
+    config_dict,
+    fields_on_resume,
+    flag_name,
+    opt,
+    parse_config,
+    recorded_run,
+)
 from ..data.pipeline import DataPlan
 from ..data.recipes import AUG_ON, AugmentRecipe, augment_on_device
 from ..data.sets import DATASETS, NATIVE_SIZE, NORMALIZATIONS
@@ -32,144 +41,131 @@ RESUME_IF_RESTARTED = "if-restarted"
 DATA_FLAG_USERS = {"data_dir": "cifar10 and imagefolder", "download": "cifar10", "synthetic_samples": "synthetic",
                    "check_data": "imagefolder", "decode_on": "imagefolder"}
 
+# --help's sections, each named once; a field names its own (opt(group=...))
+DATA, MODEL, SPEED, RUN_FOLDER, DISTRIBUTED = ("data", "model and optimisation", "precision and speed",
+                                              "run folder and checkpoints", "distributed")
+
 OUT_HELP = ("run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a fresh run refuses a folder "
             "that already holds a checkpoint")
 
 
 @dataclass
 class TrainConfig:
-    # --help's sections, in this order; each field names its own (opt(group=...))
-    SECTIONS: ClassVar[tuple[str, ...]] = ("data", "model and optimisation", "precision and speed",
-                                           "run folder and checkpoints", "distributed")
+    SECTIONS: ClassVar[tuple[str, ...]] = (DATA, MODEL, SPEED, RUN_FOLDER, DISTRIBUTED)  # --help's order
     VIEWS: ClassVar[int] = 1  # augmented views of each training sample the script trains on
 
     # data
     dataset: str = opt("digits", "data set: digits (ships with scikit-learn, no download), cifar10, "
                        "imagefolder (DIR/train, DIR/val class folders) or synthetic (random tensors)",
-                       choices=DATASETS, group="data")
+                       choices=DATASETS, group=DATA)
     data_dir: str = opt("./data", "where cifar10 is (or is downloaded to) / the ImageFolder root",
-                        group="data", on_resume="free")
+                        group=DATA, on_resume="free")
     download: bool = opt(False, "download cifar10 into --data-dir if it is not there (once per node, by its local rank 0)",
-                         group="data", on_resume="free")
+                         group=DATA, on_resume="free")
     image_size: int = opt(0, "input side in pixels; 0 = the data set's own (32, or 224 for imagefolder)",
-                          group="data")
+                          group=DATA, at_least=0)
     synthetic_samples: int = opt(2048, "training samples of the synthetic data set (val: a quarter)",
-                                 group="data")
+                                 group=DATA, above=0)
     augment: bool = opt(True, "random crop (+ flip) on training images; off = deterministic pipeline "
-                        "(train_moco.py refuses it: its two views must differ)", group="data")
+                        "(train_moco.py refuses it: its two views must differ)", group=DATA)
     normalization: str = opt("auto", "input mean/std: auto = the data set's own; cifar10-demo = the MoCo "
                              "authors' CIFAR-10 demo's (std 0.2023, 0.1994, 0.2010 instead of 0.2470, 0.2435, "
-                             "0.2616)", choices=NORMALIZATIONS, group="data")
+                             "0.2616)", choices=NORMALIZATIONS, group=DATA)
     aug_on: str = opt("auto", "where training images are augmented: device = whole batches on the training device "
                       "(in-memory data entirely; ImageFolder: workers decode, the device crops and does the rest, "
                       "evaluation's view too); loader = per sample in DataLoader workers (torchvision, the "
                       "reference); auto = device, except ImageFolder on a CPU", choices=AUG_ON,
-                      group="data", on_resume="free")
+                      group=DATA, on_resume="free")
     decode_on: str = opt("auto", "where image files (imagefolder) are decoded with --aug-on device: loader = in "
                          "the DataLoader workers (libjpeg-turbo); device = the workers only read the files and the "
                          "training process decodes each batch on its device (nvJPEG on CUDA; a file it may not "
                          "take, such as a CMYK or progressive JPEG or a PNG, is decoded by its worker); auto = loader",
-                         choices=("auto", "loader", "device"), group="data", on_resume="free")
+                         choices=("auto", "loader", "device"), group=DATA, on_resume="free")
     workers: int = opt(-1, "data-loader worker processes per rank; -1 = auto (0 for in-memory data)",
-                       group="data", on_resume="free")
+                       group=DATA, on_resume="free", at_least=-1)
     # model and optimisation
-    arch: str = opt("small_cnn", "network", choices=ARCHS, group="model and optimisation", on_resume="fixed")
+    arch: str = opt("small_cnn", "network", choices=ARCHS, group=MODEL, on_resume="fixed")
     batch_size: int = opt(64, "images per rank per micro-step; the global batch is "
-                          "world_size x accum_steps x batch_size", group="model and optimisation")
+                          "world_size x accum_steps x batch_size", group=MODEL, above=0)
     accum_steps: int = opt(1, "micro-steps per optimizer step (gradient accumulation)",
-                           group="model and optimisation")
+                           group=MODEL, above=0)
     epochs: int = opt(10, "passes over the training set; the LR schedule spans all of them",
-                      group="model and optimisation", on_resume="free")
+                      group=MODEL, on_resume="free", above=0)
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = no limit); the schedule "
-                         "still spans --epochs", group="model and optimisation", on_resume="free")
+                         "still spans --epochs", group=MODEL, on_resume="free", at_least=0)
     lr: float = opt(0.1, "peak learning rate for the global batch (no automatic scaling)",
-                    group="model and optimisation")
-    momentum: float = opt(0.9, "SGD momentum", group="model and optimisation")
+                    group=MODEL, above=0)
+    momentum: float = opt(0.9, "SGD momentum", group=MODEL, at_least=0, below=1)
     weight_decay: float = opt(5e-4, "SGD weight decay (L2), applied to every parameter",
-                              group="model and optimisation")
+                              group=MODEL, at_least=0)
     lr_schedule: str = opt("cosine", "after warm-up: cosine decay to 0 over --epochs, step (x0.1 at each "
                            "--lr-milestones epoch), constant, or cosine-epoch (the MoCo CIFAR-10 demo's: "
                            "lr x 0.5(1 + cos(pi e / epochs)) through epoch e = 1..epochs; a warm-up scales "
-                           "it)", choices=LR_SCHEDULES, group="model and optimisation")
+                           "it)", choices=LR_SCHEDULES, group=MODEL)
     lr_milestones: str = opt("", "comma-separated epochs where the step schedule multiplies the LR by 0.1; "
-                             "N%% = N percent of --epochs", group="model and optimisation")
-    warmup_steps: int = opt(0, "linear LR warm-up, in optimizer steps", group="model and optimisation")
+                             "N%% = N percent of --epochs", group=MODEL)
+    warmup_steps: int = opt(0, "linear LR warm-up, in optimizer steps", group=MODEL, at_least=0)
     clip_grad: float = opt(0.0, "clip the global gradient L2 norm to this value; 0 = off",
-                           group="model and optimisation")
+                           group=MODEL, at_least=0)
     amp: str = opt("auto", "mixed precision: auto = bf16 on CUDA and fp32 on CPU; bf16, fp16 (with a "
                    "GradScaler) or none (fp32; TF32 matmuls on CUDA unless --no-tf32)", choices=AMP_MODES,
-                   group="precision and speed", on_resume="free")
+                   group=SPEED, on_resume="free")
     tf32: bool = opt(True, "CUDA: fp32 matmuls and convolutions on TF32 tensor cores (inputs rounded to "
                      "10-bit mantissas); --no-tf32 computes them in full fp32",
-                     group="precision and speed", on_resume="free")
+                     group=SPEED, on_resume="free")
     deterministic: bool = opt(False, "CUDA: repeatable runs: cuDNN's deterministic algorithms without "
                               "autotuning, no TF32, torch.use_deterministic_algorithms (slower; an operation "
                               "without a deterministic CUDA kernel stops the run naming it). CPU runs repeat "
-                              "without it", group="precision and speed", on_resume="free")
+                              "without it", group=SPEED, on_resume="free")
     compile: bool = opt(False, "torch.compile the network(s) (MoCo: query and key encoder separately); "
-                        "slower start, faster steps", group="precision and speed", on_resume="free")
+                        "slower start, faster steps", group=SPEED, on_resume="free")
     seed: int = opt(0, "seed for model init (same on every rank), data order and augmentation",
-                    group="model and optimisation")
+                    group=MODEL)
     # runtime
     device: str = opt("auto", "auto = cuda:LOCAL_RANK with NCCL if CUDA is available, else CPU with gloo",
-                      choices=("auto", "cpu", "cuda"), group="distributed", on_resume="free")
+                      choices=("auto", "cpu", "cuda"), group=DISTRIBUTED, on_resume="free")
     dist_timeout: float = opt(600.0, "seconds a collective may wait for a peer before the job fails",
-                              group="distributed", on_resume="free")
-    out: str = opt("runs/run", OUT_HELP, group="run folder and checkpoints", on_resume="invocation")
+                              group=DISTRIBUTED, on_resume="free", above=0)
+    out: str = opt("runs/run", OUT_HELP, group=RUN_FOLDER, on_resume="invocation")
     resume: str = opt("", "'auto' = continue from the newest readable checkpoint in OUT (start fresh if "
                       "there is none); a checkpoint file, or a run folder (its newest checkpoint); "
                       "'if-restarted' = start fresh, but 'auto' in a restarted attempt (torchrun "
                       "--max-restarts, SLURM requeue: what launch/ adds); empty = start fresh",
-                      group="run folder and checkpoints", on_resume="invocation", from_file=False)
+                      group=RUN_FOLDER, on_resume="invocation", from_file=False)
     overwrite: bool = opt(False, "start over in an OUT that holds a run: its checkpoints, TensorBoard "
                           "events and config are deleted first",
-                          group="run folder and checkpoints", on_resume="invocation", from_file=False)
+                          group=RUN_FOLDER, on_resume="invocation", from_file=False)
     allow_changes: bool = opt(False, "with --resume: continue although the checkpoint's run had other "
                               "settings that make it another experiment (data set, LR, batch, ...); the "
                               "changes are recorded in OUT/config.json's history",
-                              group="run folder and checkpoints", on_resume="invocation", from_file=False)
+                              group=RUN_FOLDER, on_resume="invocation", from_file=False)
     check: bool = opt(False, "check only: flags, paths, data and the checkpoint to resume; print the run "
                       "that would start and exit 0 (or 2, naming the problem); no process group, nothing "
                       "written (launch/ scripts run it before starting the workers)",
-                      group="run folder and checkpoints", on_resume="invocation", from_file=False)
+                      group=RUN_FOLDER, on_resume="invocation", from_file=False)
     check_data: bool = opt(False, "--check, and decode every image file of both splits (imagefolder) on every "
                            "CPU this process may use: each file that cannot be decoded is listed with its "
                            "reason, exit 2 if there is one",
-                           group="run folder and checkpoints", on_resume="invocation", from_file=False)
+                           group=RUN_FOLDER, on_resume="invocation", from_file=False)
     ckpt_every: int = opt(0, "also checkpoint every this many optimizer steps (0 = at epoch ends only)",
-                          group="run folder and checkpoints", on_resume="free")
+                          group=RUN_FOLDER, on_resume="free", at_least=0)
     keep_checkpoints: int = opt(2, "checkpoints kept in OUT: checkpoint_last.pt and N-1 older ones "
                                 "(checkpoint_prev1.pt, ...); the oldest goes only once a new one is on disk",
-                                group="run folder and checkpoints", on_resume="free")
+                                group=RUN_FOLDER, on_resume="free", above=0)
     skip_nonfinite: int = opt(0, "optimizer steps with a NaN/Inf loss that may be skipped (nothing is "
                               "updated) before the run stops with exit code 3",
-                              group="run folder and checkpoints", on_resume="free")
+                              group=RUN_FOLDER, on_resume="free", at_least=0)
     log_every: int = opt(20, "optimizer steps between progress lines and train/* TensorBoard points",
-                         group="run folder and checkpoints", on_resume="free")
+                         group=RUN_FOLDER, on_resume="free", above=0)
     debug: bool = opt(False, "one process, tiny data subset, autograd anomaly detection, extra checks",
-                      group="run folder and checkpoints")
+                      group=RUN_FOLDER)
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
         """Raise UsageError (one line, with the fix) for flags that cannot train: checks of the
         flags, the launch and the CUDA devices visible alone (all given: nothing here reads the
         environment or the file system), the same answer on every rank, so no rank waits for
         another. Paths and the fault plan are checked in the pre-flight (``train.preflight``)."""
-        positive = ("batch_size", "accum_steps", "epochs", "log_every", "synthetic_samples",
-                    "keep_checkpoints")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise UsageError(f"{flag_name(name)} must be positive, got {getattr(self, name)}")
-        non_negative = ("max_steps", "warmup_steps", "ckpt_every", "image_size", "clip_grad", "weight_decay",
-                        "skip_nonfinite")
-        for name in non_negative:
-            if getattr(self, name) < 0:
-                raise UsageError(f"{flag_name(name)} must be >= 0, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise UsageError(f"--lr must be positive, got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise UsageError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if self.dist_timeout <= 0:
-            raise UsageError(f"--dist-timeout must be positive seconds, got {self.dist_timeout}")
+        check_bounds(self)  # each number within its field's bounds (opt(above=..., ...))
         if self.overwrite and self.resume and self.resume != RESUME_IF_RESTARTED:
             raise UsageError("--overwrite starts over and --resume continues: give only one of them")
         if self.allow_changes and not self.resume:
@@ -189,8 +185,6 @@ class TrainConfig:
             raise UsageError(f"--lr-milestones {self.lr_milestones} applies to --lr-schedule step only, not "
                              f"{self.lr_schedule}; drop it (a preset's: --lr-milestones '')")
         self.check_data_flags()
-        if self.workers < -1:
-            raise UsageError(f"--workers must be -1 (auto) or >= 0, got {self.workers}")
         if self.normalization == "cifar10-demo" and self.dataset != "cifar10":
             raise UsageError(f"--normalization cifar10-demo is CIFAR-10's; --dataset {self.dataset} takes "
                              f"--normalization auto")
