@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import CLASSIFIER_REF, assert_ok, load_ckpt, run_cli
+from helpers import CLASSIFIER_REF, assert_ok, load_ckpt, run_ranks
 
 import train_moco
 
@@ -28,8 +28,10 @@ def _max_difference(a: dict, b: dict) -> float:
 
 def test_compiled_classifier_on_two_ranks_matches_eager(classifier_reference, tmp_path):
     """The reference run's first 3 steps (2 ranks, accumulation, eager), compiled."""
-    proc = run_cli("train_classifier.py", CLASSIFIER_REF + ["--max-steps", "3", "--compile",
-                                                            "--out", str(tmp_path / "compiled")], nproc=2)
+    # run_ranks: the script's main on 2 gloo ranks without torchrun's agent and fresh interpreters
+    # (the launcher is not what this test is about; tests/test_launch_*.py cover it)
+    proc = run_ranks("train_classifier.py", CLASSIFIER_REF + ["--max-steps", "3", "--compile",
+                                                              "--out", str(tmp_path / "compiled")], tmp_path)
     assert_ok(proc)
     eager = load_ckpt(classifier_reference.checkpoint(3))
     compiled = load_ckpt(tmp_path / "compiled/checkpoint_last.pt")
