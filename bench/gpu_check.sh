@@ -51,6 +51,7 @@ KILL_AFTER=5  # seconds between timeout's TERM and its KILL
 case "${1:-}" in
 --cpu-smoke)  # the same commands with tiny sizes, to check them without a GPU
     MODE="CPU smoke test (tiny sizes, not a measurement)"
+    LANES=2
     PREFLIGHT=(--cpu)
     DEVICE=cpu; ARCH18=small_cnn; BATCH18=64; ARCH50=small_cnn; SIZE50=64; BATCH50=16
     STEPS=(--steps 2 --warmup 1 --rounds 1)
@@ -63,6 +64,7 @@ case "${1:-}" in
     ;;
 "")
     MODE="GPU check"
+    LANES=1
     PREFLIGHT=()
     DEVICE=cuda; ARCH18=resnet18; BATCH18=512; ARCH50=resnet50; SIZE50=224; BATCH50=${BATCH50:-256}
     STEPS=(--steps 20 --warmup 5 --rounds 3)
@@ -92,7 +94,8 @@ MACHINE=$("$PY" bench/gpu_preflight.py "${PREFLIGHT[@]}") || exit 2
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 1
 trap 'rm -rf "$TMP"' EXIT
 START=$SECONDS
-FAILED=()  # "part|its output file" for each part that failed
+FAILED_LIST="$TMP/failed"  # "part|its output file" for each part that failed, from either lane
+: >"$FAILED_LIST"
 PART_WHY=""
 
 # run_part NAME LIMIT OUTFILE CMD...: CMD under `timeout LIMIT` (less if the budget runs low),
@@ -105,14 +108,14 @@ run_part() {
     if ((limit < 5)); then
         PART_WHY="not run: the ${BUDGET} s budget is spent"
         : >"$out"
-        FAILED+=("$name|$out")
+        echo "$name|$out" >>"$FAILED_LIST"
         return 125
     fi
     timeout --kill-after="$KILL_AFTER" "$limit" "$@" >"$out" 2>&1
     local rc=$?
     if ((rc != 0)); then
         if ((rc == 124 || rc == 137)); then PART_WHY="timed out after ${limit} s"; else PART_WHY="exit code $rc"; fi
-        FAILED+=("$name|$out")
+        echo "$name|$out" >>"$FAILED_LIST"
     fi
     return "$rc"
 }
@@ -127,162 +130,189 @@ echo
 echo "| part | what ran | figure | detail |"
 echo "|---|---|---:|---|"
 
-# ----------------------------------------------------------------------------- the noise CIFAR-10 folder
-# Written first: the ResNet-50 MoCo v2 throughput row and the CIFAR-10 demo recipe both read it.
-CIFAR="$TMP/cifar"
-if run_part "noise CIFAR-10 folder" 60 "$TMP/cifar.log" "$PY" -c \
-    "import sys; sys.path.insert(0, 'tests'); from fake_cifar import write_noise_cifar10, cifar_env; \
-write_noise_cifar10('$CIFAR', $CIFAR_TRAIN, $CIFAR_TEST); print(cifar_env('$TMP/site')['PYTHONPATH'])"; then
-    CIFAR_PATH=$(tail -n 1 "$TMP/cifar.log")  # the md5 check of torchvision's CIFAR10 off, for these files only
-else
-    echo "| noise CIFAR-10 folder | writing it (the v2 throughput row and the demo recipe read it) | FAILED | $PART_WHY |"
-    CIFAR_PATH=""
-fi
+# Each group of parts is a function: the CPU smoke test runs the CIFAR-10 lane (its folder, the
+# throughput rows, the demo recipe, then the smoke runs) beside the JPEG lane (its folder, the JPEG
+# path, the device finish), one thread each, and prints their rows in the usual order once both
+# are done; the GPU check runs them one after another, printing each row as it comes, so that no
+# two measurements share the GPU.
+cifar_parts() {
+    # ----------------------------------------------------------------------------- the noise CIFAR-10 folder
+    # Written first: the ResNet-50 MoCo v2 throughput row and the CIFAR-10 demo recipe both read it.
+    CIFAR="$TMP/cifar"
+    if run_part "noise CIFAR-10 folder" 60 "$TMP/cifar.log" "$PY" -c \
+        "import sys; sys.path.insert(0, 'tests'); from fake_cifar import write_noise_cifar10, cifar_env; \
+    write_noise_cifar10('$CIFAR', $CIFAR_TRAIN, $CIFAR_TEST); print(cifar_env('$TMP/site')['PYTHONPATH'])"; then
+        CIFAR_PATH=$(tail -n 1 "$TMP/cifar.log")  # the md5 check of torchvision's CIFAR10 off, for these files only
+    else
+        echo "| noise CIFAR-10 folder | writing it (the v2 throughput row and the demo recipe read it) | FAILED | $PART_WHY |"
+        CIFAR_PATH=""
+    fi
 
-# ----------------------------------------------------------------------------- throughput
-COMMON=(--device "$DEVICE" --amp bf16 --aug-on device --table brief "${STEPS[@]}")
-CIFAR_MOCO=(--moco-k 4096 --moco-m 0.99 --moco-t 0.1 --no-mlp --aug v2-noblur)
-# The ResNet-50 row reads the noise CIFAR-10 folder: synthetic data's MoCo recipe is crops and flips
-# only, CIFAR-10's is the whole v2 one (colour jitter, grayscale, blur), run on the 224 px crops.
-ROWS=(
-    "60|ResNet-18 32 px classifier|--script classifier --dataset synthetic --arch $ARCH18 --image-size 32 --batch-size $BATCH18"
-    "60|ResNet-18 32 px MoCo|--script moco --dataset synthetic --arch $ARCH18 --image-size 32 --batch-size $BATCH18 ${CIFAR_MOCO[*]}"
-    "90|ResNet-50 224 px MoCo v2, full v2 recipe|--script moco --preset v2 --dataset cifar10 --data-dir $CIFAR --arch $ARCH50 --image-size $SIZE50 --batch-size $BATCH50 --bn-splits 1"
-)
-for spec in "${ROWS[@]}"; do
-    IFS='|' read -r limit name row_args <<<"$spec"
-    out="$TMP/throughput_${limit}_${name// /_}"
-    row_env=()
-    if [[ "$row_args" == *"--dataset cifar10"* ]]; then
-        if [ -z "$CIFAR_PATH" ]; then
-            echo "| throughput | $name | FAILED | not run: no noise CIFAR-10 folder |"
-            continue
+    # ----------------------------------------------------------------------------- throughput
+    COMMON=(--device "$DEVICE" --amp bf16 --aug-on device --table brief "${STEPS[@]}")
+    CIFAR_MOCO=(--moco-k 4096 --moco-m 0.99 --moco-t 0.1 --no-mlp --aug v2-noblur)
+    # The ResNet-50 row reads the noise CIFAR-10 folder: synthetic data's MoCo recipe is crops and flips
+    # only, CIFAR-10's is the whole v2 one (colour jitter, grayscale, blur), run on the 224 px crops.
+    ROWS=(
+        "60|ResNet-18 32 px classifier|--script classifier --dataset synthetic --arch $ARCH18 --image-size 32 --batch-size $BATCH18"
+        "60|ResNet-18 32 px MoCo|--script moco --dataset synthetic --arch $ARCH18 --image-size 32 --batch-size $BATCH18 ${CIFAR_MOCO[*]}"
+        "90|ResNet-50 224 px MoCo v2, full v2 recipe|--script moco --preset v2 --dataset cifar10 --data-dir $CIFAR --arch $ARCH50 --image-size $SIZE50 --batch-size $BATCH50 --bn-splits 1"
+    )
+    for spec in "${ROWS[@]}"; do
+        IFS='|' read -r limit name row_args <<<"$spec"
+        out="$TMP/throughput_${limit}_${name// /_}"
+        row_env=()
+        if [[ "$row_args" == *"--dataset cifar10"* ]]; then
+            if [ -z "$CIFAR_PATH" ]; then
+                echo "| throughput | $name | FAILED | not run: no noise CIFAR-10 folder |"
+                continue
+            fi
+            row_env=("PYTHONPATH=$CIFAR_PATH")
         fi
-        row_env=("PYTHONPATH=$CIFAR_PATH")
-    fi
-    # shellcheck disable=SC2086  # row_args holds plain words, split on purpose
-    if run_part "throughput: $name" "$limit" "$out" env "${row_env[@]}" "$PY" bench/throughput.py $row_args "${COMMON[@]}"; then
-        grep -E '^\| throughput' "$out"
-    else
-        echo "| throughput | $name | FAILED | $PART_WHY |"
-    fi
-done
-
-# ----------------------------------------------------------------------------- the CIFAR-10 demo recipe
-RECIPE=(bench/cuda_syncs.py --warmup-steps 10 train_moco.py --config recipes/moco_cifar10_demo.json
-    --data-dir "$CIFAR" --device "$DEVICE" --amp bf16 --tf32 --epochs 2 "${RECIPE_SIZE[@]}"
-    --log-every 1000 --out "$TMP/recipe")
-if [ -n "$CIFAR_PATH" ]; then
-    what="moco_cifar10_demo.json, --amp bf16 --tf32, CIFAR-10-size noise folder ($CIFAR_TRAIN + $CIFAR_TEST)"
-    if PYTHONPATH="$CIFAR_PATH" run_part "CIFAR-10 demo recipe" 120 "$TMP/recipe.log" "$PY" "${RECIPE[@]}"; then
-        epoch=$(field "$TMP/recipe.log" 'epoch 2 trained in ([0-9.]+) s')
-        rate=$(field "$TMP/recipe.log" 'epoch 2 trained in [0-9.]+ s \(([0-9,.]+) img/s')
-        knn=$(field "$TMP/recipe.log" 'kNN acc1 .* in ([0-9.]+) s')  # the last pass: after epoch 2
-        syncs=$(field "$TMP/recipe.log" 'CUDA syncs per optimizer step: (.*)')
-        echo "| CIFAR-10 demo recipe | $what: epoch 2, training only | ${epoch:-?} s | ${rate:-?} img/s; colour jitter and grayscale included; no checkpoint, no kNN |"
-        echo "| CIFAR-10 demo recipe | one kNN pass after epoch 2 (k 200, bank $CIFAR_TRAIN, $CIFAR_TEST queries) | ${knn:-?} s | the head's 128-d features, bf16 bank |"
-        echo "| CUDA syncs | the recipe's steps (--aug-on device) | ${syncs:-?} | budget: 1 per step (the ranks' agreement) |"
-    else
-        echo "| CIFAR-10 demo recipe | $what | FAILED | $PART_WHY |"
-    fi
-fi
-
-# ----------------------------------------------------------------------------- the JPEG path
-# ResNet-50 MoCo v2 and the linear probe on an ImageNet-like folder of JPEGs (bench/imagenet_like.py),
-# --aug-on device, decoded by the workers (CPU) and by the GPU (--decode-on device): img/s and the
-# share of time the loop waited for data, from the last progress line: the second --log-every
-# interval, steps JPEG_LOG+1 to JPEG_STEPS (GPU: 10-18), inside the first epoch (GPU: 20 steps),
-# so it holds neither the first batches and cuDNN's autotuning (the first interval) nor an epoch's
-# end (its checkpoint, the next epoch's refill of the workers' prefetch); --max-steps's checkpoint
-# comes after the line.
-JPEG="$TMP/jpeg"
-JPEG_OK=""
-if run_part "ImageNet-like JPEG folder" 120 "$TMP/jpeg.log" "$PY" bench/imagenet_like.py "$JPEG" \
-    --classes 10 --train-per-class "$JPEG_PER_CLASS" --val-per-class 8; then
-    JPEG_OK=1
-    for decode in loader device; do
-        for script in moco probe; do
-            if [ "$script" = moco ]; then
-                cmd=(train_moco.py --preset v2 --moco-k 16384 --bn-splits 1 --knn-every 0)
-                what="$ARCH50 MoCo v2, --decode-on $decode"
-            else
-                cmd=(train_classifier.py --linear-probe --lr 30 --weight-decay 0)
-                what="$ARCH50 linear probe, --decode-on $decode"
-            fi
-            out="$TMP/jpeg_${script}_${decode}.log"
-            if run_part "JPEG path: $what" 90 "$out" "$PY" "${cmd[@]}" --dataset imagefolder --data-dir "$JPEG" \
-                --device "$DEVICE" --arch "$ARCH50" --image-size "$SIZE50" --batch-size "$JPEG_BATCH" --aug-on device \
-                --decode-on "$decode" --workers -1 --epochs 100 --max-steps "$JPEG_STEPS" --ckpt-every 0 \
-                --log-every "$JPEG_LOG" --out "$TMP/jpeg_${script}_${decode}"; then
-                rate=$(field "$out" ' ([0-9,.]+) img/s data wait')
-                wait=$(field "$out" 'data wait ([0-9]+)%')
-                echo "| JPEG path | $what, batch $JPEG_BATCH, $(field "$out" '([0-9]+ DataLoader worker\(s\) per rank)') | ${rate:-?} img/s | steps $((JPEG_LOG + 1))-$JPEG_STEPS of epoch 1 (no checkpoint, no epoch start); waited for data ${wait:-?}% of them |"
-            else
-                echo "| JPEG path | $what | FAILED | $PART_WHY |"
-            fi
-        done
+        # shellcheck disable=SC2086  # row_args holds plain words, split on purpose
+        if run_part "throughput: $name" "$limit" "$out" env "${row_env[@]}" "$PY" bench/throughput.py $row_args "${COMMON[@]}"; then
+            grep -E '^\| throughput' "$out"
+        else
+            echo "| throughput | $name | FAILED | $PART_WHY |"
+        fi
     done
-else
-    echo "| JPEG path | writing the ImageNet-like folder | FAILED | $PART_WHY |"
-fi
 
-# ----------------------------------------------------------------------------- the device finish
-# bench/device_finish.py on the same folder, each part its own process and limit: nvJPEG against
-# the CPU decoder; the race probe (exit 1 when an iteration differed: its row, then a FAILED row),
-# then its control (the decoder without a stream of its own, in a process of its own, as it may
-# corrupt what the backward reads: above 0 shows the probe provokes the race); the loader alone
-# (no model); a sample's views in a batch against alone (the blur's, grayscale's and jitter's
-# sub-batches change size with the batch); the per-batch profile of FinishOnDevice.finish.
-DEVICE_FINISH=(bench/device_finish.py --data-dir "$JPEG" --device "$DEVICE" --batch-size "$JPEG_BATCH"
-    --image-size "$SIZE50")
-# device_part ROW LIMIT WHAT ARGS...: one part, its rows, or what it printed and a FAILED row
-DEVICE_PARTS=0
-device_part() {
-    local name=$1 limit=$2 what=$3
-    shift 3
-    local out="$TMP/device_$((DEVICE_PARTS += 1)).log"
-    if [ -z "$JPEG_OK" ]; then
-        echo "| $name | $what | FAILED | not run: no ImageNet-like folder |"
-        return
+    # ----------------------------------------------------------------------------- the CIFAR-10 demo recipe
+    RECIPE=(bench/cuda_syncs.py --warmup-steps 10 train_moco.py --config recipes/moco_cifar10_demo.json
+        --data-dir "$CIFAR" --device "$DEVICE" --amp bf16 --tf32 --epochs 2 "${RECIPE_SIZE[@]}"
+        --log-every 1000 --out "$TMP/recipe")
+    if [ -n "$CIFAR_PATH" ]; then
+        what="moco_cifar10_demo.json, --amp bf16 --tf32, CIFAR-10-size noise folder ($CIFAR_TRAIN + $CIFAR_TEST)"
+        if PYTHONPATH="$CIFAR_PATH" run_part "CIFAR-10 demo recipe" 120 "$TMP/recipe.log" "$PY" "${RECIPE[@]}"; then
+            epoch=$(field "$TMP/recipe.log" 'epoch 2 trained in ([0-9.]+) s')
+            rate=$(field "$TMP/recipe.log" 'epoch 2 trained in [0-9.]+ s \(([0-9,.]+) img/s')
+            knn=$(field "$TMP/recipe.log" 'kNN acc1 .* in ([0-9.]+) s')  # the last pass: after epoch 2
+            syncs=$(field "$TMP/recipe.log" 'CUDA syncs per optimizer step: (.*)')
+            echo "| CIFAR-10 demo recipe | $what: epoch 2, training only | ${epoch:-?} s | ${rate:-?} img/s; colour jitter and grayscale included; no checkpoint, no kNN |"
+            echo "| CIFAR-10 demo recipe | one kNN pass after epoch 2 (k 200, bank $CIFAR_TRAIN, $CIFAR_TEST queries) | ${knn:-?} s | the head's 128-d features, bf16 bank |"
+            echo "| CUDA syncs | the recipe's steps (--aug-on device) | ${syncs:-?} | budget: 1 per step (the ranks' agreement) |"
+        else
+            echo "| CIFAR-10 demo recipe | $what | FAILED | $PART_WHY |"
+        fi
     fi
-    run_part "device finish: $name" "$limit" "$out" "$PY" "${DEVICE_FINISH[@]}" "$@"
-    local rc=$?
-    grep -E "^\| $name \|" "$out"
-    ((rc == 0)) || echo "| $name | $what | FAILED | $PART_WHY |"
-}
-device_part "device decode" 60 "decode_on($DEVICE) vs decode_cpu" decode-diff --files "$DF_FILES"
-device_part "race probe" 90 "decode_on($DEVICE) while a backward is queued" race "${RACE[@]}"
-device_part "race probe" 45 "the control: decode without a stream of its own" race --unprotected "${RACE_CONTROL[@]}"
-device_part "loader" 120 "FinishOnDevice batches alone" loader --workers "${LOADER_WORKERS[@]}" "${LOADER_BATCHES[@]}"
-device_part "batch independence" 45 "views in a packed batch against each alone" independence
-device_part "device finish" 60 "FinishOnDevice.finish under torch.profiler" breakdown "${BREAKDOWN[@]}"
 
-# ----------------------------------------------------------------------------- smoke runs
-SMOKE=(--device "$DEVICE" --arch "$SMOKE_ARCH" --image-size 32 --batch-size "$SMOKE_BATCH" --log-every 1000)
-what="classifier ${COMPILE[*]:-(no --compile on the CPU)} --amp fp16 --clip-grad 1 --accum-steps 2, one epoch + evaluate()"
-if run_part "smoke: classifier" 100 "$TMP/smoke_classifier.log" "$PY" train_classifier.py "${SMOKE[@]}" "${COMPILE[@]}" \
-    --dataset synthetic --synthetic-samples "$SMOKE_SAMPLES" --amp fp16 --clip-grad 1 --accum-steps 2 --epochs 1 \
-    --out "$TMP/smoke_classifier"; then
-    acc=$(field "$TMP/smoke_classifier.log" 'final val acc1 ([0-9.]+)%')
-    echo "| smoke | $what | passed | val acc1 ${acc:-?}% on noise (chance 10%) |"
-else
-    echo "| smoke | $what | FAILED | $PART_WHY |"
-fi
-if [ -n "$CIFAR_PATH" ]; then
-    what="MoCo --aug-on loader --workers 4 (pinned memory), 30 steps after one kNN pass"
-    if PYTHONPATH="$CIFAR_PATH" run_part "smoke: MoCo loader path" 60 "$TMP/smoke_moco.log" "$PY" bench/cuda_syncs.py \
-        --warmup-steps 10 train_moco.py "${SMOKE[@]}" --dataset cifar10 --data-dir "$CIFAR" --aug-on loader \
-        --workers 4 --knn-every 1 --max-steps 40 --out "$TMP/smoke_moco"; then
-        knn=$(field "$TMP/smoke_moco.log" 'step 0: kNN acc1 .* in ([0-9.]+) s')
-        syncs=$(field "$TMP/smoke_moco.log" 'CUDA syncs per optimizer step: (.*)')
-        echo "| smoke | $what | passed | kNN pass ${knn:-?} s |"
-        echo "| CUDA syncs | MoCo's steps with --aug-on loader | ${syncs:-?} | budget: 1 per step |"
+}
+
+jpeg_parts() {
+    # ----------------------------------------------------------------------------- the JPEG path
+    # ResNet-50 MoCo v2 and the linear probe on an ImageNet-like folder of JPEGs (bench/imagenet_like.py),
+    # --aug-on device, decoded by the workers (CPU) and by the GPU (--decode-on device): img/s and the
+    # share of time the loop waited for data, from the last progress line: the second --log-every
+    # interval, steps JPEG_LOG+1 to JPEG_STEPS (GPU: 10-18), inside the first epoch (GPU: 20 steps),
+    # so it holds neither the first batches and cuDNN's autotuning (the first interval) nor an epoch's
+    # end (its checkpoint, the next epoch's refill of the workers' prefetch); --max-steps's checkpoint
+    # comes after the line.
+    JPEG="$TMP/jpeg"
+    JPEG_OK=""
+    if run_part "ImageNet-like JPEG folder" 120 "$TMP/jpeg.log" "$PY" bench/imagenet_like.py "$JPEG" \
+        --classes 10 --train-per-class "$JPEG_PER_CLASS" --val-per-class 8; then
+        JPEG_OK=1
+        for decode in loader device; do
+            for script in moco probe; do
+                if [ "$script" = moco ]; then
+                    cmd=(train_moco.py --preset v2 --moco-k 16384 --bn-splits 1 --knn-every 0)
+                    what="$ARCH50 MoCo v2, --decode-on $decode"
+                else
+                    cmd=(train_classifier.py --linear-probe --lr 30 --weight-decay 0)
+                    what="$ARCH50 linear probe, --decode-on $decode"
+                fi
+                out="$TMP/jpeg_${script}_${decode}.log"
+                if run_part "JPEG path: $what" 90 "$out" "$PY" "${cmd[@]}" --dataset imagefolder --data-dir "$JPEG" \
+                    --device "$DEVICE" --arch "$ARCH50" --image-size "$SIZE50" --batch-size "$JPEG_BATCH" --aug-on device \
+                    --decode-on "$decode" --workers -1 --epochs 100 --max-steps "$JPEG_STEPS" --ckpt-every 0 \
+                    --log-every "$JPEG_LOG" --out "$TMP/jpeg_${script}_${decode}"; then
+                    rate=$(field "$out" ' ([0-9,.]+) img/s data wait')
+                    wait=$(field "$out" 'data wait ([0-9]+)%')
+                    echo "| JPEG path | $what, batch $JPEG_BATCH, $(field "$out" '([0-9]+ DataLoader worker\(s\) per rank)') | ${rate:-?} img/s | steps $((JPEG_LOG + 1))-$JPEG_STEPS of epoch 1 (no checkpoint, no epoch start); waited for data ${wait:-?}% of them |"
+                else
+                    echo "| JPEG path | $what | FAILED | $PART_WHY |"
+                fi
+            done
+        done
+    else
+        echo "| JPEG path | writing the ImageNet-like folder | FAILED | $PART_WHY |"
+    fi
+
+    # ----------------------------------------------------------------------------- the device finish
+    # bench/device_finish.py on the same folder, each part its own process and limit: nvJPEG against
+    # the CPU decoder; the race probe (exit 1 when an iteration differed: its row, then a FAILED row),
+    # then its control (the decoder without a stream of its own, in a process of its own, as it may
+    # corrupt what the backward reads: above 0 shows the probe provokes the race); the loader alone
+    # (no model); a sample's views in a batch against alone (the blur's, grayscale's and jitter's
+    # sub-batches change size with the batch); the per-batch profile of FinishOnDevice.finish.
+    DEVICE_FINISH=(bench/device_finish.py --data-dir "$JPEG" --device "$DEVICE" --batch-size "$JPEG_BATCH"
+        --image-size "$SIZE50")
+    # device_part ROW LIMIT WHAT ARGS...: one part, its rows, or what it printed and a FAILED row
+    DEVICE_PARTS=0
+    device_part() {
+        local name=$1 limit=$2 what=$3
+        shift 3
+        local out="$TMP/device_$((DEVICE_PARTS += 1)).log"
+        if [ -z "$JPEG_OK" ]; then
+            echo "| $name | $what | FAILED | not run: no ImageNet-like folder |"
+            return
+        fi
+        run_part "device finish: $name" "$limit" "$out" "$PY" "${DEVICE_FINISH[@]}" "$@"
+        local rc=$?
+        grep -E "^\| $name \|" "$out"
+        ((rc == 0)) || echo "| $name | $what | FAILED | $PART_WHY |"
+    }
+    device_part "device decode" 60 "decode_on($DEVICE) vs decode_cpu" decode-diff --files "$DF_FILES"
+    device_part "race probe" 90 "decode_on($DEVICE) while a backward is queued" race "${RACE[@]}"
+    device_part "race probe" 45 "the control: decode without a stream of its own" race --unprotected "${RACE_CONTROL[@]}"
+    device_part "loader" 120 "FinishOnDevice batches alone" loader --workers "${LOADER_WORKERS[@]}" "${LOADER_BATCHES[@]}"
+    device_part "batch independence" 45 "views in a packed batch against each alone" independence
+    device_part "device finish" 60 "FinishOnDevice.finish under torch.profiler" breakdown "${BREAKDOWN[@]}"
+
+}
+
+smoke_parts() {
+    # ----------------------------------------------------------------------------- smoke runs
+    SMOKE=(--device "$DEVICE" --arch "$SMOKE_ARCH" --image-size 32 --batch-size "$SMOKE_BATCH" --log-every 1000)
+    what="classifier ${COMPILE[*]:-(no --compile on the CPU)} --amp fp16 --clip-grad 1 --accum-steps 2, one epoch + evaluate()"
+    if run_part "smoke: classifier" 100 "$TMP/smoke_classifier.log" "$PY" train_classifier.py "${SMOKE[@]}" "${COMPILE[@]}" \
+        --dataset synthetic --synthetic-samples "$SMOKE_SAMPLES" --amp fp16 --clip-grad 1 --accum-steps 2 --epochs 1 \
+        --out "$TMP/smoke_classifier"; then
+        acc=$(field "$TMP/smoke_classifier.log" 'final val acc1 ([0-9.]+)%')
+        echo "| smoke | $what | passed | val acc1 ${acc:-?}% on noise (chance 10%) |"
     else
         echo "| smoke | $what | FAILED | $PART_WHY |"
     fi
+    if [ -n "$CIFAR_PATH" ]; then
+        what="MoCo --aug-on loader --workers 4 (pinned memory), 30 steps after one kNN pass"
+        if PYTHONPATH="$CIFAR_PATH" run_part "smoke: MoCo loader path" 60 "$TMP/smoke_moco.log" "$PY" bench/cuda_syncs.py \
+            --warmup-steps 10 train_moco.py "${SMOKE[@]}" --dataset cifar10 --data-dir "$CIFAR" --aug-on loader \
+            --workers 4 --knn-every 1 --max-steps 40 --out "$TMP/smoke_moco"; then
+            knn=$(field "$TMP/smoke_moco.log" 'step 0: kNN acc1 .* in ([0-9.]+) s')
+            syncs=$(field "$TMP/smoke_moco.log" 'CUDA syncs per optimizer step: (.*)')
+            echo "| smoke | $what | passed | kNN pass ${knn:-?} s |"
+            echo "| CUDA syncs | MoCo's steps with --aug-on loader | ${syncs:-?} | budget: 1 per step |"
+        else
+            echo "| smoke | $what | FAILED | $PART_WHY |"
+        fi
+    fi
+
+}
+
+if ((LANES == 2)); then
+    export OMP_NUM_THREADS=1  # one core per lane
+    { cifar_parts >"$TMP/rows_cifar.md"; smoke_parts >"$TMP/rows_smoke.md"; } &
+    jpeg_parts >"$TMP/rows_jpeg.md" &
+    wait
+    cat "$TMP/rows_cifar.md" "$TMP/rows_jpeg.md" "$TMP/rows_smoke.md"
+else
+    cifar_parts
+    jpeg_parts
+    smoke_parts
 fi
 
 # ----------------------------------------------------------------------------- summary
+mapfile -t FAILED <"$FAILED_LIST"
 echo
 echo "Total $((SECONDS - START)) s after the pre-flight."
 if ((${#FAILED[@]} == 0)); then

@@ -207,7 +207,7 @@ def test_range_times_reads_each_range_from_the_profile():
 
 @pytest.mark.slow
 def test_the_cpu_smoke_runs_every_part():
-    """``--cpu-smoke`` runs every part on the CPU and passes (about 2 minutes on this project's machine):
+    """``--cpu-smoke`` runs every part on the CPU and passes:
     each part's rows, the MoCo v2 throughput row on the full v2 recipe, the JPEG rows' in-epoch
     interval, the decode comparison exact and no race on the CPU."""
     proc = gpu_check("--cpu-smoke", timeout=400)
