@@ -343,6 +343,42 @@ def test_bounds_sit_on_the_fields_and_one_checker_enforces_them():
     assert texts[("moco", "crop_min")] == "in (0, 1]" and texts[("classifier", "max_steps")] == ">= 0"
 
 
+def test_every_bound_is_refused_on_the_command_line_and_its_edge_accepted(capsys):
+    """The command line's path (parse_args: argparse, then validate): for every bounded field, a
+    value just outside a bound exits 2 with one line "FLAG must be ..., got VALUE"; an included
+    bound (at_least, at_most) starts."""
+    from ddp_utils.config import bounds_text, flag_name
+    from ddp_utils.train.train_config import parse_args
+
+    def run(cls, flag, value):
+        try:
+            parse_args(cls, ["--device", "cpu", f"{flag}={value}"], "doc")
+            return 0, capsys.readouterr().err
+        except SystemExit as stop:
+            return stop.code, capsys.readouterr().err
+
+    for script, cls, f in BOUNDED:
+        bounds, kind, flag = f.metadata["bounds"], type(f.default), flag_name(f.name)
+        step = 1 if kind is int else 0.5
+        outside = [kind(v) for v in ((bounds["at_least"] - step) if "at_least" in bounds else None,
+                                     bounds.get("above"), bounds.get("below"),
+                                     (bounds["at_most"] + step) if "at_most" in bounds else None) if v is not None]
+        for value in outside:
+            code, err = run(cls, flag, value)
+            assert code == 2 and err.count("\n") == 1, (script, flag, value, err)
+            assert err.endswith(f": error: {flag} must be {bounds_text(bounds)}, got {value}\n"), err
+        for edge in ("at_least", "at_most"):
+            if edge in bounds:
+                assert run(cls, flag, kind(bounds[edge])) == (0, ""), (script, flag, edge)
+    # by hand, so that the loop above cannot pass on empty metadata
+    for cls, flag, value, said in [(train_classifier.ClassifierConfig, "--momentum", 1, "in [0, 1), got 1.0"),
+                                   (train_classifier.ClassifierConfig, "--lr", 0, "positive, got 0.0"),
+                                   (train_moco.MocoConfig, "--crop-min", 1.5, "in (0, 1], got 1.5")]:
+        code, err = run(cls, flag, value)
+        assert code == 2 and err.endswith(f": error: {flag} must be {said}\n"), err
+    assert run(train_classifier.ClassifierConfig, "--momentum", 0) == (0, "")
+
+
 def test_a_bound_is_enforced_on_a_config_files_value_too(tmp_path, capsys):
     recipe = tmp_path / "recipe.json"
     recipe.write_text('{"momentum": 1.5, "device": "cpu"}')
@@ -358,14 +394,22 @@ def test_presets_write_their_values_once_and_name_them_in_the_help():
 
     cls, presets = train_moco.MocoConfig, train_moco.PRESETS
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    # no data set's defaults touch a preset's flags, so the presets' values end their help
+    assert not set().union(*presets.values()) & set().union(*train_moco.DATASET_DEFAULTS.values())
+
+    def show(value):  # as --help shows it: on/off, and % written %% for argparse
+        return {True: "on", False: "off"}.get(value, str(value).replace("%", "%%"))
+
     default = presets[fields["preset"].default]
     assert set(default) == set(presets["v1"])  # both presets set the same flags
     for name, value in default.items():
         assert fields[name].default == value, name
         text = help_text(cls, fields[name])
         for preset, values in presets.items():
-            shown = {True: "on", False: "off"}.get(values[name], str(values[name]).replace("%", "%%"))
-            assert (f"--preset {preset}: {shown}" in text) == (values[name] != value), (name, text)
+            assert (f"--preset {preset}: {show(values[name])}" in text) == (values[name] != value), (name, text)
+        others = [f"--preset {preset}: {show(values[name])}" for preset, values in presets.items()
+                  if values[name] != value]
+        assert others and text.endswith("; " + ", ".join(others)), (name, text)  # no data set sets these
     assert help_text(cls, fields["moco_t"]).endswith("; --preset v1: 0.07")
     assert help_text(cls, fields["mlp"]).endswith("; --preset v1: off")
     assert not [f.name for f in fields.values() if "(v1:" in f.metadata["help"] or "(v2:" in f.metadata["help"]]
