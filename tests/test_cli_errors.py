@@ -18,6 +18,7 @@ import train_moco
 from ddp_utils.config import UsageError
 
 SCRIPTS = {"classifier": train_classifier, "moco": train_moco}
+CONFIGS = {"classifier": train_classifier.ClassifierConfig, "moco": train_moco.MocoConfig}
 FAST = ["--device", "cpu", "--knn-every", "0"]  # --knn-every is MoCo's; stripped for the classifier
 
 
@@ -256,8 +257,7 @@ def _numeric_cases():
 
     from ddp_utils.config import field_type
 
-    for script, module in SCRIPTS.items():
-        cls = module.ClassifierConfig if script == "classifier" else module.MocoConfig
+    for script, cls in CONFIGS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             kind = field_type(hints[f.name])
@@ -278,8 +278,7 @@ def test_every_numeric_flag_at_zero_negative_nan_and_inf(capsys, script, name, v
     from ddp_utils.config import flag_name, parse_config
     from ddp_utils.runtime.dist import LaunchEnv
 
-    module = SCRIPTS[script]
-    cls = module.ClassifierConfig if script == "classifier" else module.MocoConfig
+    cls = CONFIGS[script]
     flag = flag_name(name)
     legal = value not in ("nan", "inf", "-inf") and (
         (value == "0" and name in ZERO_OK) or (value == "-1" and name in NEGATIVE_OK))
@@ -298,14 +297,21 @@ def test_every_numeric_flag_at_zero_negative_nan_and_inf(capsys, script, name, v
 
 
 def _bounded_fields():
-    for script, module in SCRIPTS.items():
-        cls = module.ClassifierConfig if script == "classifier" else module.MocoConfig
+    for script, cls in CONFIGS.items():
         for f in dataclasses.fields(cls):
             if f.metadata.get("bounds"):
                 yield script, cls, f
 
 
 BOUNDED = list(_bounded_fields())
+
+
+def just_outside(bounds: dict, kind: type) -> list:
+    """A value just past each of a field's bounds (1 for an int, 0.5 for a float), of its type."""
+    step = 1 if kind is int else 0.5
+    values = [bounds["at_least"] - step if "at_least" in bounds else None, bounds.get("above"), bounds.get("below"),
+              bounds["at_most"] + step if "at_most" in bounds else None]
+    return [kind(v) for v in values if v is not None]
 
 
 def test_bounds_sit_on_the_fields_and_one_checker_enforces_them():
@@ -318,14 +324,8 @@ def test_bounds_sit_on_the_fields_and_one_checker_enforces_them():
     assert len(BOUNDED) >= 30  # 18 shared fields in both scripts, MoCo's own
     for script, cls, f in BOUNDED:
         bounds, kind = f.metadata["bounds"], type(f.default)
-        step = 1 if kind is int else 0.5
         cfg = cls()
-        outside = ([bounds["at_least"] - step] if "at_least" in bounds else []) + \
-                  ([bounds["above"]] if "above" in bounds else []) + \
-                  ([bounds["below"]] if "below" in bounds else []) + \
-                  ([bounds["at_most"] + step] if "at_most" in bounds else [])
-        for value in outside:
-            value = kind(value)
+        for value in just_outside(bounds, kind):
             with pytest.raises(UsageError) as err:
                 check_bounds(dataclasses.replace(cfg, **{f.name: value}))
             assert str(err.value) == f"{flag_name(f.name)} must be {bounds_text(bounds)}, got {value}"
@@ -334,8 +334,7 @@ def test_bounds_sit_on_the_fields_and_one_checker_enforces_them():
                 check_bounds(dataclasses.replace(cfg, **{f.name: kind(bounds[edge])}))
         check_bounds(cfg)  # the defaults are within bounds
     shared = {f.name: f.metadata.get("bounds") for f in dataclasses.fields(TrainConfig)}
-    for script, module in SCRIPTS.items():
-        cls = module.ClassifierConfig if script == "classifier" else module.MocoConfig
+    for script, cls in CONFIGS.items():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("bounds") == shared.get(f.name, f.metadata.get("bounds")), (script, f.name)
     texts = {(s, f.name): bounds_text(f.metadata["bounds"]) for s, _, f in BOUNDED}
@@ -359,11 +358,7 @@ def test_every_bound_is_refused_on_the_command_line_and_its_edge_accepted(capsys
 
     for script, cls, f in BOUNDED:
         bounds, kind, flag = f.metadata["bounds"], type(f.default), flag_name(f.name)
-        step = 1 if kind is int else 0.5
-        outside = [kind(v) for v in ((bounds["at_least"] - step) if "at_least" in bounds else None,
-                                     bounds.get("above"), bounds.get("below"),
-                                     (bounds["at_most"] + step) if "at_most" in bounds else None) if v is not None]
-        for value in outside:
+        for value in just_outside(bounds, kind):
             code, err = run(cls, flag, value)
             assert code == 2 and err.count("\n") == 1, (script, flag, value, err)
             assert err.endswith(f": error: {flag} must be {bounds_text(bounds)}, got {value}\n"), err
@@ -420,7 +415,7 @@ def test_help_sections_are_named_once():
     from ddp_utils.config import flag_groups
 
     for script, module in SCRIPTS.items():
-        cls = module.ClassifierConfig if script == "classifier" else module.MocoConfig
+        cls = CONFIGS[script]
         assert list(flag_groups(cls)) == list(cls.SECTIONS), script  # every section used, in order
         source = Path(module.__file__).read_text() + (REPO / "ddp_utils/train/train_config.py").read_text()
         assert 'group="' not in source, script

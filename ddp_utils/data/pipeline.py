@@ -131,8 +131,7 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
     """Every rank's batches for ``plan``: training (sharded, shuffled, drop_last; resumable),
     evaluation (sharded, each sample once) and, with ``plan.bank_samples`` set, the kNN bank.
     Bad input when ``/dev/shm`` cannot hold the workers' batches of ``ranks_on_node`` ranks."""
-    train_raw, val_raw = load_raw_splits(plan.dataset, plan.data_dir, plan.image_size, plan.synthetic_samples,
-                                         plan.debug)
+    train_raw, val_raw = raw_splits(plan)
     check_shared_memory(plan_memory(plan, train_raw), ranks_on_node)
     unreadable = UnreadableFiles()
     held = _held_on_device(plan, train_raw, val_raw, device)
@@ -156,6 +155,11 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
     if plan.bank_samples is not None:
         bank = eval_batches(bank_subset(train_raw, plan.bank_samples, plan.seed) if plan.bank_samples else train_raw)
     return Loaders(plan, train, eval_batches(val_raw), bank, sampler, train_raw, num_classes_of(train_raw), unreadable)
+
+
+def raw_splits(plan: DataPlan) -> tuple[Dataset, Dataset]:
+    """The plan's train and val splits as stored, before any transform (``--check`` reads them too)."""
+    return load_raw_splits(plan.dataset, plan.data_dir, plan.image_size, plan.synthetic_samples, plan.debug)
 
 
 def _held_on_device(plan: DataPlan, train_raw: Dataset, val_raw: Dataset, device: torch.device) -> dict:

@@ -5,7 +5,8 @@
 - ``session``: the life of one process (signals, process group, logging, exit codes, clean-up);
 - ``preflight``: the checks every rank passes before anything is built, and what the "auto"
   data flags resolve to; ``check``: the same checks as ``--check``, printing the run;
-- ``network``: the network on its device (DDP, compile, the GPU fast path); ``optimization``: SGD, the scaler, the LR of every step;
+- ``network``: the network on its device (DDP, compile, the GPU fast path); ``optimization``:
+  SGD, the scaler, the LR of every step;
 - ``resume`` (which checkpoint, does it fit, where the run starts), ``checkpoint`` (the file),
   ``run_folder`` (``--out`` and its records), ``pretrained`` (backbones for the classifier);
 - ``run``: the record of one run and where it stands; ``accumulation``: the pieces of one

@@ -38,8 +38,9 @@ class MicroStep:
 
 class WindowStart:
     """What a window changes besides the gradients, kept as it begins, so that a window that must
-    be given up can be undone exactly: the BatchNorm statistics its forwards update, the RNG streams, and the counters of modules that keep one
-    (``forward_state()`` / ``restore_forward_state(state)``: MoCo's shuffle count). Keeping them
+    be given up can be undone exactly: the BatchNorm statistics its forwards update, the RNG
+    streams, and the counters of modules that keep one (``forward_state()`` /
+    ``restore_forward_state(state)``: MoCo's shuffle count). Keeping them
     is one foreach copy of the statistics per window (kilobytes) and no device read."""
 
     _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)

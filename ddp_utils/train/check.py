@@ -5,6 +5,7 @@ exit 2, never a restarted group or a launcher's traceback."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,9 +15,9 @@ from torch.utils.data import Dataset
 from ..config import UsageError
 from ..data.host_memory import check_shared_memory, describe_memory
 from ..data.image_files import decode_every_file
-from ..data.pipeline import ResumableDistributedSampler, plan_memory, require_a_batch, usable_cpus
+from ..data.pipeline import ResumableDistributedSampler, plan_memory, raw_splits, require_a_batch, usable_cpus
 from ..data.recipes import AugmentRecipe
-from ..data.sets import check_data_dir, load_raw_splits
+from ..data.sets import check_data_dir
 from ..runtime.dist import LaunchEnv, detect_launch, device_type, restart_count
 from ..runtime.stopping import EXIT_OK, EXIT_USAGE
 from .accumulation import steps_per_epoch
@@ -57,19 +58,22 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         lines.append(f"data: cifar10, downloaded into {cfg.data_dir} at start; {settings}")
         facts, extra = {}, []
     else:
-        train, val = load_raw_splits(cfg.dataset, cfg.data_dir, cfg.resolved_image_size(), cfg.synthetic_samples,
-                                     cfg.debug)
+        plan = cfg.data_plan(resolved, AugmentRecipe())  # the augmentation plays no part in the checks
+        train, val = raw_splits(plan)
         facts, extra = script_check(train)
         samples_per_rank = ResumableDistributedSampler(train, world_size, 0, cfg.seed).num_samples
         batches = require_a_batch(samples_per_rank // cfg.batch_size, len(train), world_size, cfg.batch_size)
         steps = steps_per_epoch(batches, cfg.accum_steps)
         lines.append(f"data: {cfg.dataset}, {len(train):,} training and {len(val):,} validation images; {settings}")
-        memory = plan_memory(cfg.data_plan(resolved, AugmentRecipe()), train)
+        memory = plan_memory(plan, train)
         check_shared_memory(memory, launch.local_world_size)
         if memory is not None:
             lines.append(describe_memory(memory, launch.local_world_size))
         if cfg.check_data:
-            lines.append(decode_every_file(train, val, threads=usable_cpus()))
+            started, threads = time.perf_counter(), usable_cpus()
+            total = decode_every_file(train, val, threads=threads)
+            lines.append(f"data check: all {total:,} image files decode ({time.perf_counter() - started:.1f} s on "
+                         f"{_count(threads, 'thread')})")
         lines.append(f"steps: {steps:,} per epoch, {steps * cfg.epochs:,} in {_count(cfg.epochs, 'epoch')}"
                      + (f" (stopping at --max-steps {cfg.max_steps})" if cfg.max_steps else ""))
     lines.append(f"model: {model}")
