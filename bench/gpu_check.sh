@@ -57,6 +57,7 @@ case "${1:-}" in
     STEPS=(--steps 2 --warmup 1 --rounds 1)
     CIFAR_TRAIN=1024; CIFAR_TEST=256; RECIPE_SIZE=(--arch small_cnn --batch-size 128 --bn-splits 2)
     COMPILE=(); SMOKE_ARCH=small_cnn; SMOKE_BATCH=32; SMOKE_SAMPLES=256
+    SMOKE_WARMUP=2; SMOKE_STEPS=6  # the MoCo smoke run: steps not counted for syncs, steps in all
     JPEG_PER_CLASS=4; JPEG_BATCH=8; JPEG_STEPS=4; JPEG_LOG=2  # 5 steps an epoch: steps 3-4 parsed
     DF_FILES=0; RACE=(--iterations 2 --arch resnet18); RACE_CONTROL=(--iterations 2 --arch resnet18)
     LOADER_WORKERS=(1 2)
@@ -70,6 +71,7 @@ case "${1:-}" in
     STEPS=(--steps 20 --warmup 5 --rounds 3)
     CIFAR_TRAIN=50000; CIFAR_TEST=10000; RECIPE_SIZE=()
     COMPILE=(--compile); SMOKE_ARCH=resnet18; SMOKE_BATCH=256; SMOKE_SAMPLES=4096
+    SMOKE_WARMUP=10; SMOKE_STEPS=40
     JPEG_PER_CLASS=256; JPEG_BATCH=128; JPEG_STEPS=18; JPEG_LOG=9  # 20 steps an epoch: steps 10-18 parsed
     # bench/device_finish.py: decode-diff's files, the race probe's and its control's iterations, the
     # loader's workers (-1: every usable CPU but the rank's) and batches (4 + 16: the first epoch's
@@ -284,10 +286,10 @@ smoke_parts() {
         echo "| smoke | $what | FAILED | $PART_WHY |"
     fi
     if [ -n "$CIFAR_PATH" ]; then
-        what="MoCo --aug-on loader --workers 4 (pinned memory), 30 steps after one kNN pass"
+        what="MoCo --aug-on loader --workers 4 (pinned memory), $((SMOKE_STEPS - SMOKE_WARMUP)) steps after one kNN pass"
         if PYTHONPATH="$CIFAR_PATH" run_part "smoke: MoCo loader path" 60 "$TMP/smoke_moco.log" "$PY" bench/cuda_syncs.py \
-            --warmup-steps 10 train_moco.py "${SMOKE[@]}" --dataset cifar10 --data-dir "$CIFAR" --aug-on loader \
-            --workers 4 --knn-every 1 --max-steps 40 --out "$TMP/smoke_moco"; then
+            --warmup-steps "$SMOKE_WARMUP" train_moco.py "${SMOKE[@]}" --dataset cifar10 --data-dir "$CIFAR" --aug-on loader \
+            --workers 4 --knn-every 1 --max-steps "$SMOKE_STEPS" --out "$TMP/smoke_moco"; then
             knn=$(field "$TMP/smoke_moco.log" 'step 0: kNN acc1 .* in ([0-9.]+) s')
             syncs=$(field "$TMP/smoke_moco.log" 'CUDA syncs per optimizer step: (.*)')
             echo "| smoke | $what | passed | kNN pass ${knn:-?} s |"

@@ -115,9 +115,17 @@ def load_ckpt(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _fork_like_torchrun() -> None:
+    """A forkserver child inherits "forkserver" as its default start method; a torchrun worker
+    has the platform's, fork, and so must a rank's DataLoader workers (through a server of their
+    own, every pool of workers would start in seconds, not milliseconds)."""
+    multiprocessing.set_start_method("fork", force=True)
+
+
 def _rank_entry(rank: int, fn: Callable, out_dir: str, args: tuple) -> None:
     from ddp_utils.runtime.dist import cleanup_distributed, init_distributed
 
+    _fork_like_torchrun()
     info = init_distributed("cpu", timeout_s=60)
     try:
         torch.save(fn(info, *args), Path(out_dir) / f"rank{rank}.pt")
@@ -154,6 +162,7 @@ def _main_entry(rank: int, world_size: int, port: int, script: str, args: list[s
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    _fork_like_torchrun()
     for fd, name in ((1, "stdout"), (2, "stderr")):
         with open(Path(out_dir) / f"rank{rank}.{name}", "w") as f:
             os.dup2(f.fileno(), fd)

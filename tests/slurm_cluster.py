@@ -22,6 +22,10 @@ from pathlib import Path
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "scancel", "squeue")
 
+# Short timers for a throw-away cluster. A requeued job starts again cred_expire seconds after it
+# ended. A killed slurmd was declared down 29 s after the kill (SlurmdTimeout 10), 24 s with
+# SlurmdTimeout 3, 11 s with MessageTimeout 3 as well: the controller waits that long on each ping
+# that gets no answer.
 CONF = """\
 ClusterName=ci
 SlurmctldHost={host}(127.0.0.1)
@@ -30,7 +34,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 MailProg=/bin/true
 StateSaveLocation={base}/state
 SlurmdSpoolDir={base}/spool/%n
@@ -50,7 +54,8 @@ ReturnToService=2
 JobRequeue=1
 MinJobAge=5
 KillWait=30
-SlurmdTimeout=10
+SlurmdTimeout=3
+MessageTimeout=3
 {nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
