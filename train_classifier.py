@@ -164,10 +164,10 @@ def check_classifier(cfg: ClassifierConfig, train: Dataset) -> tuple[dict, list[
 
 def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
     info = session.info
-    resume, resolved = preflight(cfg, session)  # checked on every rank; the "auto" data flags resolved
+    resume, resolved, listings = preflight(cfg, session)  # every rank checked; "auto" resolved; files listed once
     with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
         recipe = classifier_recipe(cfg.dataset, resolved["image_size"], cfg.augment, cfg.normalization)
-        loaders = build_data(cfg.data_plan(resolved, recipe), rank=info.rank, world_size=info.world_size,
+        loaders = build_data(cfg.data_plan(resolved, recipe, listings=listings), rank=info.rank, world_size=info.world_size,
                              device=info.device, ranks_on_node=info.local_world_size)
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         model = build_network(cfg, info, loaders.num_classes)

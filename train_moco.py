@@ -226,12 +226,12 @@ def queue_size_that_fits(train_images: int) -> int:
 
 def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
     info = session.info
-    resume, resolved = preflight(cfg, session)  # checked on every rank; the "auto" data flags resolved
+    resume, resolved, listings = preflight(cfg, session)  # every rank checked; "auto" resolved; files listed once
     with all_ranks_agree():  # every check that can fail, before the first collective
         # Two views per training sample; the kNN monitor's bank: the un-augmented train split (or
         # --knn-bank-samples of it).
         recipe = moco_recipe(cfg.dataset, resolved["image_size"], cfg.aug, cfg.crop_min, cfg.normalization)
-        plan = cfg.data_plan(resolved, recipe, bank_samples=cfg.knn_bank_samples)
+        plan = cfg.data_plan(resolved, recipe, bank_samples=cfg.knn_bank_samples, listings=listings)
         loaders = build_data(plan, rank=info.rank, world_size=info.world_size, device=info.device,
                              ranks_on_node=info.local_world_size)
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once

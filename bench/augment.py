@@ -122,11 +122,11 @@ def packed_views(images: int = 64, batch: int = 32, repeats: int = 3) -> dict[st
     from bench.at_commit import module_at
     from bench.imagenet_like import write_imagenet_like
     from ddp_utils.data.files_on_device import pack
-    from ddp_utils.data.image_files import ImageFiles, decode_cpu, read_bytes
+    from ddp_utils.data.image_files import FolderListing, ImageFiles, decode_cpu, read_bytes
 
     with tempfile.TemporaryDirectory() as root:
         write_imagenet_like(root, classes=4, train_per_class=-(-images // 4), val_per_class=1)
-        files = ImageFiles(f"{root}/train")
+        files = ImageFiles(FolderListing.of(f"{root}/train"))
         decoded = [decode_cpu(read_bytes(files.samples[i][0])) for i in range(images)]
     batches = [(pack(decoded[s:s + batch]), torch.arange(s, min(s + batch, images)))
                for s in range(0, images, batch)]

@@ -54,7 +54,14 @@ from bench.imagenet_like import write_imagenet_like  # noqa: E402
 from ddp_utils import hashing  # noqa: E402
 from ddp_utils.data.batch_augment import BatchAugment, DeviceAugment  # noqa: E402
 from ddp_utils.data.files_on_device import FinishOnDevice, collate_files, pack_to_share  # noqa: E402
-from ddp_utils.data.image_files import ImageFiles, UnreadableFiles, decode_cpu, decode_rgb, read_bytes  # noqa: E402
+from ddp_utils.data.image_files import (  # noqa: E402
+    FolderListing,
+    ImageFiles,
+    UnreadableFiles,
+    decode_cpu,
+    decode_rgb,
+    read_bytes,
+)
 from ddp_utils.data.pipeline import SeededTransform  # noqa: E402
 from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, eval_recipe, moco_recipe  # noqa: E402
 from ddp_utils.data.sets import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402
@@ -244,7 +251,7 @@ def main() -> None:
         if root is None:
             root = str(Path(tmp) / "imagenet_like")
             write_imagenet_like(root, classes=8, train_per_class=max(1, -(-args.images // 8)), val_per_class=1)
-        files = ImageFiles(str(Path(root) / "train"))
+        files = ImageFiles(FolderListing.of(str(Path(root) / "train")))
         results = measure(files, args.images, args.rounds)
     rate = {name: 1 / per_image for name, per_image in results}
     official = rate["MoCo v2, two views: the official pipeline (PIL transforms, PIL blur)"]

@@ -1,6 +1,9 @@
 """Data sets and transforms: the embedded digits, an ImageFolder tree, synthetic tensors."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import assert_ok, in_process, load_ckpt, run_cli, run_on_ranks, write_image_folder
@@ -126,6 +129,62 @@ def test_cifar10_is_downloaded_once_per_node_then_only_read(tmp_path):
     assert rank0["failure"] == rank1["failure"] == (
         f"--download: CIFAR-10 could not be fetched into {tmp_path} (Network is unreachable); check the "
         f"network, or copy cifar-10-batches-py/ there and drop --download")
+
+
+def _listing_worker(info, data_dir: str, empty_class_dir: str):
+    """An image folder listed for 2 ranks through the pre-flight's step, torchvision's scan
+    counted: once per split on rank 0, never on rank 1; then a folder with an empty class."""
+    import dataclasses
+
+    from torchvision import datasets
+
+    from ddp_utils.config import UsageError
+    from ddp_utils.data.pipeline import raw_splits
+    from ddp_utils.data.recipes import AugmentRecipe
+    from ddp_utils.train.preflight import list_image_folder_once
+    from train_classifier import ClassifierConfig
+
+    scans = []
+    scan = datasets.DatasetFolder.make_dataset
+
+    def counted(*args, **kwargs):
+        scans.append(args[0])
+        return scan(*args, **kwargs)
+
+    datasets.DatasetFolder.make_dataset = staticmethod(counted)
+    cfg = ClassifierConfig(dataset="imagefolder", data_dir=data_dir, device="cpu")
+    listings = list_image_folder_once(cfg, info)
+    resolved = {"image_size": 32, "workers": 0, "aug_on": "loader", "decode_on": "loader"}
+    train, val = raw_splits(cfg.data_plan(resolved, AugmentRecipe(), listings=listings))
+    results = {"scans": [str(Path(path).relative_to(data_dir)) for path in scans],
+               "samples": (train.samples, val.samples), "classes": (train.classes, val.classes)}
+    try:
+        list_image_folder_once(dataclasses.replace(cfg, data_dir=empty_class_dir), info)
+    except UsageError as err:
+        results["failure"] = str(err)
+    return results
+
+
+def test_an_image_folder_is_listed_once_per_job_and_every_rank_gets_its_listing(tmp_path):
+    """Rank 0 scans train/ and val/, rank 1 none; both hold the samples torchvision's
+    ImageFolder lists, in its order; a class folder without images stops both ranks with rank
+    0's one line."""
+    from torchvision.datasets import ImageFolder
+
+    data, empty = tmp_path / "data", tmp_path / "empty"
+    write_image_folder(data, per_class=4)
+    (data / "train" / "class1" / "nested").mkdir()  # ImageFolder walks into subfolders
+    shutil.copy(next((data / "train" / "class1").glob("*.png")), data / "train" / "class1" / "nested" / "x.png")
+    shutil.copytree(data, empty)
+    for image in (empty / "val" / "class2").iterdir():
+        image.unlink()
+    rank0, rank1 = run_on_ranks(_listing_worker, tmp_path, str(data), str(empty))
+    assert rank0["scans"] == ["train", "val"] and rank1["scans"] == []
+    expected = tuple(ImageFolder(str(data / split)).samples for split in ("train", "val"))
+    assert rank0["samples"] == rank1["samples"] == expected and len(expected[0]) == 13
+    assert rank0["classes"] == rank1["classes"] == (["class0", "class1", "class2"],) * 2
+    assert rank0["failure"] == rank1["failure"]
+    assert rank0["failure"].startswith(f"--data-dir {empty}: val/: Found no valid file for the classes class2")
 
 
 def _epoch_batches(loaders, epoch: int, skip: int = 0) -> list[torch.Tensor]:

@@ -31,6 +31,7 @@ import train_classifier
 import train_moco
 from ddp_utils.data.image_files import (
     PLACEHOLDER_SIDE,
+    FolderListing,
     ImageFiles,
     UnreadableFiles,
     UnreadableImage,
@@ -75,7 +76,7 @@ def file_met_at_batch(data: Path, batch: int, batch_size: int, world_size: int =
                       baseline: bool = False) -> Path:
     """The training file rank ``rank`` of a run (seed 0) meets in batch ``batch`` of its first
     epoch (``baseline``: one that the device decoder is given)."""
-    files = ImageFiles(str(data / "train"))
+    files = ImageFiles(FolderListing.of(str(data / "train")))
     encoded = files.reading("encoded")
     sampler = ResumableDistributedSampler(files, world_size, rank, seed=0)
     sampler.set_epoch(0)
@@ -106,7 +107,7 @@ def test_odd_files_decode_as_rgb_and_damaged_ones_are_named_with_their_reason(jp
 
 def test_a_damaged_file_comes_as_a_placeholder_that_the_batches_record_on_the_host(jpeg_folder, tmp_path):
     data = copy_of(jpeg_folder, tmp_path)
-    files = ImageFiles(str(data / "train"))
+    files = ImageFiles(FolderListing.of(str(data / "train")))
     bad = [i for i, (path, _) in enumerate(files.samples) if Path(path).name == "train_0002_00003.JPEG"][0]
     damage(Path(files.samples[bad][0]), "empty")
     image, target = files[bad]

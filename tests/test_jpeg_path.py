@@ -27,7 +27,7 @@ from ddp_utils.data.files_on_device import (
     unpack,
 )
 from ddp_utils.data.host_memory import KEPT_PER_WORKER
-from ddp_utils.data.image_files import ImageFiles, decode_cpu, device_decodable, read_bytes
+from ddp_utils.data.image_files import FolderListing, ImageFiles, decode_cpu, device_decodable, read_bytes
 from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, moco_recipe
 from ddp_utils.data.transforms import SeparableGaussianBlur
@@ -105,7 +105,7 @@ def test_loader_workers_reuse_their_buffers_and_the_batches_stay_exact(jpeg_fold
     """Through a real DataLoader (2 workers), 12 packed batches consumed as FinishOnDevice consumes
     them: each equals the same images packed in this process, bit for bit, and the workers
     filled at most 2 x KEPT_PER_WORKER shared-memory segments, not one per batch."""
-    files = ImageFiles(str(jpeg_folder / "train"))
+    files = ImageFiles(FolderListing.of(str(jpeg_folder / "train")))
     images = [decode_cpu(read_bytes(path)) for path, _ in files.samples[:24]]
     samples = [(image, 0, 0, i) for i, image in enumerate(images)]
     loader = torch.utils.data.DataLoader(samples * 6, batch_size=12, num_workers=2, collate_fn=collate_files)
@@ -246,7 +246,7 @@ def test_the_device_decoder_is_given_only_whole_baseline_colour_jpegs(jpeg_folde
                   "truncated": baseline[: len(baseline) // 2], "trailing bytes": torch.cat([baseline, baseline[:7]]),
                   "empty": baseline[:0]}
     assert {name for name, data in not_for_it.items() if device_decodable(data)} == set()
-    encoded = ImageFiles(str(jpeg_folder / "train")).reading("encoded")
+    encoded = ImageFiles(FolderListing.of(str(jpeg_folder / "train"))).reading("encoded")
     kinds = {Path(path).name: encoded[i][0].dim() for i, (path, _) in enumerate(encoded.samples)}
     assert kinds["odd_cmyk.JPEG"] == kinds["odd_gray.JPEG"] == kinds["odd_png.JPEG"] == 3  # decoded by the worker
     assert {dim for name, dim in kinds.items() if name.startswith("train_")} == {1}  # bytes, for the device
@@ -278,7 +278,7 @@ def test_decoding_on_the_device_gives_the_workers_batches_bit_for_bit(jpeg_folde
 def test_the_workers_decode_as_pil_does(jpeg_folder):
     """torchvision's decoder (the device path's workers) and PIL (the loader path) give the same
     pixels, the odd files included."""
-    for path, _ in ImageFiles(str(jpeg_folder / "train")).samples:
+    for path, _ in ImageFiles(FolderListing.of(str(jpeg_folder / "train"))).samples:
         pil = torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
         assert torch.equal(decode_cpu(read_bytes(path)), pil), path
 

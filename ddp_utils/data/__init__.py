@@ -10,9 +10,10 @@
    once), and the in-memory path's batches on the device (``DeviceBatches``).
 3. ``sets``: the raw splits (digits, CIFAR-10, synthetic noise, ImageFolder), the ``--debug``
    and kNN-bank subsets, in-memory splits as tensors.
-4. ``image_files``: ImageFolder's files, each read as PIL, decoded or encoded bytes; decoding on
-   the CPU; and a file that cannot be decoded (its placeholder, the registry of such files, the
-   loader wrapper that records them, ``--check-data``'s check).
+4. ``image_files``: ImageFolder's files (their ``FolderListing``, made once per job by rank 0 in
+   ``train.preflight`` and sent to every rank), each read as PIL, decoded or encoded bytes;
+   decoding on the CPU; and a file that cannot be decoded (its placeholder, the registry of such
+   files, the loader wrapper that records them, ``--check-data``'s check).
 5. Then, on one of three paths:
 
    * in-memory data augmented on the device: ``pipeline.DeviceBatches`` gathers each batch from

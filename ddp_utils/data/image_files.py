@@ -42,22 +42,49 @@ READS = ("pil", "decoded", "encoded")
 
 
 # ----------------------------------------------------------------------------- the data set
-class ImageFiles(Dataset):
-    """torchvision's ImageFolder listing of ``root`` (``classes``, ``samples``: (path, class)),
-    each file as ``read`` says: "pil", a PIL RGB image (:func:`decode_rgb`: the loader path, the
-    reference); "decoded", 3 x H x W uint8 RGB (:func:`decode_cpu`: workers of the device path);
-    "encoded", the file's bytes (1-D uint8) when the device can decode them
-    (:func:`device_decodable`), else decoded as "decoded". A file that cannot be decoded gives a
-    black placeholder and target ``-1 - index``. Raises FileNotFoundError as ImageFolder does (a
-    class folder without images)."""
+@dataclass(frozen=True)
+class FolderListing:
+    """One split of an image folder as torchvision's ImageFolder lists it: ``classes`` (the
+    sorted class folders), and each file's path below ``root`` and class index, in ImageFolder's
+    order. Compact, so that one rank can list a split and send it to the others: the paths are
+    one string and the targets one array, not a Python object per file."""
 
-    read = "pil"
+    root: str
+    classes: tuple[str, ...]
+    paths: str            # the files' paths relative to ``root``, NUL between two (no path holds one)
+    targets: np.ndarray   # int32, one per file
 
-    def __init__(self, root: str):
+    @classmethod
+    def of(cls, root: str) -> FolderListing:
+        """``root`` listed by torchvision's ImageFolder; FileNotFoundError, as it raises, for a
+        class folder without images or a root without class folders."""
         from torchvision.datasets import ImageFolder
 
         listing = ImageFolder(root)
-        self.root, self.classes, self.samples = root, listing.classes, listing.samples
+        cut = len(os.path.join(listing.root, ""))  # its root, "~" expanded
+        return cls(listing.root, tuple(listing.classes), "\0".join(path[cut:] for path, _ in listing.samples),
+                   np.array([target for _, target in listing.samples], dtype=np.int32))
+
+    def samples(self) -> list[tuple[str, int]]:
+        """ImageFolder's ``samples``: (path, class index) per file, the paths as it writes them."""
+        if not self.paths:
+            return []
+        head = os.path.join(self.root, "")
+        return [(head + path, target) for path, target in zip(self.paths.split("\0"), self.targets.tolist())]
+
+
+class ImageFiles(Dataset):
+    """The files of a :class:`FolderListing` (``classes``, ``samples``: (path, class)), each
+    file as ``read`` says: "pil", a PIL RGB image (:func:`decode_rgb`: the loader path, the
+    reference); "decoded", 3 x H x W uint8 RGB (:func:`decode_cpu`: workers of the device path);
+    "encoded", the file's bytes (1-D uint8) when the device can decode them
+    (:func:`device_decodable`), else decoded as "decoded". A file that cannot be decoded gives a
+    black placeholder and target ``-1 - index``."""
+
+    read = "pil"
+
+    def __init__(self, listing: FolderListing):
+        self.root, self.classes, self.samples = listing.root, list(listing.classes), listing.samples()
 
     def reading(self, read: str) -> ImageFiles:
         """The same files, read as ``read``."""

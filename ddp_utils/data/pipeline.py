@@ -33,7 +33,14 @@ from .. import hashing
 from ..config import UsageError
 from .batch_augment import BatchAugment, DeviceAugment, PreparedAhead, to_device
 from .host_memory import EVAL_PREFETCH, TRAIN_PREFETCH, check_shared_memory, eval_batch_size, loader_memory
-from .image_files import RecordingUnreadable, UnreadableFiles, image_files_of, read_as, record_unreadable
+from .image_files import (
+    FolderListing,
+    RecordingUnreadable,
+    UnreadableFiles,
+    image_files_of,
+    read_as,
+    record_unreadable,
+)
 from .recipes import AugmentRecipe, eval_recipe
 from .sets import bank_subset, in_memory_tensors, load_raw_splits, num_classes_of
 
@@ -63,6 +70,8 @@ class DataPlan:
     aug_on_device: bool
     decode_on_device: bool = False
     bank_samples: int | None = None  # MoCo's kNN bank: this many training samples (0: all); None: no bank
+    # An image folder's train and val listings, made once for the job (train.preflight); None: listed here
+    listings: tuple[FolderListing, FolderListing] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -159,7 +168,8 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
 
 def raw_splits(plan: DataPlan) -> tuple[Dataset, Dataset]:
     """The plan's train and val splits as stored, before any transform (``--check`` reads them too)."""
-    return load_raw_splits(plan.dataset, plan.data_dir, plan.image_size, plan.synthetic_samples, plan.debug)
+    return load_raw_splits(plan.dataset, plan.data_dir, plan.image_size, plan.synthetic_samples, plan.debug,
+                           plan.listings)
 
 
 def _held_on_device(plan: DataPlan, train_raw: Dataset, val_raw: Dataset, device: torch.device) -> dict:

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, Subset
 
 from .. import hashing
 from ..config import UsageError
-from .image_files import ImageFiles, underlying
+from .image_files import FolderListing, ImageFiles, underlying
 
 DATASETS = ("digits", "cifar10", "imagefolder", "synthetic")
 NATIVE_SIZE = {"digits": 32, "cifar10": 32, "imagefolder": 224, "synthetic": 32}
@@ -123,10 +123,12 @@ def download_cifar10(data_dir: str) -> None:
                          f"network, or copy cifar-10-batches-py/ there and drop --download") from None
 
 
-def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_samples: int = 2048) -> Dataset:
+def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_samples: int = 2048,
+               listing: FolderListing | None = None) -> Dataset:
     """The raw split (no transform): tensors for digits/synthetic, PIL images otherwise (RGB;
-    ImageFolder's files as :class:`ImageFiles` reads them). CIFAR-10 must already be on disk
-    (see :func:`download_cifar10`)."""
+    ImageFolder's files as :class:`ImageFiles` reads them, from ``listing`` when the job listed
+    the split already, else listed here). CIFAR-10 must already be on disk (see
+    :func:`download_cifar10`)."""
     if dataset == "digits":
         return DigitsDataset(train, size)
     if dataset == "synthetic":
@@ -141,21 +143,30 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_sa
             raise UsageError(f"--data-dir {data_dir}: cifar-10-batches-py/ is incomplete or damaged ({err}); "
                              f"delete it and run once with --download") from None
     if dataset == "imagefolder":
-        split = "train" if train else "val"
-        try:
-            return ImageFiles(os.path.join(data_dir, split))
-        except FileNotFoundError as err:  # a class folder without images, or no class folder at all
-            raise UsageError(f"--data-dir {data_dir}: {split}/: {str(err).split('. ')[0]}; every class "
-                             f"folder needs at least one image") from None
+        return ImageFiles(listing or list_image_split(data_dir, train))
     raise ValueError(f"unknown dataset {dataset!r}")
 
 
+def list_image_split(data_dir: str, train: bool) -> FolderListing:
+    """``DIR/train`` or ``DIR/val`` of an image folder, listed; bad input for a class folder
+    without images."""
+    split = "train" if train else "val"
+    try:
+        return FolderListing.of(os.path.join(data_dir, split))
+    except FileNotFoundError as err:  # a class folder without images, or no class folder at all
+        raise UsageError(f"--data-dir {data_dir}: {split}/: {str(err).split('. ')[0]}; every class "
+                         f"folder needs at least one image") from None
+
+
 def load_raw_splits(dataset: str, data_dir: str, image_size: int, synthetic_samples: int = 2048,
-                    debug: bool = False) -> tuple[Dataset, Dataset]:
-    """Train and val splits without transforms (CIFAR-10 must be on disk already); the same class
+                    debug: bool = False, listings: tuple[FolderListing, FolderListing] | None = None
+                    ) -> tuple[Dataset, Dataset]:
+    """Train and val splits without transforms (CIFAR-10 must be on disk already; image folders
+    from ``listings``, train's and val's, when the job listed them already); the same class
     folders in both, else bad input."""
-    train = load_split(dataset, data_dir, True, image_size, synthetic_samples)
-    val = load_split(dataset, data_dir, False, image_size, synthetic_samples)
+    train_listing, val_listing = listings or (None, None)
+    train = load_split(dataset, data_dir, True, image_size, synthetic_samples, train_listing)
+    val = load_split(dataset, data_dir, False, image_size, synthetic_samples, val_listing)
     if num_classes_of(train) != num_classes_of(val):
         raise UsageError(f"--data-dir {data_dir}: train/ has {num_classes_of(train)} classes but val/ "
                          f"has {num_classes_of(val)}; both need the same class folders")

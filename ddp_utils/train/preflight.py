@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import UsageError, dataset_values, flag_name
+from ..data.image_files import FolderListing
 from ..data.pipeline import default_workers, usable_cpus
 from ..data.recipes import augment_on_device
-from ..data.sets import check_data_dir, download_cifar10
-from ..runtime.collectives import all_gather_object, all_ranks_agree
+from ..data.sets import check_data_dir, download_cifar10, list_image_split
+from ..runtime.collectives import all_gather_object, all_ranks_agree, broadcast_object
 from ..runtime.dist import DistInfo, gpu_identity, restart_count, shared_gpu_problem
 from ..runtime.faults import FaultPlan
 from .checkpoint import Resume
@@ -25,13 +26,16 @@ if TYPE_CHECKING:
     from .session import RunSession
 
 log = logging.getLogger("train")
+Listings = tuple[FolderListing, FolderListing]  # an image folder's train/ and val/
 
 
-def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dict[str, Any]]:
+def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dict[str, Any], Listings | None]:
     """The checks every rank must pass before anything is built (folders, data, the fault plan,
     the checkpoint to resume, GPUs not shared), agreed by all ranks so that all stop together,
-    and the CIFAR-10 download. Returns the checkpoint to resume (or None) and what the "auto"
-    data flags resolve to (:func:`resolved_settings`, logged). Nothing is written into --out."""
+    the CIFAR-10 download and an image folder's listing. Returns the checkpoint to resume (or
+    None), what the "auto" data flags resolve to (:func:`resolved_settings`, logged) and the
+    image folder's train and val listings (:func:`list_image_folder_once`; None for other data).
+    Nothing is written into --out."""
     info = session.info
     # A node that comes back joins with a fresh torchrun agent (restart count 0) while the others'
     # count restarts: the job is restarted if any rank says so.
@@ -41,6 +45,7 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dic
     if info.is_main:
         forget_unreadable(cfg.out)  # every rank found the files a run here stopped on fixed, or starts afresh
     download_once_per_node(cfg, info)
+    listings = list_image_folder_once(cfg, info)
     if info.device.type == "cuda" and info.is_distributed:
         problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))
         if problem:
@@ -48,7 +53,7 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dic
     resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
     if info.is_main:
         log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size))
-    return resume, resolved
+    return resume, resolved, listings
 
 
 def checks_before_start(cfg: TrainConfig, restarted: bool, announce: bool) -> tuple[Resume | None, FaultPlan]:
@@ -81,6 +86,20 @@ def download_once_per_node(cfg: TrainConfig, info: DistInfo) -> None:
         with all_ranks_agree():
             if info.local_rank == 0:
                 download_cifar10(cfg.data_dir)
+
+
+def list_image_folder_once(cfg: TrainConfig, info: DistInfo) -> Listings | None:
+    """``--dataset imagefolder``: rank 0 lists train/ and val/ and every rank receives the
+    listings, so that the job scans the tree once, not once per rank (at 512 ranks, 512 scans of
+    ImageNet's 1.28M files meet one file system's metadata servers at once). A bad folder stops
+    every rank with rank 0's one line. None for other data sets."""
+    if cfg.dataset != "imagefolder":
+        return None
+    listings = None
+    with all_ranks_agree():
+        if info.is_main:
+            listings = (list_image_split(cfg.data_dir, True), list_image_split(cfg.data_dir, False))
+    return broadcast_object(listings)
 
 
 def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, device: torch.device) -> dict[str, Any]:

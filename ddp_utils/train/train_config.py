@@ -224,15 +224,18 @@ class TrainConfig:
     def resolved_image_size(self) -> int:
         return self.image_size or NATIVE_SIZE[self.dataset]
 
-    def data_plan(self, resolved: dict[str, Any], recipe: AugmentRecipe, bank_samples: int | None = None) -> DataPlan:
+    def data_plan(self, resolved: dict[str, Any], recipe: AugmentRecipe, bank_samples: int | None = None,
+                  listings: tuple | None = None) -> DataPlan:
         """The run's data, as ``data.pipeline.build_data`` takes it: these flags with what the
         "auto" ones resolved to (``resolved``), the script's training view (``recipe``, ``VIEWS``
-        per sample) and MoCo's kNN bank (``bank_samples``; None: no bank)."""
+        per sample), MoCo's kNN bank (``bank_samples``; None: no bank) and an image folder's
+        listings made once for the job (``listings``, from ``train.preflight``)."""
         return DataPlan(dataset=self.dataset, data_dir=self.data_dir, image_size=resolved["image_size"],
                         synthetic_samples=self.synthetic_samples, debug=self.debug, seed=self.seed,
                         batch_size=self.batch_size, workers=resolved["workers"], normalization=self.normalization,
                         recipe=recipe, views=self.VIEWS, aug_on_device=resolved["aug_on"] == "device",
-                        decode_on_device=resolved["decode_on"] == "device", bank_samples=bank_samples)
+                        decode_on_device=resolved["decode_on"] == "device", bank_samples=bank_samples,
+                        listings=listings)
 
 
 def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[Any]]:
