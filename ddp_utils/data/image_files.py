@@ -223,7 +223,17 @@ def decode_rgb(path: str) -> Image.Image:
             image.load()
             return image.convert("RGB")
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise UnreadableImage(path, _reason(path, err)) from None
+        raise UnreadableImage(path, _reason(err, empty=os.path.isfile(path) and os.path.getsize(path) == 0)) from None
+
+
+def decode_rgb_bytes(data: bytes, name: str) -> Image.Image:
+    """:func:`decode_rgb` of an image file's bytes; ``name`` says which file in the error."""
+    try:
+        with Image.open(BytesIO(data)) as image:
+            image.load()
+            return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise UnreadableImage(name, _reason(err, empty=not data)) from None
 
 
 # ----------------------------------------------------------------------------- files that cannot be decoded
@@ -235,9 +245,9 @@ class UnreadableImage(Exception):
         self.path, self.reason = path, reason
 
 
-def _reason(path: str, err: Exception) -> str:
+def _reason(err: Exception, empty: bool) -> str:
     if isinstance(err, UnidentifiedImageError):
-        return "empty file" if os.path.getsize(path) == 0 else "not an image file PIL can read"
+        return "empty file" if empty else "not an image file PIL can read"
     text = str(err).split(". ")[0].strip() or type(err).__name__
     return text[0].lower() + text[1:]
 

@@ -1,0 +1,154 @@
+"""An image folder as shards: tar files in WebDataset's layout, plus an index for reading any
+sample by its number.
+
+Layout of ``DST/train/`` (and ``DST/val/``), as ``write_shards.py`` writes it:
+
+* ``shard-000000.tar``, ``shard-000001.tar``, ...: POSIX tar files written by the ``webdataset``
+  library, in its convention: each sample is three members sharing a key (the sample's index in
+  the folder's listing, ``000000042``): ``KEY.EXT`` (the file's original bytes, never re-encoded;
+  EXT is the file's own extension, lower case), ``KEY.cls`` (its class index, as text) and
+  ``KEY.json`` (``{"path": ..., "class": ..., "index": ...}``: the path below the split folder,
+  the class folder's name, the index). Any tar reader, and WebDataset's own pipeline, reads them.
+* ``index.json``: the split's classes, the shards (name, bytes, sha256, samples) and the files
+  left out (``write_shards.py --skip-unreadable``).
+* ``records.npz`` (numpy's own format): one row per sample, in the folder's order: its shard,
+  the byte offset and size of its image inside that tar, its class and its index in the folder's
+  listing; and the paths, NUL-separated. It is what makes sample ``i`` one ``pread`` of a shard
+  already open, so a training run keeps its own order (the project's sampler) and opens each
+  shard once per process, not a file per image.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..config import UsageError
+
+FORMAT, VERSION = "ddp-image-shards", 1
+INDEX, RECORDS = "index.json", "records.npz"
+
+
+def shard_name(number: int) -> str:
+    return f"shard-{number:06d}.tar"
+
+
+def sample_key(index: int) -> str:
+    return f"{index:09d}"
+
+
+@dataclass(frozen=True)
+class Record:
+    """Where one sample's image lies: its shard, the offset and size of its bytes there."""
+
+    shard: int
+    offset: int
+    size: int
+
+
+def image_members(tar_path: Path, ext_of: dict[str, str]) -> dict[str, Record]:
+    """{key: where its image's bytes lie} in one written shard, read from the tar's own headers;
+    ``ext_of``: {key: the image member's extension}."""
+    found = {}
+    with tarfile.open(tar_path) as tar:
+        for member in tar.getmembers():
+            key, _, ext = member.name.partition(".")
+            if ext_of.get(key) == ext:
+                found[key] = Record(-1, member.offset_data, member.size)
+    return found
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """One split's ``index.json`` and ``records.npz``, checked against the shards on disk."""
+
+    root: str
+    classes: tuple[str, ...]
+    shards: tuple[dict, ...]
+    shard: np.ndarray    # int32 per sample
+    offset: np.ndarray   # int64 per sample: where its image's bytes start in the shard
+    size: np.ndarray     # int64 per sample
+    label: np.ndarray    # int32 per sample
+    index: np.ndarray    # int64 per sample: its index in the folder's listing
+    paths: str           # per sample, its path below the split folder, NUL between two
+
+    @classmethod
+    def read(cls, root: str) -> ShardIndex:
+        """The split at ``root``; bad input (one line) when its index is missing or foreign, or a
+        shard is missing or of another size than the index says (truncated, replaced)."""
+        index_file = Path(root) / INDEX
+        if not index_file.is_file():
+            raise UsageError(f"{root}: no {INDEX}; write the shards with: python write_shards.py SRC DST")
+        meta = json.loads(index_file.read_text())
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise UsageError(f"{index_file}: not a {FORMAT} v{VERSION} index; write the shards again with "
+                             f"this version's write_shards.py")
+        for shard in meta["shards"]:
+            path = Path(root) / shard["name"]
+            size = path.stat().st_size if path.is_file() else None
+            if size != shard["bytes"]:
+                found = "missing" if size is None else f"{size:,} bytes, the index says {shard['bytes']:,}"
+                raise UsageError(f"{path}: {found}; copy the shard again, or write the shards again")
+        with np.load(Path(root) / RECORDS) as arrays:
+            fields = {name: arrays[name] for name in ("shard", "offset", "size", "label", "index")}
+            paths = arrays["paths"].tobytes().decode()
+        if len(fields["shard"]) != meta["samples"]:
+            raise UsageError(f"{root}/{RECORDS}: {len(fields['shard'])} records, {INDEX} says {meta['samples']}; "
+                             f"write the shards again")
+        return cls(root=str(root), classes=tuple(meta["classes"]), shards=tuple(meta["shards"]), paths=paths,
+                   **fields)
+
+    def __len__(self) -> int:
+        return len(self.shard)
+
+    def path(self, i: int) -> str:
+        """Sample ``i``'s original path below the split folder."""
+        return self.paths.split("\0")[i]
+
+
+class ShardReader:
+    """Sample ``i``'s bytes from the shards of ``index``, each shard opened once per process
+    (a forked worker opens its own) and read with ``pread``, which shares no file position."""
+
+    def __init__(self, index: ShardIndex):
+        self.index, self._open, self._pid = index, {}, os.getpid()
+
+    def __getstate__(self):
+        return {"index": self.index}  # a worker started by spawn opens its own
+
+    def __setstate__(self, state):
+        self.__init__(state["index"])
+
+    def read(self, i: int) -> Tensor:
+        """The original file's bytes of sample ``i``, as a 1-D uint8 tensor."""
+        if os.getpid() != self._pid:  # forked: the parent's descriptors are shared, not ours to keep
+            self._open, self._pid = {}, os.getpid()
+        shard = int(self.index.shard[i])
+        fd = self._open.get(shard)
+        if fd is None:
+            fd = self._open[shard] = os.open(os.path.join(self.index.root, self.index.shards[shard]["name"]),
+                                              os.O_RDONLY)
+        size, offset = int(self.index.size[i]), int(self.index.offset[i])
+        data = os.pread(fd, size, offset)
+        if len(data) != size:
+            raise OSError(f"{self.index.shards[shard]['name']} ends inside sample {i}")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+
+    @property
+    def open_shards(self) -> int:
+        return len(self._open)

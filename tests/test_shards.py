@@ -1,0 +1,145 @@
+"""write_shards.py and the shards it writes: every file's original bytes, class, class name and
+index kept, in tars that Python's tarfile and WebDataset's own pipeline read; any sample read
+back by its number with one open per shard; a file that cannot be decoded stops the writer with
+exit 2 and nothing written (or is left out and listed); a damaged shard set is one line."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from helpers import REPO, cli_env
+from test_image_files import copy_of, damage
+
+import write_shards
+from ddp_utils.config import UsageError
+from ddp_utils.data import shards as shards_module
+from ddp_utils.data.image_files import FolderListing
+from ddp_utils.data.shards import INDEX, ShardIndex, ShardReader
+
+SHARD_MB = "0.5"  # the test folder's 39 training images (ImageNet sizes) make several shards
+
+
+def write_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "write_shards.py"), *args], cwd=REPO, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def written(jpeg_folder, tmp_path_factory) -> Path:
+    dst = tmp_path_factory.mktemp("shards") / "out"
+    assert write_shards.main([str(jpeg_folder), str(dst), "--shard-mb", SHARD_MB]) == 0
+    return dst
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_every_file_is_kept_with_its_bytes_class_name_and_index(jpeg_folder, written, split):
+    listing = FolderListing.of(str(jpeg_folder / split))
+    index = ShardIndex.read(str(written / split))
+    samples = listing.samples()
+    assert len(index) == len(samples) and index.classes == listing.classes
+    assert (split == "val") or len(index.shards) >= 3
+    reader = ShardReader(index)
+    for i, (path, target) in enumerate(samples):
+        assert bytes(reader.read(i).numpy()) == Path(path).read_bytes(), path
+        assert int(index.label[i]) == target and int(index.index[i]) == i
+        assert index.path(i) == os.path.relpath(path, jpeg_folder / split)
+    with tarfile.open(written / split / index.shards[0]["name"]) as tar:  # the layout, by a plain tar reader
+        names = tar.getnames()
+        meta = json.loads(tar.extractfile("000000000.json").read())
+    assert sorted(names[:3]) == ["000000000.cls", "000000000.jpeg", "000000000.json"]
+    assert meta == {"path": index.path(0), "class": listing.classes[samples[0][1]], "index": 0}
+
+
+def test_webdatasets_own_pipeline_reads_the_shards(jpeg_folder, written):
+    import webdataset
+
+    index = ShardIndex.read(str(written / "train"))
+    urls = [str(written / "train" / shard["name"]) for shard in index.shards]
+    seen = {}
+    for sample in webdataset.WebDataset(urls, shardshuffle=False):
+        image_ext = next(ext for ext in sample if ext not in ("__key__", "__url__", "__local_path__", "cls", "json"))
+        seen[int(sample["__key__"])] = (sample[image_ext], int(sample["cls"]), json.loads(sample["json"])["path"])
+    samples = FolderListing.of(str(jpeg_folder / "train")).samples()
+    assert sorted(seen) == list(range(len(samples)))
+    for i, (path, target) in enumerate(samples):
+        assert seen[i] == (Path(path).read_bytes(), target, index.path(i))
+
+
+def test_any_order_opens_each_shard_once_per_process(written, monkeypatch):
+    index = ShardIndex.read(str(written / "train"))
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(shards_module.os, "open", lambda path, flags: opened.append(path) or real_open(path, flags))
+    reader = ShardReader(index)
+    order = list(range(len(index))) * 2
+    random.Random(0).shuffle(order)
+    for i in order:
+        reader.read(i)
+    assert sorted(Path(p).name for p in opened) == [shard["name"] for shard in index.shards]
+
+
+def test_a_file_that_cannot_be_decoded_stops_the_writer_and_nothing_is_written(jpeg_folder, tmp_path):
+    data = copy_of(jpeg_folder, tmp_path)
+    bad = sorted((data / "val").rglob("*.JPEG"))[1]
+    damage(bad, "truncated")
+    dst = tmp_path / "out"
+    proc = write_cli(str(data), str(dst), "--shard-mb", SHARD_MB)
+    assert proc.returncode == 2, proc.stderr
+    head, *files = proc.stderr.strip().splitlines()[-2:]
+    assert head == ("write_shards.py: error: 1 of 51 image files cannot be decoded; nothing was written; fix or "
+                    "remove them, or leave them out with --skip-unreadable:")
+    assert len(files) == 1 and files[0].startswith(f"  {bad} (image file is truncated (")
+    assert sorted(os.listdir(tmp_path)) == [data.name]  # no DST, no DST.partial-*
+
+    proc = write_cli(str(data), str(dst), "--shard-mb", SHARD_MB, "--skip-unreadable")
+    assert proc.returncode == 0, proc.stderr
+    assert f"left out 1 file(s) that cannot be decoded:\n  {bad} (image file is truncated" in proc.stdout
+    val = ShardIndex.read(str(dst / "val"))
+    listing = FolderListing.of(str(data / "val"))
+    left_out = [p for p, _ in listing.samples()].index(str(bad))
+    assert len(val) == len(listing.targets) - 1 and left_out not in val.index.tolist()
+    assert json.loads((dst / "val" / INDEX).read_text())["left_out"][0].startswith(f"{bad} (image file is truncated")
+
+
+def test_wrong_commands_get_one_line_and_exit_2(jpeg_folder, written, tmp_path):
+    before = sorted(p.name for p in (written / "train").iterdir())
+    for args, said in [
+        ([str(jpeg_folder), str(written)], f"write_shards.py: error: DST {written} exists; choose a new folder "
+                                           f"(nothing there is changed)"),
+        ([str(tmp_path / "nowhere"), str(tmp_path / "out")], f"write_shards.py: error: SRC {tmp_path / 'nowhere'}: "
+                                                            f"no 'train/' folder; ImageFolder expects "
+                                                            f"DIR/train/CLASS/*.jpg and DIR/val/CLASS/*.jpg"),
+        ([str(jpeg_folder), str(tmp_path / "out"), "--shard-mb", "0"], "write_shards.py: error: --shard-mb must "
+                                                                        "be positive, got 0.0"),
+    ]:
+        proc = write_cli(*args)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == said, proc.stderr
+        assert proc.stderr.count("error:") == 1
+    assert sorted(p.name for p in (written / "train").iterdir()) == before and not (tmp_path / "out").exists()
+
+
+def test_a_missing_or_truncated_shard_or_a_foreign_index_is_one_line(written, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(written / "train", copy)
+    first, second = (copy / name for name in ("shard-000000.tar", "shard-000001.tar"))
+    size = first.stat().st_size
+    first.write_bytes(first.read_bytes()[: size // 2])
+    with pytest.raises(UsageError, match=rf"^{first}: {size // 2:,} bytes, the index says {size:,}; copy the shard "
+                                         rf"again, or write the shards again$"):
+        ShardIndex.read(str(copy))
+    shutil.copy(written / "train" / first.name, first)
+    second.unlink()
+    with pytest.raises(UsageError, match=rf"^{second}: missing; copy the shard again"):
+        ShardIndex.read(str(copy))
+    shutil.copy(written / "train" / second.name, second)
+    meta = json.loads((copy / INDEX).read_text())
+    (copy / INDEX).write_text(json.dumps({**meta, "version": 99}))
+    with pytest.raises(UsageError, match="not a ddp-image-shards v1 index; write the shards again"):
+        ShardIndex.read(str(copy))
