@@ -1,5 +1,5 @@
 """The start-up cost of an image folder's file list, per rank: every rank scans the tree (before)
-against rank 0 scanning it and sending the listing to the others (``list_image_folder_once``).
+against rank 0 scanning it and sending the listing to the others (``list_image_files_once``).
 
     python bench/file_list.py                      # ImageNet's shape: 1,281,167 + 50,000 empty files
     python bench/file_list.py --train 100000 --ranks 4 --root /mnt/shared/listing
@@ -31,7 +31,7 @@ from ddp_utils.data.sets import list_image_split  # noqa: E402
 from ddp_utils.runtime.collectives import all_gather_object  # noqa: E402
 from ddp_utils.runtime.dist import cleanup_distributed, init_distributed  # noqa: E402
 from ddp_utils.runtime.spawn import spawn_local  # noqa: E402
-from ddp_utils.train.preflight import list_image_folder_once  # noqa: E402
+from ddp_utils.train.preflight import list_image_files_once  # noqa: E402
 from train_classifier import ClassifierConfig  # noqa: E402
 
 CLASSES = 1000
@@ -65,7 +65,7 @@ def _rank(rank: int, root: str, rounds: int, results: str) -> None:
             if mode == "every rank scans" or (mode == "rank 0 scans alone" and info.is_main):
                 listings = (list_image_split(root, True), list_image_split(root, False))
             elif mode == "rank 0 scans, sends":
-                listings = list_image_folder_once(cfg, info)
+                listings = list_image_files_once(cfg, info)
             else:
                 continue  # the others idle
             files = [ImageFiles(listing) for listing in listings]  # what a run's data set holds

@@ -141,7 +141,7 @@ def _listing_worker(info, data_dir: str, empty_class_dir: str):
     from ddp_utils.config import UsageError
     from ddp_utils.data.pipeline import raw_splits
     from ddp_utils.data.recipes import AugmentRecipe
-    from ddp_utils.train.preflight import list_image_folder_once
+    from ddp_utils.train.preflight import list_image_files_once
     from train_classifier import ClassifierConfig
 
     scans = []
@@ -153,13 +153,13 @@ def _listing_worker(info, data_dir: str, empty_class_dir: str):
 
     datasets.DatasetFolder.make_dataset = staticmethod(counted)
     cfg = ClassifierConfig(dataset="imagefolder", data_dir=data_dir, device="cpu")
-    listings = list_image_folder_once(cfg, info)
+    listings = list_image_files_once(cfg, info)
     resolved = {"image_size": 32, "workers": 0, "aug_on": "loader", "decode_on": "loader"}
     train, val = raw_splits(cfg.data_plan(resolved, AugmentRecipe(), listings=listings))
     results = {"scans": [str(Path(path).relative_to(data_dir)) for path in scans],
                "samples": (train.samples, val.samples), "classes": (train.classes, val.classes)}
     try:
-        list_image_folder_once(dataclasses.replace(cfg, data_dir=empty_class_dir), info)
+        list_image_files_once(dataclasses.replace(cfg, data_dir=empty_class_dir), info)
     except UsageError as err:
         results["failure"] = str(err)
     return results

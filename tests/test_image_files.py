@@ -170,7 +170,7 @@ def test_check_data_lists_every_file_that_cannot_be_decoded(jpeg_folder, tmp_pat
                                               proc.stdout)
     proc = in_process(train_classifier.main, ["--check-data", "--device", "cpu"], capsys)
     assert proc.returncode == 2 and proc.stderr.strip().endswith(
-        "--check-data does nothing with --dataset digits; drop it (it applies to imagefolder)")
+        "--check-data does nothing with --dataset digits; drop it (it applies to imagefolder and shards)")
 
 
 # ----------------------------------------------------------------------------- a file met during a run

@@ -1,12 +1,14 @@
 """write_shards.py and the shards it writes: every file's original bytes, class, class name and
 index kept, in tars that Python's tarfile and WebDataset's own pipeline read; any sample read
 back by its number with one open per shard; a file that cannot be decoded stops the writer with
-exit 2 and nothing written (or is left out and listed); a damaged shard set is one line."""
+exit 2 and nothing written (or is left out and listed); a damaged shard set is one line; a run
+with ``--dataset shards`` ends with the weights of the same run on the folder, bit for bit."""
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -14,7 +16,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from helpers import REPO, cli_env
+from helpers import REPO, assert_ok, assert_same_state, cli_env, load_ckpt, run_ranks
 from test_image_files import copy_of, damage
 
 import write_shards
@@ -143,3 +145,52 @@ def test_a_missing_or_truncated_shard_or_a_foreign_index_is_one_line(written, tm
     (copy / INDEX).write_text(json.dumps({**meta, "version": 99}))
     with pytest.raises(UsageError, match="not a ddp-image-shards v1 index; write the shards again"):
         ShardIndex.read(str(copy))
+
+
+# ----------------------------------------------------------------------------- training from the shards
+SMALL = ["--device", "cpu", "--arch", "small_cnn", "--image-size", "32", "--batch-size", "4", "--epochs", "1",
+         "--workers", "1", "--log-every", "1"]
+RUNS = {  # each of ImageFiles' three reads: PIL (loader path), decoded (device path), encoded (--decode-on device)
+    "classifier, loader path": ("train_classifier.py", ["--aug-on", "loader"]),
+    "moco, device path": ("train_moco.py", ["--aug-on", "device", "--moco-k", "32", "--knn-every", "1"]),
+    "moco, decoded on the device": ("train_moco.py", ["--aug-on", "device", "--decode-on", "device", "--moco-k", "32",
+                                                      "--knn-every", "1"]),
+}
+
+
+@pytest.mark.parametrize("run", [pytest.param("moco, device path"),
+                                 pytest.param("classifier, loader path", marks=pytest.mark.slow),
+                                 pytest.param("moco, decoded on the device", marks=pytest.mark.slow)])
+def test_a_run_on_the_shards_ends_as_the_run_on_the_folder(jpeg_folder, written, tmp_path, run):
+    """The same 2-rank run on the folder and on its shards: the same weights, optimizer state and
+    evaluations (the kNN monitor's bank and queries included), bit for bit."""
+    script, flags = RUNS[run]
+    outs = {}
+    for dataset, data in (("imagefolder", jpeg_folder), ("shards", written)):
+        outs[dataset] = tmp_path / dataset
+        proc = run_ranks(script, SMALL + flags + ["--dataset", dataset, "--data-dir", str(data),
+                                                  "--out", str(outs[dataset])], tmp_path)
+        assert_ok(proc)
+        outs[dataset + " log"] = [re.sub(r" in [\d.]+ s$", "", line.split("] ", 1)[1]) for line in proc.stdout.splitlines()
+                                  if re.search(r"val acc1|kNN acc1", line)]  # without the pass's time
+    assert_same_state(load_ckpt(outs["shards"] / "checkpoint_last.pt"),
+                      load_ckpt(outs["imagefolder"] / "checkpoint_last.pt"))
+    assert outs["shards log"] == outs["imagefolder log"] and outs["shards log"]
+
+
+def test_check_reads_the_shards_and_a_damaged_one_stops_it_with_one_line(written, tmp_path):
+    args = ["--dataset", "shards", "--data-dir", str(written), "--device", "cpu", "--batch-size", "8", "--check"]
+    proc = subprocess.run([sys.executable, str(REPO / "train_moco.py"), *args, "--out", str(tmp_path / "run")],
+                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "data: shards, 39 training and 12 validation images" in proc.stdout
+    broken = tmp_path / "broken"
+    shutil.copytree(written, broken)
+    (broken / "val" / "shard-000000.tar").unlink()
+    proc = subprocess.run([sys.executable, str(REPO / "train_moco.py"), *args[:3], str(broken), *args[4:],
+                           "--out", str(tmp_path / "run")], cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"train_moco.py: error: {broken}/val/shard-000000.tar: missing; copy the shard again, or write the shards "
+        f"again"), proc.stderr
+    assert not (tmp_path / "run").exists()

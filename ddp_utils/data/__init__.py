@@ -13,7 +13,9 @@
 4. ``image_files``: ImageFolder's files (their ``FolderListing``, made once per job by rank 0 in
    ``train.preflight`` and sent to every rank), each read as PIL, decoded or encoded bytes;
    decoding on the CPU; and a file that cannot be decoded (its placeholder, the registry of such
-   files, the loader wrapper that records them, ``--check-data``'s check).
+   files, the loader wrapper that records them, ``--check-data``'s check). ``ShardFiles`` reads
+   the same files from an image folder's shards (``shards``: the layout ``write_shards.py``
+   writes, its index, any sample by number).
 5. Then, on one of three paths:
 
    * in-memory data augmented on the device: ``pipeline.DeviceBatches`` gathers each batch from

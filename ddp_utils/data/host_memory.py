@@ -17,12 +17,13 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
+from io import BytesIO
 
 from PIL import Image
 from torch.utils.data import Dataset
 
 from ..config import UsageError
-from .image_files import device_decodable, image_files_of, read_bytes
+from .image_files import device_decodable, image_files_of
 
 TRAIN_PREFETCH = 2     # batches each training worker prepares ahead (DataLoader's prefetch_factor)
 EVAL_PREFETCH = 1      # batches each evaluation worker prepares ahead: the larger batches
@@ -95,14 +96,14 @@ def loader_memory(train: Dataset, *, batch_size: int, workers: int, views: int, 
                         workers=workers, kept=aug_on_device and not decode_on_device)
 
 
-def _sample_paths(files) -> list[str]:
-    step = max(1, len(files.samples) // SIZE_SAMPLE)
-    return [path for path, _ in files.samples[::step][:SIZE_SAMPLE]]
+def _sampled(files) -> range:
+    """An even sample of the files' indices (at most SIZE_SAMPLE)."""
+    return range(0, len(files), max(1, len(files) // SIZE_SAMPLE))[:SIZE_SAMPLE]
 
 
 def mean_image_pixels(files) -> float:
     """Mean pixels per image over an even sample of the files, read from their headers."""
-    pixels = [w * h for w, h in filter(None, map(_image_size, _sample_paths(files)))]
+    pixels = [w * h for w, h in filter(None, (_image_size(files, i) for i in _sampled(files)))]
     return sum(pixels) / len(pixels) if pixels else 0.0
 
 
@@ -110,20 +111,21 @@ def mean_encoded_bytes(files) -> float:
     """Mean bytes per image of an ``--decode-on device`` batch over an even sample of the files:
     the file's, or the pixels' of a file its worker decodes (``image_files.device_decodable``)."""
     sizes = []
-    for path in _sample_paths(files):
+    for i in _sampled(files):
         try:
-            data = read_bytes(path)
+            data = files.bytes_of(i)
         except OSError:
             continue
-        size = None if device_decodable(data) else _image_size(path)
+        size = None if device_decodable(data) else _image_size(files, i, data)
         sizes.append(data.numel() if size is None else 3 * size[0] * size[1])
     return sum(sizes) / len(sizes) if sizes else 0.0
 
 
-def _image_size(path: str) -> tuple[int, int] | None:
-    """(width, height) from the file's header; None if it has none that PIL reads."""
+def _image_size(files, index: int, data=None) -> tuple[int, int] | None:
+    """(width, height) of sample ``index`` from its header; None if it has none that PIL reads."""
     try:
-        with Image.open(path) as image:
+        data = files.bytes_of(index) if data is None else data
+        with Image.open(BytesIO(data.numpy().tobytes())) as image:
             return image.size
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
         return None  # no header: left out of the estimate

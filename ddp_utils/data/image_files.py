@@ -36,6 +36,7 @@ from torch.utils.data import Dataset, Subset
 
 from ..config import UsageError
 from ..runtime.collectives import all_gather_object
+from .shards import ShardIndex, ShardReader
 
 PLACEHOLDER_SIDE = 8  # px: the placeholder's side (any transform resizes it)
 READS = ("pil", "decoded", "encoded")
@@ -79,7 +80,9 @@ class ImageFiles(Dataset):
     reference); "decoded", 3 x H x W uint8 RGB (:func:`decode_cpu`: workers of the device path);
     "encoded", the file's bytes (1-D uint8) when the device can decode them
     (:func:`device_decodable`), else decoded as "decoded". A file that cannot be decoded gives a
-    black placeholder and target ``-1 - index``."""
+    black placeholder and target ``-1 - index``. Sample ``i`` is named by :meth:`name`, read by
+    :meth:`bytes_of` and decoded to PIL by :meth:`decode_pil`: :class:`ShardFiles` reads the
+    same files from shards."""
 
     read = "pil"
 
@@ -97,22 +100,62 @@ class ImageFiles(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def name(self, index: int) -> str:
+        """What names sample ``index`` to a user: its file's path."""
+        return self.samples[index][0]
+
+    def target(self, index: int) -> int:
+        return self.samples[index][1]
+
+    def bytes_of(self, index: int) -> Tensor:
+        """The file's bytes, 1-D uint8."""
+        return read_bytes(self.samples[index][0])
+
+    def decode_pil(self, index: int) -> Image.Image:
+        """The whole image as PIL RGB (:func:`decode_rgb`); UnreadableImage if it cannot be decoded."""
+        return decode_rgb(self.samples[index][0])
+
     def __getitem__(self, index: int):
-        path, target = self.samples[index]
+        target = self.target(index)
         try:
-            return self._load(path), target
+            return self._load(index), target
         except (UnreadableImage, OSError, RuntimeError, SyntaxError, ValueError):
             if self.read == "pil":
                 return Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE)), -1 - index
             return torch.zeros((3, PLACEHOLDER_SIDE, PLACEHOLDER_SIDE), dtype=torch.uint8), -1 - index
 
-    def _load(self, path: str):
+    def _load(self, index: int):
         if self.read == "pil":
-            return decode_rgb(path)
-        data = read_bytes(path)
+            return self.decode_pil(index)
+        data = self.bytes_of(index)
         if self.read == "encoded" and device_decodable(data):
             return data
         return decode_cpu(data)
+
+
+class ShardFiles(ImageFiles):
+    """The files of one split written by ``write_shards.py`` (``shards.ShardIndex``), read from
+    the shards by their number (``shards.ShardReader``), in the folder's order: everything else
+    as :class:`ImageFiles`. A sample is named by its original path and its shard."""
+
+    def __init__(self, index: ShardIndex):
+        self.root, self.classes, self.index, self.reader = index.root, list(index.classes), index, ShardReader(index)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def name(self, index: int) -> str:
+        shard = self.index.shards[int(self.index.shard[index])]["name"]
+        return f"{self.index.path(index)} in {os.path.join(self.root, shard)}"
+
+    def target(self, index: int) -> int:
+        return int(self.index.label[index])
+
+    def bytes_of(self, index: int) -> Tensor:
+        return self.reader.read(index)
+
+    def decode_pil(self, index: int) -> Image.Image:
+        return decode_rgb_bytes(self.bytes_of(index).numpy().tobytes(), self.name(index))
 
 
 def underlying(ds: Dataset) -> Dataset:
@@ -139,10 +182,11 @@ def read_as(raw: Dataset, read: str) -> Dataset:
 
 
 def sample_path(raw: Dataset, index: int) -> str:
-    """The file behind sample ``index`` of ``raw`` (ImageFiles, or Subsets of it)."""
+    """The file behind sample ``index`` of ``raw`` (ImageFiles, or Subsets of it), as
+    :meth:`ImageFiles.name` names it."""
     while isinstance(raw, Subset):
         raw, index = raw.dataset, raw.indices[index]
-    return raw.samples[index][0]
+    return raw.name(index)
 
 
 # ----------------------------------------------------------------------------- decoding on the CPU
@@ -252,18 +296,20 @@ def _reason(err: Exception, empty: bool) -> str:
     return text[0].lower() + text[1:]
 
 
-def why_unreadable(path: str) -> UnreadableImage:
-    """A file that could not be decoded, with the reason PIL gives when it decodes it once more."""
+def why_unreadable(files: ImageFiles, index: int) -> UnreadableImage:
+    """A sample that could not be decoded, with the reason PIL gives when it decodes it once more."""
     try:
-        decode_rgb(path)
+        files.decode_pil(index)
     except UnreadableImage as err:
         return err
-    return UnreadableImage(path, "could not be decoded where the run decoded it")
+    except OSError as err:  # the bytes could not be read (a shard cut short)
+        return UnreadableImage(files.name(index), str(err))
+    return UnreadableImage(files.name(index), "could not be decoded where the run decoded it")
 
 
 def unreadable_in(files: ImageFiles, targets: Tensor) -> list[UnreadableImage]:
     """The files behind the placeholder targets of a batch (a host tensor), with their reasons."""
-    return [why_unreadable(files.samples[-1 - code][0]) for code in targets[targets < 0].tolist()]
+    return [why_unreadable(files, -1 - code) for code in targets[targets < 0].tolist()]
 
 
 @dataclass
@@ -335,17 +381,17 @@ def record_unreadable(batches, raw: Dataset, unreadable: UnreadableFiles):
 def check_decodes(files: ImageFiles, threads: int) -> list[UnreadableImage]:
     """Decode every file of ``files`` on ``threads`` threads (PIL's decoder releases the GIL);
     the files that fail, in the data set's order."""
-    paths = [path for path, _ in files.samples]
-
-    def problem(path: str) -> UnreadableImage | None:
+    def problem(index: int) -> UnreadableImage | None:
         try:
-            decode_rgb(path)
+            files.decode_pil(index)
         except UnreadableImage as err:
             return err
+        except OSError as err:
+            return UnreadableImage(files.name(index), str(err))
         return None
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        return [err for err in pool.map(problem, paths) if err is not None]
+        return [err for err in pool.map(problem, range(len(files))) if err is not None]
 
 
 def decode_every_file(*splits: Dataset, threads: int) -> int:
@@ -353,7 +399,7 @@ def decode_every_file(*splits: Dataset, threads: int) -> int:
     of files, or UsageError listing each file that fails on a line of its own."""
     files = [image_files_of(split) for split in splits]
     bad = [err for f in files if f is not None for err in check_decodes(f, threads)]
-    total = sum(len(f.samples) for f in files if f is not None)
+    total = sum(len(f) for f in files if f is not None)
     if bad:
         listed = "".join(f"\n  {err}" for err in bad)
         raise UsageError(f"--check-data: {len(bad)} of {total:,} image files cannot be decoded; fix or remove "

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .sets import CIFAR10_DEMO_STD, CIFAR10_MEAN, NORMALIZATION
+from .sets import CIFAR10_DEMO_STD, CIFAR10_MEAN, IMAGE_FILES, NORMALIZATION
 
 MOCO_AUGS = ("v1", "v2", "v2-noblur")
 AUG_ON = ("auto", "device", "loader")
@@ -83,7 +83,7 @@ def classifier_recipe(dataset: str, size: int, augment: bool = True, normalizati
     plain = eval_recipe(dataset, normalization)
     if not augment:
         return plain
-    if dataset == "imagefolder":
+    if dataset in IMAGE_FILES:
         return replace(plain, crop_scale=IMAGENET_CROP_SCALE, flip=True)
     # 32 px data: shift by up to an eighth of the side
     return replace(plain, pad_crop=max(1, size // 8), flip=dataset != "digits")
@@ -107,5 +107,5 @@ def augment_on_device(aug_on: str, dataset: str, device: torch.device) -> bool:
     """``--aug-on``: device, loader, or auto = device, except ImageFolder on a CPU, where the
     DataLoader workers' cores would otherwise sit idle while the training process augments."""
     if aug_on == "auto":
-        return dataset != "imagefolder" or device.type == "cuda"
+        return dataset not in IMAGE_FILES or device.type == "cuda"
     return aug_on == "device"

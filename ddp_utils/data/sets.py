@@ -18,17 +18,20 @@ from torch.utils.data import Dataset, Subset
 
 from .. import hashing
 from ..config import UsageError
-from .image_files import FolderListing, ImageFiles, underlying
+from .image_files import FolderListing, ImageFiles, ShardFiles, underlying
+from .shards import INDEX as SHARD_INDEX
+from .shards import ShardIndex
 
-DATASETS = ("digits", "cifar10", "imagefolder", "synthetic")
-NATIVE_SIZE = {"digits": 32, "cifar10": 32, "imagefolder": 224, "synthetic": 32}
+DATASETS = ("digits", "cifar10", "imagefolder", "shards", "synthetic")
+IMAGE_FILES = ("imagefolder", "shards")  # read as image files: an ImageFolder, or its shards (write_shards.py)
+NATIVE_SIZE = {"digits": 32, "cifar10": 32, "imagefolder": 224, "shards": 224, "synthetic": 32}
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # load_digits pixels are 0..16 on a black background; measured on the 32 px train split.
 DIGITS_MEAN, DIGITS_STD = (0.2093,) * 3, (0.3542,) * 3
 # mean, std per data set (synthetic noise is already zero-mean, unit-variance: none)
 NORMALIZATION = {"digits": (DIGITS_MEAN, DIGITS_STD), "cifar10": (CIFAR10_MEAN, CIFAR10_STD),
-                 "imagefolder": (IMAGENET_MEAN, IMAGENET_STD)}
+                 "imagefolder": (IMAGENET_MEAN, IMAGENET_STD), "shards": (IMAGENET_MEAN, IMAGENET_STD)}
 # The MoCo authors' CIFAR-10 demo normalises with another std (from a widely copied snippet).
 CIFAR10_DEMO_STD = (0.2023, 0.1994, 0.2010)
 NORMALIZATIONS = ("auto", "cifar10-demo")  # looked up by recipes.eval_recipe
@@ -105,6 +108,11 @@ def check_data_dir(dataset: str, data_dir: str, download: bool) -> str | None:
             if not (root / split).is_dir():
                 return (f"--data-dir {data_dir}: no '{split}/' folder; ImageFolder expects "
                         f"DIR/train/CLASS/*.jpg and DIR/val/CLASS/*.jpg")
+    if dataset == "shards":
+        for split in ("train", "val"):
+            if not (root / split / SHARD_INDEX).is_file():
+                return (f"--data-dir {data_dir}: no '{split}/{SHARD_INDEX}'; write the shards first: "
+                        f"python write_shards.py IMAGEFOLDER {data_dir}")
     if dataset == "cifar10" and not download and not (root / "cifar-10-batches-py").is_dir():
         return (f"--data-dir {data_dir}: CIFAR-10 not found (no cifar-10-batches-py/); "
                 f"add --download or point --data-dir at an existing copy")
@@ -126,8 +134,8 @@ def download_cifar10(data_dir: str) -> None:
 def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_samples: int = 2048,
                listing: FolderListing | None = None) -> Dataset:
     """The raw split (no transform): tensors for digits/synthetic, PIL images otherwise (RGB;
-    ImageFolder's files as :class:`ImageFiles` reads them, from ``listing`` when the job listed
-    the split already, else listed here). CIFAR-10 must already be on disk (see
+    ImageFolder's files as :class:`ImageFiles` reads them, its shards as :class:`ShardFiles` does,
+    from ``listing`` when the job listed or read the split already, else here). CIFAR-10 must already be on disk (see
     :func:`download_cifar10`)."""
     if dataset == "digits":
         return DigitsDataset(train, size)
@@ -144,6 +152,8 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_sa
                              f"delete it and run once with --download") from None
     if dataset == "imagefolder":
         return ImageFiles(listing or list_image_split(data_dir, train))
+    if dataset == "shards":
+        return ShardFiles(listing or read_shard_split(data_dir, train))
     raise ValueError(f"unknown dataset {dataset!r}")
 
 
@@ -158,12 +168,17 @@ def list_image_split(data_dir: str, train: bool) -> FolderListing:
                          f"folder needs at least one image") from None
 
 
+def read_shard_split(data_dir: str, train: bool) -> ShardIndex:
+    """``DIR/train`` or ``DIR/val`` as ``write_shards.py`` wrote it, its shards checked (bad input
+    for a missing or truncated shard, or an index of another format)."""
+    return ShardIndex.read(os.path.join(data_dir, "train" if train else "val"))
+
+
 def load_raw_splits(dataset: str, data_dir: str, image_size: int, synthetic_samples: int = 2048,
-                    debug: bool = False, listings: tuple[FolderListing, FolderListing] | None = None
-                    ) -> tuple[Dataset, Dataset]:
-    """Train and val splits without transforms (CIFAR-10 must be on disk already; image folders
-    from ``listings``, train's and val's, when the job listed them already); the same class
-    folders in both, else bad input."""
+                    debug: bool = False, listings: tuple | None = None) -> tuple[Dataset, Dataset]:
+    """Train and val splits without transforms (CIFAR-10 must be on disk already; image files
+    from ``listings``, train's and val's, when the job listed or read them already:
+    ``FolderListing`` or ``ShardIndex``); the same class folders in both, else bad input."""
     train_listing, val_listing = listings or (None, None)
     train = load_split(dataset, data_dir, True, image_size, synthetic_samples, train_listing)
     val = load_split(dataset, data_dir, False, image_size, synthetic_samples, val_listing)

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torchvision.transforms import v2 as T
 
 from .recipes import EVAL_RESIZE, AugmentRecipe
+from .sets import IMAGE_FILES
 
-FROM_FILES = ("cifar10", "imagefolder")  # decoded from PIL images; the others are float tensors
+FROM_FILES = ("cifar10", *IMAGE_FILES)  # decoded from PIL images; the others are float tensors
 
 
 def _decode(dataset: str) -> list:
@@ -36,7 +37,7 @@ def _normalize(recipe: AugmentRecipe) -> list:
 def _fixed_geometry(dataset: str, size: int) -> list:
     """Evaluation geometry: ImageFolder resized and centre-cropped; CIFAR-10 resized if asked for
     another size; digits and synthetic images are generated at ``size`` already."""
-    if dataset == "imagefolder":
+    if dataset in IMAGE_FILES:
         return [T.Resize(round(size * EVAL_RESIZE), antialias=True), T.CenterCrop(size)]
     return [T.Resize(size, antialias=True)] if dataset == "cifar10" and size != 32 else []
 

@@ -12,7 +12,8 @@ from ..config import UsageError, dataset_values, flag_name
 from ..data.image_files import FolderListing
 from ..data.pipeline import default_workers, usable_cpus
 from ..data.recipes import augment_on_device
-from ..data.sets import check_data_dir, download_cifar10, list_image_split
+from ..data.sets import IMAGE_FILES, check_data_dir, download_cifar10, list_image_split, read_shard_split
+from ..data.shards import ShardIndex
 from ..runtime.collectives import all_gather_object, all_ranks_agree, broadcast_object
 from ..runtime.dist import DistInfo, gpu_identity, restart_count, shared_gpu_problem
 from ..runtime.faults import FaultPlan
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from .session import RunSession
 
 log = logging.getLogger("train")
-Listings = tuple[FolderListing, FolderListing]  # an image folder's train/ and val/
+Listings = tuple[FolderListing, FolderListing] | tuple[ShardIndex, ShardIndex]  # image files' train/ and val/
 
 
 def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dict[str, Any], Listings | None]:
@@ -34,7 +35,7 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dic
     the checkpoint to resume, GPUs not shared), agreed by all ranks so that all stop together,
     the CIFAR-10 download and an image folder's listing. Returns the checkpoint to resume (or
     None), what the "auto" data flags resolve to (:func:`resolved_settings`, logged) and the
-    image folder's train and val listings (:func:`list_image_folder_once`; None for other data).
+    image files' train and val listings (:func:`list_image_files_once`; None for other data).
     Nothing is written into --out."""
     info = session.info
     # A node that comes back joins with a fresh torchrun agent (restart count 0) while the others'
@@ -45,7 +46,7 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dic
     if info.is_main:
         forget_unreadable(cfg.out)  # every rank found the files a run here stopped on fixed, or starts afresh
     download_once_per_node(cfg, info)
-    listings = list_image_folder_once(cfg, info)
+    listings = list_image_files_once(cfg, info)
     if info.device.type == "cuda" and info.is_distributed:
         problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))
         if problem:
@@ -88,17 +89,19 @@ def download_once_per_node(cfg: TrainConfig, info: DistInfo) -> None:
                 download_cifar10(cfg.data_dir)
 
 
-def list_image_folder_once(cfg: TrainConfig, info: DistInfo) -> Listings | None:
-    """``--dataset imagefolder``: rank 0 lists train/ and val/ and every rank receives the
-    listings, so that the job scans the tree once, not once per rank (at 512 ranks, 512 scans of
-    ImageNet's 1.28M files meet one file system's metadata servers at once). A bad folder stops
-    every rank with rank 0's one line. None for other data sets."""
-    if cfg.dataset != "imagefolder":
+def list_image_files_once(cfg: TrainConfig, info: DistInfo) -> Listings | None:
+    """Image files: rank 0 lists an image folder's train/ and val/ (or reads the shards' indexes
+    and checks their shards) and every rank receives the result, so that the job scans the tree
+    once, not once per rank (at 512 ranks, 512 scans of ImageNet's 1.28M files meet one file
+    system's metadata servers at once). Bad data stops every rank with rank 0's one line. None for
+    other data sets."""
+    if cfg.dataset not in IMAGE_FILES:
         return None
     listings = None
     with all_ranks_agree():
         if info.is_main:
-            listings = (list_image_split(cfg.data_dir, True), list_image_split(cfg.data_dir, False))
+            read = list_image_split if cfg.dataset == "imagefolder" else read_shard_split
+            listings = (read(cfg.data_dir, True), read(cfg.data_dir, False))
     return broadcast_object(listings)
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..data.pipeline import Loaders
+from ..data.sets import IMAGE_FILES
 from ..runtime.dist import DistInfo, unwrap
 from .accumulation import MicroStep, WindowStart, plan_windows
 from .monitor import TensorBoard, WaitClock
@@ -59,7 +60,7 @@ def input_advice(cfg: TrainConfig, resolved: dict[str, Any]) -> str:
     which on a CPU is the training process's (the epoch's line still says how long)."""
     workers, where = resolved.get("workers", cfg.workers), resolved.get("aug_on", "loader")
     tips = []
-    if where == "loader" or cfg.dataset == "imagefolder":  # DataLoader workers make (part of) each batch
+    if where == "loader" or cfg.dataset in IMAGE_FILES:  # DataLoader workers make (part of) each batch
         tips.append(f"more --workers (now {workers} per rank; -1 sizes them to the CPUs this process may use)")
     if where == "loader":
         tips.append("--aug-on device (augmentation as whole batches on the training device)")

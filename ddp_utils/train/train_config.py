@@ -22,7 +22,7 @@ from ..config import (
 )
 from ..data.pipeline import DataPlan
 from ..data.recipes import AUG_ON, AugmentRecipe, augment_on_device
-from ..data.sets import DATASETS, NATIVE_SIZE, NORMALIZATIONS
+from ..data.sets import DATASETS, IMAGE_FILES, NATIVE_SIZE, NORMALIZATIONS
 from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
 from ..runtime.dist import (
     LaunchEnv,
@@ -38,8 +38,9 @@ from .optimization import LR_SCHEDULES, parse_milestones
 
 C = TypeVar("C", bound="TrainConfig")
 RESUME_IF_RESTARTED = "if-restarted"
-DATA_FLAG_USERS = {"data_dir": "cifar10 and imagefolder", "download": "cifar10", "synthetic_samples": "synthetic",
-                   "check_data": "imagefolder", "decode_on": "imagefolder"}
+DATA_FLAG_USERS = {"data_dir": "cifar10, imagefolder and shards", "download": "cifar10",
+                   "synthetic_samples": "synthetic", "check_data": "imagefolder and shards",
+                   "decode_on": "imagefolder and shards"}
 
 # --help's sections, each named once; a field names its own (opt(group=...))
 DATA, MODEL, SPEED, RUN_FOLDER, DISTRIBUTED = ("data", "model and optimisation", "precision and speed",
@@ -201,8 +202,8 @@ class TrainConfig:
         """Data flags that the chosen data set would silently ignore are refused."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         unused = {"data_dir": self.dataset in ("digits", "synthetic"), "download": self.dataset != "cifar10",
-                  "synthetic_samples": self.dataset != "synthetic", "check_data": self.dataset != "imagefolder",
-                  "decode_on": self.dataset != "imagefolder"}
+                  "synthetic_samples": self.dataset != "synthetic", "check_data": self.dataset not in IMAGE_FILES,
+                  "decode_on": self.dataset not in IMAGE_FILES}
         for name, ignored in unused.items():
             if ignored and getattr(self, name) != defaults[name]:
                 raise UsageError(f"{flag_name(name)} does nothing with --dataset {self.dataset}; drop it (it "
