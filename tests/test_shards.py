@@ -22,7 +22,7 @@ from test_image_files import copy_of, damage
 import write_shards
 from ddp_utils.config import UsageError
 from ddp_utils.data import shards as shards_module
-from ddp_utils.data.image_files import FolderListing
+from ddp_utils.data.image_files import FolderListing, ShardFiles, UnreadableImage
 from ddp_utils.data.shards import INDEX, ShardIndex, ShardReader
 
 SHARD_MB = "0.5"  # the test folder's 39 training images (ImageNet sizes) make several shards
@@ -194,3 +194,19 @@ def test_check_reads_the_shards_and_a_damaged_one_stops_it_with_one_line(written
         f"train_moco.py: error: {broken}/val/shard-000000.tar: missing; copy the shard again, or write the shards "
         f"again"), proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_record_that_cannot_be_decoded_is_named_by_its_path_and_shard(written, tmp_path):
+    copy = tmp_path / "train"
+    shutil.copytree(written / "train", copy)
+    index = ShardIndex.read(str(copy))
+    i = 5
+    shard = copy / index.shards[int(index.shard[i])]["name"]
+    with open(shard, "r+b") as f:  # the image's bytes zeroed where they lie: the shard keeps its size
+        f.seek(int(index.offset[i]))
+        f.write(bytes(int(index.size[i])))
+    files = ShardFiles(ShardIndex.read(str(copy)))
+    with pytest.raises(UnreadableImage) as raised:
+        files.decode_pil(i)
+    assert raised.value.path == f"{index.path(i)} in {shard}"
+    assert files[i][1] == -1 - i and files[i + 1][1] == int(index.label[i + 1])  # a placeholder, as for a file

@@ -155,7 +155,10 @@ class ShardFiles(ImageFiles):
         return self.reader.read(index)
 
     def decode_pil(self, index: int) -> Image.Image:
-        return decode_rgb_bytes(self.bytes_of(index).numpy().tobytes(), self.name(index))
+        try:
+            return decode_rgb_bytes(self.bytes_of(index).numpy().tobytes(), "")
+        except UnreadableImage as err:  # named here only: a name is a walk through every path
+            raise UnreadableImage(self.name(index), err.reason) from None
 
 
 def underlying(ds: Dataset) -> Dataset:

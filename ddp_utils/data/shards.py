@@ -117,7 +117,8 @@ class ShardIndex:
         return len(self.shard)
 
     def path(self, i: int) -> str:
-        """Sample ``i``'s original path below the split folder."""
+        """Sample ``i``'s original path below the split folder (a walk through the paths: for
+        messages, not for each read)."""
         return self.paths.split("\0")[i]
 
 
@@ -144,10 +145,10 @@ class ShardReader:
             fd = self._open[shard] = os.open(os.path.join(self.index.root, self.index.shards[shard]["name"]),
                                               os.O_RDONLY)
         size, offset = int(self.index.size[i]), int(self.index.offset[i])
-        data = os.pread(fd, size, offset)
-        if len(data) != size:
+        data = torch.empty(size, dtype=torch.uint8)
+        if os.preadv(fd, [data.numpy()], offset) != size:  # read straight into the tensor
             raise OSError(f"{self.index.shards[shard]['name']} ends inside sample {i}")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        return data
 
     @property
     def open_shards(self) -> int:
