@@ -87,14 +87,14 @@ def test_any_order_opens_each_shard_once_per_process(written, monkeypatch):
     assert sorted(Path(p).name for p in opened) == [shard["name"] for shard in index.shards]
 
 
-def test_a_file_that_cannot_be_decoded_stops_the_writer_and_nothing_is_written(jpeg_folder, tmp_path):
+def test_a_file_that_cannot_be_decoded_stops_the_writer_and_nothing_is_written(jpeg_folder, tmp_path, capsys):
+    """In this process (exit 2, nothing written), then the real CLI with --skip-unreadable."""
     data = copy_of(jpeg_folder, tmp_path)
     bad = sorted((data / "val").rglob("*.JPEG"))[1]
     damage(bad, "truncated")
     dst = tmp_path / "out"
-    proc = write_cli(str(data), str(dst), "--shard-mb", SHARD_MB)
-    assert proc.returncode == 2, proc.stderr
-    head, *files = proc.stderr.strip().splitlines()[-2:]
+    assert write_shards.main([str(data), str(dst), "--shard-mb", SHARD_MB]) == 2
+    head, *files = capsys.readouterr().err.strip().splitlines()[-2:]
     assert head == ("write_shards.py: error: 1 of 51 image files cannot be decoded; nothing was written; fix or "
                     "remove them, or leave them out with --skip-unreadable:")
     assert len(files) == 1 and files[0].startswith(f"  {bad} (image file is truncated (")
@@ -110,7 +110,7 @@ def test_a_file_that_cannot_be_decoded_stops_the_writer_and_nothing_is_written(j
     assert json.loads((dst / "val" / INDEX).read_text())["left_out"][0].startswith(f"{bad} (image file is truncated")
 
 
-def test_wrong_commands_get_one_line_and_exit_2(jpeg_folder, written, tmp_path):
+def test_wrong_commands_get_one_line_and_exit_2(jpeg_folder, written, tmp_path, capsys):
     before = sorted(p.name for p in (written / "train").iterdir())
     for args, said in [
         ([str(jpeg_folder), str(written)], f"write_shards.py: error: DST {written} exists; choose a new folder "
@@ -121,10 +121,17 @@ def test_wrong_commands_get_one_line_and_exit_2(jpeg_folder, written, tmp_path):
         ([str(jpeg_folder), str(tmp_path / "out"), "--shard-mb", "0"], "write_shards.py: error: --shard-mb must "
                                                                         "be positive, got 0.0"),
     ]:
-        proc = write_cli(*args)
-        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == said, proc.stderr
-        assert proc.stderr.count("error:") == 1
+        code = _exit_code(write_shards.main, args)  # in this process: the subprocess tests above and below
+        err = capsys.readouterr().err
+        assert code == 2 and err.strip().splitlines()[-1] == said and err.count("error:") == 1, err
     assert sorted(p.name for p in (written / "train").iterdir()) == before and not (tmp_path / "out").exists()
+
+
+def _exit_code(main, args: list[str]) -> int:
+    try:
+        return main(args)
+    except SystemExit as exit:  # argparse's
+        return exit.code
 
 
 def test_a_missing_or_truncated_shard_or_a_foreign_index_is_one_line(written, tmp_path):
@@ -178,6 +185,7 @@ def test_a_run_on_the_shards_ends_as_the_run_on_the_folder(jpeg_folder, written,
     assert outs["shards log"] == outs["imagefolder log"] and outs["shards log"]
 
 
+@pytest.mark.slow  # two runs of --check; the index's checks are in the fast tier above
 def test_check_reads_the_shards_and_a_damaged_one_stops_it_with_one_line(written, tmp_path):
     args = ["--dataset", "shards", "--data-dir", str(written), "--device", "cpu", "--batch-size", "8", "--check"]
     proc = subprocess.run([sys.executable, str(REPO / "train_moco.py"), *args, "--out", str(tmp_path / "run")],
