@@ -218,3 +218,18 @@ def test_a_record_that_cannot_be_decoded_is_named_by_its_path_and_shard(written,
         files.decode_pil(i)
     assert raised.value.path == f"{index.path(i)} in {shard}"
     assert files[i][1] == -1 - i and files[i + 1][1] == int(index.label[i + 1])  # a placeholder, as for a file
+
+
+@pytest.mark.slow  # three 2-rank runs
+def test_a_run_on_the_shards_resumed_mid_epoch_ends_as_the_uninterrupted_one(written, tmp_path):
+    """MoCo on the shards, 2 epochs of 5 steps: stopped at step 3 (--max-steps) and resumed with
+    --resume auto, it ends with the uninterrupted run's state, bit for bit."""
+    args = SMALL + RUNS["moco, device path"][1] + ["--dataset", "shards", "--data-dir", str(written), "--epochs", "2"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert_ok(run_ranks("train_moco.py", args + ["--out", str(whole)], tmp_path))
+    assert_ok(run_ranks("train_moco.py", args + ["--max-steps", "3", "--out", str(part)], tmp_path))
+    resumed = run_ranks("train_moco.py", args + ["--resume", "auto", "--out", str(part)], tmp_path)
+    assert_ok(resumed)
+    assert "resumed from" in resumed.stdout and ": step 3, in epoch 1" in resumed.stdout
+    assert_same_state(load_ckpt(part / "checkpoint_last.pt"), load_ckpt(whole / "checkpoint_last.pt"))
+    assert load_ckpt(whole / "checkpoint_last.pt")["step"] == 10  # 20 samples a rank (39, padded), 5 steps an epoch
