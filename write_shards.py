@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddp_utils.config import UsageError
+from ddp_utils.config import OneLineErrorParser, UsageError
 from ddp_utils.data.image_files import FolderListing, UnreadableImage, decode_rgb_bytes
 from ddp_utils.data.sets import check_data_dir, list_image_split
 from ddp_utils.data.shards import (
@@ -46,8 +46,8 @@ PROGRESS_EVERY_S = 5.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=SCRIPT, description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(prog=SCRIPT, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", help="the image folder: SRC/train/CLASS/* and SRC/val/CLASS/*")
     parser.add_argument("dst", help="a new folder for the shards (DST/train/, DST/val/)")
     parser.add_argument("--shard-mb", type=float, default=256.0,

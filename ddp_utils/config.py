@@ -107,7 +107,10 @@ def finite_float(text: str) -> float:
     return value
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, "PROG: error: ... (see --help)", exit 2, with
+    a "did you mean" for a mistyped flag."""
+
     def __init__(self, *args, quiet: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.quiet = quiet  # other ranks of a multi-process launch: exit 2 without a word
@@ -183,7 +186,7 @@ def build_parser(cls: type, doc: str = "", quiet: bool = False) -> argparse.Argu
     first line is the description, the rest (the launch examples) the epilog."""
     description, _, epilog = doc.strip().partition("\n")
     # No abbreviated flags: "--lr-s" silently meaning --lr-schedule hides typos in recipes and scripts.
-    parser = _OneLineErrorParser(description=description, epilog=epilog.strip("\n") or None,
+    parser = OneLineErrorParser(description=description, epilog=epilog.strip("\n") or None,
                                  formatter_class=_HelpFormatter, quiet=quiet, allow_abbrev=False)
     parser.add_argument("--config", metavar="FILE", default=None, help=CONFIG_HELP)
     groups = flag_groups(cls)

@@ -119,7 +119,10 @@ def test_wrong_commands_get_one_line_and_exit_2(jpeg_folder, written, tmp_path, 
                                                             f"no 'train/' folder; ImageFolder expects "
                                                             f"DIR/train/CLASS/*.jpg and DIR/val/CLASS/*.jpg"),
         ([str(jpeg_folder), str(tmp_path / "out"), "--shard-mb", "0"], "write_shards.py: error: --shard-mb must "
-                                                                        "be positive, got 0.0"),
+                                                                        "be positive, got 0.0 (see --help)"),
+        ([str(jpeg_folder), str(tmp_path / "out"), "--shard-mbs", "3"], "write_shards.py: error: unrecognized "
+                                                                         "arguments: --shard-mbs 3; did you mean "
+                                                                         "--shard-mb? (see --help)"),
     ]:
         code = _exit_code(write_shards.main, args)  # in this process: the subprocess tests above and below
         err = capsys.readouterr().err
