@@ -132,7 +132,7 @@ def download_cifar10(data_dir: str) -> None:
 
 
 def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_samples: int = 2048,
-               listing: FolderListing | None = None) -> Dataset:
+               listing: FolderListing | ShardIndex | None = None) -> Dataset:
     """The raw split (no transform): tensors for digits/synthetic, PIL images otherwise (RGB;
     ImageFolder's files as :class:`ImageFiles` reads them, its shards as :class:`ShardFiles` does,
     from ``listing`` when the job listed or read the split already, else here). CIFAR-10 must already be on disk (see
@@ -150,11 +150,15 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_sa
         except RuntimeError as err:  # torchvision's md5 check: a missing, truncated or foreign file
             raise UsageError(f"--data-dir {data_dir}: cifar-10-batches-py/ is incomplete or damaged ({err}); "
                              f"delete it and run once with --download") from None
-    if dataset == "imagefolder":
-        return ImageFiles(listing or list_image_split(data_dir, train))
-    if dataset == "shards":
-        return ShardFiles(listing or read_shard_split(data_dir, train))
+    if dataset in IMAGE_FILES:
+        listing = listing or list_image_files(dataset, data_dir, train)
+        return ImageFiles(listing) if dataset == "imagefolder" else ShardFiles(listing)
     raise ValueError(f"unknown dataset {dataset!r}")
+
+
+def list_image_files(dataset: str, data_dir: str, train: bool) -> FolderListing | ShardIndex:
+    """The split's list of image files: an image folder's listing, or its shards' index."""
+    return list_image_split(data_dir, train) if dataset == "imagefolder" else read_shard_split(data_dir, train)
 
 
 def list_image_split(data_dir: str, train: bool) -> FolderListing:

@@ -12,7 +12,7 @@ from ..config import UsageError, dataset_values, flag_name
 from ..data.image_files import FolderListing
 from ..data.pipeline import default_workers, usable_cpus
 from ..data.recipes import augment_on_device
-from ..data.sets import IMAGE_FILES, check_data_dir, download_cifar10, list_image_split, read_shard_split
+from ..data.sets import IMAGE_FILES, check_data_dir, download_cifar10, list_image_files
 from ..data.shards import ShardIndex
 from ..runtime.collectives import all_gather_object, all_ranks_agree, broadcast_object
 from ..runtime.dist import DistInfo, gpu_identity, restart_count, shared_gpu_problem
@@ -100,8 +100,7 @@ def list_image_files_once(cfg: TrainConfig, info: DistInfo) -> Listings | None:
     listings = None
     with all_ranks_agree():
         if info.is_main:
-            read = list_image_split if cfg.dataset == "imagefolder" else read_shard_split
-            listings = (read(cfg.data_dir, True), read(cfg.data_dir, False))
+            listings = tuple(list_image_files(cfg.dataset, cfg.data_dir, train) for train in (True, False))
     return broadcast_object(listings)
 
 
