@@ -72,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if importlib.util.find_spec("webdataset") is None:
             raise UsageError("the webdataset package is missing; install it: pip install -r requirements-shards.txt")
-        problem = check_data_dir("imagefolder", args.src, download=False)
+        problem = check_data_dir("imagefolder", args.src, download=False, named="SRC")
         if problem:
-            raise UsageError(problem.replace("--data-dir ", "SRC "))
+            raise UsageError(problem)
         if dst.exists():
             raise UsageError(f"DST {dst} exists; choose a new folder (nothing there is changed)")
         listings = {split: list_image_split(args.src, split == "train") for split in ("train", "val")}

@@ -100,21 +100,22 @@ class SyntheticImages(Dataset):
 
 
 # ----------------------------------------------------------------------------- loading
-def check_data_dir(dataset: str, data_dir: str, download: bool) -> str | None:
-    """A one-line description of what is wrong with the data location, or None if it is usable."""
+def check_data_dir(dataset: str, data_dir: str, download: bool, named: str = "--data-dir") -> str | None:
+    """A one-line description of what is wrong with the data location (``named``: how the
+    command that asks calls it), or None if it is usable."""
     root = Path(data_dir)
     if dataset == "imagefolder":
         for split in ("train", "val"):
             if not (root / split).is_dir():
-                return (f"--data-dir {data_dir}: no '{split}/' folder; ImageFolder expects "
+                return (f"{named} {data_dir}: no '{split}/' folder; ImageFolder expects "
                         f"DIR/train/CLASS/*.jpg and DIR/val/CLASS/*.jpg")
     if dataset == "shards":
         for split in ("train", "val"):
             if not (root / split / SHARD_INDEX).is_file():
-                return (f"--data-dir {data_dir}: no '{split}/{SHARD_INDEX}'; write the shards first: "
+                return (f"{named} {data_dir}: no '{split}/{SHARD_INDEX}'; write the shards first: "
                         f"python write_shards.py IMAGEFOLDER {data_dir}")
     if dataset == "cifar10" and not download and not (root / "cifar-10-batches-py").is_dir():
-        return (f"--data-dir {data_dir}: CIFAR-10 not found (no cifar-10-batches-py/); "
+        return (f"{named} {data_dir}: CIFAR-10 not found (no cifar-10-batches-py/); "
                 f"add --download or point --data-dir at an existing copy")
     return None
 
