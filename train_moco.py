@@ -236,7 +236,7 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
                              ranks_on_node=info.local_world_size)
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         if info.is_main:
-            for remark in queue_remarks(cfg, len(loaders.train_sampler.dataset)):
+            for remark in queue_remarks(cfg, len(loaders.train_set)):
                 log.warning("%s", remark)
         moco = build_moco(cfg, info, loaders.num_classes)
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later

@@ -5,7 +5,8 @@ index for reading any sample by its number (the layout: ``ddp_utils/data/shards.
     python write_shards.py SRC DST --shard-mb 256 --threads 16 --skip-unreadable
 
 Every file is read once, decoded to check it (as a run decodes it) and written with its
-original bytes, its class index, its class folder's name and its index in the folder's listing.
+original bytes, its class index, its class folder's name and its index in the folder's listing,
+in an order drawn from --seed, so that each shard holds a mix of the classes.
 A file that cannot be decoded is listed with its reason and nothing is left at DST (exit 2),
 unless --skip-unreadable leaves such files out (they are listed, and kept in index.json).
 DST appears only when both splits are written: the shards are written into DST.partial-PID
@@ -25,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ddp_utils.config import OneLineErrorParser, UsageError
 from ddp_utils.data.image_files import FolderListing, UnreadableImage, decode_rgb_bytes
@@ -54,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="MB: a shard is closed once it holds this much (default 256)")
     parser.add_argument("--threads", type=int, default=0,
                         help="threads that read and decode the files (0: every CPU this process may use)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the files go into the shards in an order drawn from this seed, so that each shard "
+                             "mixes the classes (the index keeps the folder's order; default 0)")
     parser.add_argument("--skip-unreadable", action="store_true",
                         help="leave out files that cannot be decoded (listed) instead of stopping with exit 2")
     args = parser.parse_args(argv)
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         left_out = []
         for split, listing in listings.items():
             left_out += write_split(listing, partial / split, int(args.shard_mb * 1e6), threads,
-                                    args.skip_unreadable, split)
+                                    args.skip_unreadable, split, args.seed)
         if left_out and not args.skip_unreadable:
             total = sum(len(listing.targets) for listing in listings.values())
             listed = "".join(f"\n  {err}" for err in left_out)
@@ -106,27 +111,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_split(listing: FolderListing, out: Path, shard_bytes: int, threads: int, skip_unreadable: bool,
-                split: str) -> list[UnreadableImage]:
-    """``listing``'s files as shards in ``out`` with its index and records; the files that cannot
-    be decoded (left out with ``skip_unreadable``; else the writing stops at the first and the
-    rest are only checked)."""
+                split: str, seed: int = 0) -> list[UnreadableImage]:
+    """``listing``'s files as shards in ``out``, in an order drawn from ``seed`` (each shard a mix
+    of the classes), with its index and records (in the folder's order); the files that cannot be
+    decoded (left out with ``skip_unreadable``; else the writing stops at the first and the rest
+    are only checked)."""
     out.mkdir(parents=True)
     samples = listing.samples()
     relative = listing.paths.split("\0") if listing.paths else []
-    writer, rows, bad = _ShardWriter(out, shard_bytes), [], []
+    writer, kept, bad = _ShardWriter(out, shard_bytes), [], []
     progress = _Progress(split, len(samples))
-    for i, (data, error) in _checked_bytes(samples, threads):
+    drawn = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    for done, (i, (data, error)) in enumerate(_checked_bytes(samples, drawn, threads), 1):
         if error is not None:
             bad.append(error)
         elif skip_unreadable or not bad:
-            rows.append((i, writer.add(i, data, relative[i], listing.classes[samples[i][1]], samples[i][1])))
-        progress.update(i + 1)
+            writer.add(i, data, relative[i], listing.classes[samples[i][1]], samples[i][1])
+            kept.append(i)
+        progress.update(done)
     writer.close()
+    bad.sort(key=lambda err: err.path)
     if bad and not skip_unreadable:
         return bad
     records = writer.records()
-    order = [records[sample_key(i)] for i, _ in rows]
-    kept = [i for i, _ in rows]
+    kept.sort()  # the records in the folder's order: sample i is the folder's i-th kept file
+    order = [records[sample_key(i)] for i in kept]
     np.savez(out / RECORDS, shard=np.array([r.shard for r in order], dtype=np.int32),
              offset=np.array([r.offset for r in order], dtype=np.int64),
              size=np.array([r.size for r in order], dtype=np.int64),
@@ -134,14 +143,16 @@ def write_split(listing: FolderListing, out: Path, shard_bytes: int, threads: in
              paths=np.frombuffer("\0".join(relative[i] for i in kept).encode(), dtype=np.uint8))
     (out / INDEX).write_text(json.dumps({
         "format": FORMAT, "version": VERSION, "split": split, "classes": list(listing.classes), "samples": len(kept),
+        "written_in_order_drawn_from_seed": seed,
         "shards": writer.shards, "left_out": [str(err) for err in bad]}, indent=1) + "\n")
     progress.done(len(writer.shards), sum(s["bytes"] for s in writer.shards))
     return bad
 
 
-def _checked_bytes(samples: list[tuple[str, int]], threads: int):
-    """(i, (bytes, None)) or (i, (None, UnreadableImage)) for each file, in order; read and
-    decoded on ``threads`` threads (the decoders release the GIL), a bounded number ahead."""
+def _checked_bytes(samples: list[tuple[str, int]], order: list[int], threads: int):
+    """(i, (bytes, None)) or (i, (None, UnreadableImage)) for each file ``samples[i]``, ``i`` in
+    ``order``; read and decoded on ``threads`` threads (the decoders release the GIL), a bounded
+    number ahead."""
     def check(path: str):
         try:
             with open(path, "rb") as f:
@@ -155,8 +166,8 @@ def _checked_bytes(samples: list[tuple[str, int]], threads: int):
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         ahead: deque = deque()
-        for i, (path, _) in enumerate(samples):
-            ahead.append((i, pool.submit(check, path)))
+        for i in order:
+            ahead.append((i, pool.submit(check, samples[i][0])))
             if len(ahead) >= 4 * threads:
                 j, future = ahead.popleft()
                 yield j, future.result()

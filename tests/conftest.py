@@ -6,11 +6,17 @@ checkpoint into a new folder, resumes it once and compares the end with the refe
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from helpers import CLASSIFIER_REF, MOCO_REF, SYMMETRIC_REF, Reference, assert_ok, run_ranks
 from slurm_cluster import missing_tools, start_cluster, stop_cluster
+
+from ddp_utils.runtime.spawn import free_port
 
 
 def _reference(tmp_path_factory, script: str, args: list[str]) -> Reference:
@@ -59,6 +65,65 @@ def jpeg_folder(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("jpeg") / "imagenet_like"
     write_imagenet_like(root, classes=3, train_per_class=12, val_per_class=4)
     return root
+
+
+@pytest.fixture(scope="session")
+def written(jpeg_folder, tmp_path_factory) -> Path:
+    """``jpeg_folder`` as ``write_shards.py`` writes it, in shards of 0.5 MB (several per split).
+    Read it, never write into it."""
+    import write_shards
+
+    dst = tmp_path_factory.mktemp("shards") / "out"
+    assert write_shards.main([str(jpeg_folder), str(dst), "--shard-mb", "0.5"]) == 0
+    return dst
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> dict[str, str]:
+    """An S3-compatible server on localhost (moto's server mode, installed by
+    requirements-dev.txt), for the session: the AWS_* variables that reach it, with credentials
+    of its own (which no run may write down or log)."""
+    server = Path(sys.executable).with_name("moto_server")
+    if not server.exists():
+        pytest.fail(f"{server} is missing; pip install -r requirements-dev.txt installs moto[server]")
+    port = free_port()
+    proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "key-id-never-logged",
+           "AWS_SECRET_ACCESS_KEY": "secret-never-logged", "AWS_DEFAULT_REGION": "us-east-1"}
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("moto_server did not start within 30 s")
+            time.sleep(0.1)
+    old = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # for the tests' own clients and the runs in this process
+    yield env
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def bucket(s3_server, written) -> str:
+    """``written`` copied into a bucket of ``s3_server`` as it is: its ``s3://`` address."""
+    import boto3
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="ddp-test")
+    for path in written.rglob("*"):
+        if path.is_file():
+            client.upload_file(str(path), "ddp-test", f"imagenet-like/{path.relative_to(written)}")
+    return "s3://ddp-test/imagenet-like"
 
 
 @pytest.fixture(scope="session")

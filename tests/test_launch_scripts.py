@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CLASSIFIER_REF, REPO, assert_same_state, cli_env, load_ckpt, read_scalars
+from helpers import (
+    CLASSIFIER_REF,
+    REPO,
+    assert_ok,
+    assert_same_state,
+    cli_env,
+    load_ckpt,
+    read_scalars,
+    run_ranks,
+)
 from slurm_cluster import descendants
 
 from ddp_utils.runtime.spawn import free_port
@@ -197,30 +206,43 @@ def test_two_node_moco_job_with_srun(slurm, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_a_preempted_two_node_job_requeues_and_ends_as_if_never_stopped(slurm, two_node_moco, tmp_path):
-    """USR1 mid-run: every rank stops after the same step, rank 0 checkpoints, the job requeues
-    itself, both nodes resume at that step, and the run ends bit for bit as the uninterrupted job;
-    every step is in TensorBoard once."""
+def test_a_preempted_job_reading_from_a_bucket_requeues_empties_its_cache_and_ends_as_if_never_stopped(
+        slurm, bucket, s3_server, tmp_path):
+    """MoCo on 2 nodes from shards in an S3 server, USR1 mid-run: every rank stops after the same
+    step, rank 0 checkpoints, the job requeues itself, the requeued attempt empties each rank's
+    shard cache before it starts, both nodes resume at that step, and the run ends bit for bit as
+    the same run never stopped (on 2 ranks outside SLURM); every step is in TensorBoard once."""
+    args = ["--device", "cpu", "--dataset", "shards", "--data-dir", bucket, "--image-size", "32", "--batch-size",
+            "4", "--workers", "1", "--moco-k", "32", "--knn-every", "0", "--epochs", "10", "--log-every", "1"]
+    whole = tmp_path / "whole"
+    assert_ok(run_ranks("train_moco.py", args + ["--out", str(whole), "--shard-cache-dir", str(whole / "cache")],
+                        tmp_path, env=s3_server))
     out, log = tmp_path / "run", tmp_path / "job.log"
-    job = submit(slurm, "slurm_moco.sbatch", TWO_NODES, MOCO_JOB + ["--out", str(out)], log, wait=False,
+    job = submit(slurm, "slurm_moco.sbatch", TWO_NODES,
+                 args + ["--out", str(out), "--shard-cache-dir", str(tmp_path / "cache")], log, wait=False,
                  NPROC_PER_NODE="1")
-    job_id = job.stdout.readline().strip()  # --parsable: the job id, printed at submission
+    job_id = job.stdout.readline().strip()
     assert job_id.isdigit(), job.stderr.read() if job.poll() is not None else job_id
-    _wait_for(log, r"step (1[0-9])/120", timeout=180)  # mid-run
+    _wait_for(log, r"step (1[0-9])/40", timeout=180)
+    (cache,) = (tmp_path / "cache").iterdir()  # the job's: a folder per rank in it
+    left_behind = [cache / f"rank{rank}" / "shard-000000.tar.part-1" for rank in range(2)]  # as by a kill mid-download
+    for path in left_behind:
+        path.write_bytes(b"partial")
     signal = slurm.run("scancel", "--signal=USR1", job_id)
     assert signal.returncode == 0, signal.stderr
     job.wait(timeout=400)
     text = log.read_text()
     assert job.returncode == 0, job.stderr.read() + text
     stopped = int(_wait_for_text(text, r"preempted \(SIGUSR1\): checkpoint written at step (\d+)").group(1))
-    assert 10 <= stopped < 120
     assert f"requeueing job {job_id}" in text and re.search(r"\(restart 1\) on 2 node\(s\)", text)
     resumed = int(_wait_for_text(text, r"resumed from .*: step (\d+)").group(1))
-    assert resumed == stopped  # from the preemption checkpoint, not from zero
+    assert resumed == stopped and 10 <= stopped < 40  # from the preemption checkpoint, not from zero
     assert "encoders, queue and pointer identical on all 2 ranks" in text
     assert not (out / "PREEMPTED").exists()
-    assert_same_moco(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(two_node_moco[0] / "checkpoint_last.pt"))
-    assert [s for s, _ in read_scalars(out / "tb")["train/loss"]] == list(range(1, 121))
+    assert [s for s, _ in read_scalars(out / "tb")["train/loss"]] == list(range(1, 41))
+    assert_same_moco(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(whole / "checkpoint_last.pt"), steps=40)
+    assert not any(path.exists() for path in left_behind)  # the requeued attempt started with empty caches
+    assert all((cache / f"rank{rank}" / "downloads.txt").exists() for rank in range(2))
 
 
 @pytest.mark.slow
@@ -257,8 +279,8 @@ def test_a_lost_node_stops_the_survivor_and_the_requeued_job_ends_as_if_never_st
     assert [s for s, _ in read_scalars(out / "tb")["train/loss"]] == list(range(1, 121))  # the lost steps once
 
 
-def assert_same_moco(a: dict, b: dict) -> None:
-    assert a["step"] == b["step"] == 120
+def assert_same_moco(a: dict, b: dict, steps: int = 120) -> None:
+    assert a["step"] == b["step"] == steps
     assert a["model"].keys() == b["model"].keys()
     for name, tensor in a["model"].items():  # both encoders, the queue and its pointer
         assert torch.equal(tensor, b["model"][name]), name

@@ -16,6 +16,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import REPO, assert_ok, assert_same_state, cli_env, load_ckpt, run_ranks
 from test_image_files import copy_of, damage
 
@@ -25,19 +26,12 @@ from ddp_utils.data import shards as shards_module
 from ddp_utils.data.image_files import FolderListing, ShardFiles, UnreadableImage
 from ddp_utils.data.shards import INDEX, ShardIndex, ShardReader
 
-SHARD_MB = "0.5"  # the test folder's 39 training images (ImageNet sizes) make several shards
+SHARD_MB = "0.5"  # as conftest's ``written`` shards: the test folder's 39 training images make several
 
 
 def write_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "write_shards.py"), *args], cwd=REPO, env=cli_env(),
                           capture_output=True, text=True, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def written(jpeg_folder, tmp_path_factory) -> Path:
-    dst = tmp_path_factory.mktemp("shards") / "out"
-    assert write_shards.main([str(jpeg_folder), str(dst), "--shard-mb", SHARD_MB]) == 0
-    return dst
 
 
 @pytest.mark.parametrize("split", ["train", "val"])
@@ -52,11 +46,20 @@ def test_every_file_is_kept_with_its_bytes_class_name_and_index(jpeg_folder, wri
         assert bytes(reader.read(i).numpy()) == Path(path).read_bytes(), path
         assert int(index.label[i]) == target and int(index.index[i]) == i
         assert index.path(i) == os.path.relpath(path, jpeg_folder / split)
-    with tarfile.open(written / split / index.shards[0]["name"]) as tar:  # the layout, by a plain tar reader
-        names = tar.getnames()
-        meta = json.loads(tar.extractfile("000000000.json").read())
-    assert sorted(names[:3]) == ["000000000.cls", "000000000.jpeg", "000000000.json"]
-    assert meta == {"path": index.path(0), "class": listing.classes[samples[0][1]], "index": 0}
+    written_order = []
+    for number, shard in enumerate(index.shards):  # the layout, by a plain tar reader
+        with tarfile.open(written / split / shard["name"]) as tar:
+            names = tar.getnames()
+            key = names[0].split(".")[0]
+            meta = json.loads(tar.extractfile(f"{key}.json").read())
+            assert sorted(names[:3]) == [f"{key}.cls", f"{key}.{Path(meta['path']).suffix.lower()[1:]}", f"{key}.json"]
+            i = int(key)
+            assert meta == {"path": index.path(i), "class": listing.classes[samples[i][1]], "index": i}
+            assert int(tar.extractfile(f"{key}.cls").read()) == samples[i][1] and int(index.shard[i]) == number
+            written_order += [int(name.split(".")[0]) for name in names[::3]]
+    # written in an order drawn from --seed (0): each shard mixes the classes
+    assert written_order == torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
+    assert split == "val" or len({int(index.label[i]) for i in written_order[:12]}) == 3
 
 
 def test_webdatasets_own_pipeline_reads_the_shards(jpeg_folder, written):

@@ -6,7 +6,8 @@
 2. ``pipeline``: ``build_data(plan) -> Loaders``, the one way from a run's data plan to its
    batches. It loads the raw splits, chooses the path (below), and makes the training batches,
    validation and MoCo's kNN bank with one function, on each rank's share: the samplers
-   (resumable training order, sharded evaluation), per-sample seeding, the DataLoader (written
+   (resumable training order, sharded evaluation; for a bucket, ``shard_order``'s order in which
+   each rank reads whole shards), per-sample seeding, the DataLoader (written
    once), and the in-memory path's batches on the device (``DeviceBatches``).
 3. ``sets``: the raw splits (digits, CIFAR-10, synthetic noise, ImageFolder), the ``--debug``
    and kNN-bank subsets, in-memory splits as tensors.
@@ -15,7 +16,8 @@
    decoding on the CPU; and a file that cannot be decoded (its placeholder, the registry of such
    files, the loader wrapper that records them, ``--check-data``'s check). ``ShardFiles`` reads
    the same files from an image folder's shards (``shards``: the layout ``write_shards.py``
-   writes, its index, any sample by number).
+   writes, its index, any sample by number), on a file system or in an S3 bucket
+   (``object_store``: the requests, each rank's bounded cache of whole shards).
 5. Then, on one of three paths:
 
    * in-memory data augmented on the device: ``pipeline.DeviceBatches`` gathers each batch from

@@ -18,6 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from io import BytesIO
+from typing import Sequence
 
 from PIL import Image
 from torch.utils.data import Dataset
@@ -96,9 +97,9 @@ def loader_memory(train: Dataset, *, batch_size: int, workers: int, views: int, 
                         workers=workers, kept=aug_on_device and not decode_on_device)
 
 
-def _sampled(files) -> range:
-    """An even sample of the files' indices (at most SIZE_SAMPLE)."""
-    return range(0, len(files), max(1, len(files) // SIZE_SAMPLE))[:SIZE_SAMPLE]
+def _sampled(files) -> Sequence[int]:
+    """A sample of at most SIZE_SAMPLE of the files' indices (``ImageFiles.size_sample``)."""
+    return files.size_sample(SIZE_SAMPLE)
 
 
 def mean_image_pixels(files) -> float:

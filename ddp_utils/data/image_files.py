@@ -26,7 +26,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from io import BytesIO
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from torch.utils.data import Dataset, Subset
 
 from ..config import UsageError
 from ..runtime.collectives import all_gather_object
+from .object_store import ShardCache, is_object_store
 from .shards import ShardIndex, ShardReader
 
 PLACEHOLDER_SIDE = 8  # px: the placeholder's side (any transform resizes it)
@@ -100,6 +101,14 @@ class ImageFiles(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def size_sample(self, count: int) -> Sequence[int]:
+        """At most ``count`` indices spread evenly over the files, whose sizes stand for all."""
+        return range(0, len(self), max(1, len(self) // count))[:count]
+
+    def first_samples(self, count: int) -> Sequence[int]:
+        """``count`` samples to show (TensorBoard's augmentation preview): the first ones."""
+        return range(min(count, len(self)))
+
     def name(self, index: int) -> str:
         """What names sample ``index`` to a user: its file's path."""
         return self.samples[index][0]
@@ -138,11 +147,22 @@ class ShardFiles(ImageFiles):
     the shards by their number (``shards.ShardReader``), in the folder's order: everything else
     as :class:`ImageFiles`. A sample is named by its original path and its shard."""
 
-    def __init__(self, index: ShardIndex):
-        self.root, self.classes, self.index, self.reader = index.root, list(index.classes), index, ShardReader(index)
+    def __init__(self, index: ShardIndex, cache: ShardCache | None = None):
+        self.root, self.classes, self.index = index.root, list(index.classes), index
+        self.reader = ShardReader(index, cache)  # cache: where shards from an object store are kept
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def first_samples(self, count: int) -> Sequence[int]:
+        """From an object store, ``count`` samples of the first shard (which mixes the classes):
+        one download, not one per sample."""
+        if is_object_store(self.root):
+            return np.flatnonzero(self.index.shard == 0)[:count].tolist()
+        return super().first_samples(count)
+
+    def size_sample(self, count: int) -> Sequence[int]:
+        return self.first_samples(count) if is_object_store(self.root) else super().size_sample(count)
 
     def name(self, index: int) -> str:
         shard = self.index.shards[int(self.index.shard[index])]["name"]

@@ -15,7 +15,8 @@ bank alike, the evaluation ones with ``recipes.eval_recipe``), on one of three p
   (``transforms.view_transform``).
 
 Randomness: data order comes from ``DistributedSampler`` (seed + epoch, identical on every rank,
-then sharded); augmentation is a function of (seed, epoch, sample index), so a resumed or
+then sharded), or, for shards in an object store, from ``shard_order`` (each rank reads whole
+shards); augmentation is a function of (seed, epoch, sample index), so a resumed or
 re-sharded run applies exactly the crops and flips of an uninterrupted one.
 """
 from __future__ import annotations
@@ -23,11 +24,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sized, TypeAlias
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence, Sized, TypeAlias
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, default_collate
 
 from .. import hashing
 from ..config import UsageError
@@ -41,8 +43,10 @@ from .image_files import (
     read_as,
     record_unreadable,
 )
+from .object_store import DEFAULT_CACHE_GB, ShardCache
 from .recipes import AugmentRecipe, eval_recipe
 from .sets import bank_subset, in_memory_tensors, load_raw_splits, num_classes_of
+from .shard_order import ShardAwareSampler, shard_aware
 
 if TYPE_CHECKING:
     from .files_on_device import FinishOnDevice
@@ -70,6 +74,8 @@ class DataPlan:
     aug_on_device: bool
     decode_on_device: bool = False
     bank_samples: int | None = None  # MoCo's kNN bank: this many training samples (0: all); None: no bank
+    shard_cache: str = ""            # shards from an object store: the job's local cache (a folder per rank below)
+    shard_cache_gb: float = DEFAULT_CACHE_GB  # GB, the most each rank's cache holds
     # An image folder's train and val listings, made once for the job (train.preflight); None: listed here
     listings: tuple[FolderListing, FolderListing] | None = field(default=None, repr=False, compare=False)
 
@@ -82,7 +88,7 @@ class Loaders:
     train: Batches
     val: Batches
     bank: Batches | None  # MoCo's kNN bank
-    train_sampler: ResumableDistributedSampler
+    train_sampler: ResumableDistributedSampler | ShardAwareSampler
     train_set: Dataset    # the raw training split
     num_classes: int
     unreadable: UnreadableFiles = field(default_factory=UnreadableFiles)  # files this rank could not decode
@@ -113,10 +119,15 @@ class Loaders:
             batch = recorder.record(batch)
         return _as_list(batch[0])
 
-    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+    def set_epoch(self, epoch: int, skip_batches: int = 0, earlier: Sequence[Sequence[int]] = ()) -> None:
         """Reshuffle for ``epoch`` (augmentation follows: the epoch travels with each index);
-        skip the batches a checkpoint consumed."""
-        self.train_sampler.set_epoch(epoch, skip=skip_batches * self.train.batch_size)
+        skip the batches a checkpoint consumed. ``earlier``: the epoch's segments at other world
+        sizes, (world size, batch size, batches), which only the shard-aware order has
+        (``shard_order``)."""
+        if isinstance(self.train_sampler, ShardAwareSampler):
+            self.train_sampler.set_epoch(epoch, skip=skip_batches * self.train.batch_size, earlier=earlier)
+        else:
+            self.train_sampler.set_epoch(epoch, skip=skip_batches * self.train.batch_size)
 
 
 def _as_list(views) -> list[torch.Tensor]:
@@ -140,7 +151,8 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
     """Every rank's batches for ``plan``: training (sharded, shuffled, drop_last; resumable),
     evaluation (sharded, each sample once) and, with ``plan.bank_samples`` set, the kNN bank.
     Bad input when ``/dev/shm`` cannot hold the workers' batches of ``ranks_on_node`` ranks."""
-    train_raw, val_raw = raw_splits(plan)
+    cache = shard_cache_of(plan, rank)
+    train_raw, val_raw = raw_splits(plan, cache)
     check_shared_memory(plan_memory(plan, train_raw), ranks_on_node)
     unreadable = UnreadableFiles()
     held = _held_on_device(plan, train_raw, val_raw, device)
@@ -151,14 +163,15 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
     def batches(raw: Dataset, sampler: Iterable, kind: _Kind) -> Batches:  # image files: undecodable ones recorded
         return record_unreadable(_batches(raw, sampler, kind, plan=plan, device=device, held=held), raw, unreadable)
 
-    sampler = ResumableDistributedSampler(train_raw, world_size, rank, plan.seed)
+    sampler = training_sampler(plan, train_raw, world_size, rank)
     train = batches(train_raw, sampler, _Kind(plan.recipe, plan.views, plan.seed, plan.batch_size, train=True))
     require_a_batch(len(train), len(train_raw), world_size, plan.batch_size)
     evaluation = _Kind(eval_recipe(plan.dataset, plan.normalization), views=1, seed=0, train=False,
                        batch_size=eval_batch_size(plan.batch_size, image_files_of(train_raw) is not None))
 
     def eval_batches(raw: Dataset) -> Batches:  # validation and the kNN bank, on every path
-        return batches(raw, ShardedEvalSampler(raw, world_size, rank), evaluation)
+        by_shard = shards_of(raw) if cache is not None else None  # from an object store: few shards a rank
+        return batches(raw, ShardedEvalSampler(raw, world_size, rank, by_shard), evaluation)
 
     bank = None
     if plan.bank_samples is not None:
@@ -166,10 +179,35 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
     return Loaders(plan, train, eval_batches(val_raw), bank, sampler, train_raw, num_classes_of(train_raw), unreadable)
 
 
-def raw_splits(plan: DataPlan) -> tuple[Dataset, Dataset]:
-    """The plan's train and val splits as stored, before any transform (``--check`` reads them too)."""
+def raw_splits(plan: DataPlan, shard_cache: ShardCache | None = None) -> tuple[Dataset, Dataset]:
+    """The plan's train and val splits as stored, before any transform (``--check`` reads them
+    too); shards from an object store kept in ``shard_cache``."""
     return load_raw_splits(plan.dataset, plan.data_dir, plan.image_size, plan.synthetic_samples, plan.debug,
-                           plan.listings)
+                           plan.listings, shard_cache)
+
+
+def training_sampler(plan: DataPlan, train_raw: Dataset, world_size: int, rank: int
+                     ) -> ResumableDistributedSampler | ShardAwareSampler:
+    """Rank ``rank``'s order of the training split: the shard-aware one for shards in an object
+    store (each rank reads whole shards), else one permutation of the samples shared out."""
+    if shard_aware(plan.dataset, plan.data_dir):
+        return ShardAwareSampler(shards_of(train_raw), world_size, rank, plan.seed)
+    return ResumableDistributedSampler(train_raw, world_size, rank, plan.seed)
+
+
+def shard_cache_of(plan: DataPlan, rank: int) -> ShardCache | None:
+    """Rank ``rank``'s cache of shards from an object store, emptied of what an earlier attempt
+    of the job left there; None for data on a file system."""
+    if not shard_aware(plan.dataset, plan.data_dir):
+        return None
+    return ShardCache(os.path.join(plan.shard_cache, f"rank{rank}"), int(plan.shard_cache_gb * 1e9)).start_empty()
+
+
+def shards_of(raw: Dataset) -> np.ndarray:
+    """Each sample's shard number, for ``raw`` (``ShardFiles`` or a Subset of it)."""
+    files = image_files_of(raw)
+    shard_of = files.index.shard  # type: ignore[union-attr]
+    return shard_of[np.asarray(raw.indices)] if isinstance(raw, Subset) else shard_of
 
 
 def _held_on_device(plan: DataPlan, train_raw: Dataset, val_raw: Dataset, device: torch.device) -> dict:
@@ -295,11 +333,17 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 class ShardedEvalSampler(Sampler[int]):
-    """Rank r takes samples r, r+W, r+2W, ...: every sample exactly once, no padding duplicates
-    (``DistributedSampler`` pads, which would count some validation samples twice)."""
+    """Rank r takes samples r, r+W, r+2W, ... (with ``shard_of``, each sample's shard: the r-th
+    of W consecutive runs of the samples ordered by shard, so that it reads few shards): every
+    sample exactly once, no padding duplicates (``DistributedSampler`` pads, which would count
+    some validation samples twice)."""
 
-    def __init__(self, data: Sized, num_replicas: int, rank: int):
-        self.indices = range(rank, len(data), num_replicas)
+    def __init__(self, data: Sized, num_replicas: int, rank: int, shard_of: np.ndarray | None = None):
+        if shard_of is None:
+            self.indices = range(rank, len(data), num_replicas)
+        else:
+            by_shard = np.argsort(shard_of, kind="stable")
+            self.indices = by_shard[len(data) * rank // num_replicas:len(data) * (rank + 1) // num_replicas].tolist()
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .image_files import ImageFiles
 from .pipeline import Loaders
 from .recipes import eval_recipe
 from .sets import in_memory_tensors
@@ -16,12 +17,13 @@ PADDING, HEADER = 2, 14  # px
 
 @torch.no_grad()
 def augmentation_grid(loaders: Loaders, count: int = 8) -> torch.Tensor:
-    """3 x H x W in [0, 1]: a header naming the columns, then one row per sample (indices
-    0..count-1, epoch 0): the image, then its view(s) (``Loaders.training_views``); tiles of at
+    """3 x H x W in [0, 1]: a header naming the columns, then one row per sample (the first
+    ``count``, ``ImageFiles.first_samples``; epoch 0): the image, then its view(s) (``Loaders.training_views``); tiles of at
     least MIN_TILE px."""
     plan = loaders.plan
     dataset, size, normalization = plan.dataset, plan.image_size, plan.normalization
-    index = list(range(min(count, len(loaders.train_set))))  # type: ignore[arg-type]
+    train = loaders.train_set
+    index = list(train.first_samples(count) if isinstance(train, ImageFiles) else range(min(count, len(train))))
     views = loaders.training_views(index)
     originals = _originals(loaders.train_set, index, size)
     rows = [torch.stack([originals[i], *(_unnormalize(v[i].float().cpu(), dataset, normalization) for v in views)])

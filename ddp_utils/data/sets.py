@@ -19,6 +19,7 @@ from torch.utils.data import Dataset, Subset
 from .. import hashing
 from ..config import UsageError
 from .image_files import FolderListing, ImageFiles, ShardFiles, underlying
+from .object_store import ShardCache, check_address, is_object_store
 from .shards import INDEX as SHARD_INDEX
 from .shards import ShardIndex
 
@@ -102,7 +103,13 @@ class SyntheticImages(Dataset):
 # ----------------------------------------------------------------------------- loading
 def check_data_dir(dataset: str, data_dir: str, download: bool, named: str = "--data-dir") -> str | None:
     """A one-line description of what is wrong with the data location (``named``: how the
-    command that asks calls it), or None if it is usable."""
+    command that asks calls it), or None if it is usable. An object store's address is checked
+    as written; its contents are checked when the job reads its index (``train.preflight``)."""
+    if is_object_store(data_dir):
+        if dataset != "shards":
+            return (f"{named} {data_dir}: an object store holds shards only; write them with write_shards.py, "
+                    f"copy them there and add --dataset shards")
+        return check_address(data_dir, named)
     root = Path(data_dir)
     if dataset == "imagefolder":
         for split in ("train", "val"):
@@ -133,10 +140,11 @@ def download_cifar10(data_dir: str) -> None:
 
 
 def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_samples: int = 2048,
-               listing: FolderListing | ShardIndex | None = None) -> Dataset:
+               listing: FolderListing | ShardIndex | None = None, shard_cache: ShardCache | None = None) -> Dataset:
     """The raw split (no transform): tensors for digits/synthetic, PIL images otherwise (RGB;
     ImageFolder's files as :class:`ImageFiles` reads them, its shards as :class:`ShardFiles` does,
-    from ``listing`` when the job listed or read the split already, else here). CIFAR-10 must already be on disk (see
+    from ``listing`` when the job listed or read the split already, else here; shards from an
+    object store kept in ``shard_cache``). CIFAR-10 must already be on disk (see
     :func:`download_cifar10`)."""
     if dataset == "digits":
         return DigitsDataset(train, size)
@@ -153,7 +161,7 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_sa
                              f"delete it and run once with --download") from None
     if dataset in IMAGE_FILES:
         listing = listing or list_image_files(dataset, data_dir, train)
-        return ImageFiles(listing) if dataset == "imagefolder" else ShardFiles(listing)
+        return ImageFiles(listing) if dataset == "imagefolder" else ShardFiles(listing, shard_cache)
     raise ValueError(f"unknown dataset {dataset!r}")
 
 
@@ -176,17 +184,18 @@ def list_image_split(data_dir: str, train: bool) -> FolderListing:
 def read_shard_split(data_dir: str, train: bool) -> ShardIndex:
     """``DIR/train`` or ``DIR/val`` as ``write_shards.py`` wrote it, its shards checked (bad input
     for a missing or truncated shard, or an index of another format)."""
-    return ShardIndex.read(os.path.join(data_dir, "train" if train else "val"))
+    return ShardIndex.read(f"{data_dir.rstrip('/')}/{'train' if train else 'val'}")
 
 
 def load_raw_splits(dataset: str, data_dir: str, image_size: int, synthetic_samples: int = 2048,
-                    debug: bool = False, listings: tuple | None = None) -> tuple[Dataset, Dataset]:
+                    debug: bool = False, listings: tuple | None = None, shard_cache: ShardCache | None = None
+                    ) -> tuple[Dataset, Dataset]:
     """Train and val splits without transforms (CIFAR-10 must be on disk already; image files
     from ``listings``, train's and val's, when the job listed or read them already:
     ``FolderListing`` or ``ShardIndex``); the same class folders in both, else bad input."""
     train_listing, val_listing = listings or (None, None)
-    train = load_split(dataset, data_dir, True, image_size, synthetic_samples, train_listing)
-    val = load_split(dataset, data_dir, False, image_size, synthetic_samples, val_listing)
+    train = load_split(dataset, data_dir, True, image_size, synthetic_samples, train_listing, shard_cache)
+    val = load_split(dataset, data_dir, False, image_size, synthetic_samples, val_listing, shard_cache)
     if num_classes_of(train) != num_classes_of(val):
         raise UsageError(f"--data-dir {data_dir}: train/ has {num_classes_of(train)} classes but val/ "
                          f"has {num_classes_of(val)}; both need the same class folders")

@@ -19,10 +19,14 @@ Layout of ``DST/train/`` (and ``DST/val/``), as ``write_shards.py`` writes it:
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
+import io
 import json
 import os
+import shutil
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ..config import UsageError
+from .object_store import DEFAULT_CACHE_GB, ShardCache, StorePrefix, is_object_store
 
 FORMAT, VERSION = "ddp-image-shards", 1
 INDEX, RECORDS = "index.json", "records.npz"
@@ -73,6 +78,21 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+class LocalSplit:
+    """A split's folder, read as :class:`object_store.StorePrefix` reads a bucket's prefix."""
+
+    def __init__(self, root: str):
+        self.root = Path(root)
+
+    def read(self, name: str) -> bytes | None:
+        path = self.root / name
+        return path.read_bytes() if path.is_file() else None
+
+    def sizes(self) -> dict[str, int]:
+        return {entry.name: entry.stat().st_size for entry in self.root.iterdir() if entry.is_file()} \
+            if self.root.is_dir() else {}
+
+
 @dataclass(frozen=True)
 class ShardIndex:
     """One split's ``index.json`` and ``records.npz``, checked against the shards on disk."""
@@ -89,29 +109,34 @@ class ShardIndex:
 
     @classmethod
     def read(cls, root: str) -> ShardIndex:
-        """The split at ``root``; bad input (one line) when its index is missing or foreign, or a
-        shard is missing or of another size than the index says (truncated, replaced)."""
-        index_file = Path(root) / INDEX
-        if not index_file.is_file():
+        """The split at ``root`` (a folder, or ``s3://BUCKET/PREFIX/train``); bad input (one
+        line) when its index is missing or foreign, or a shard is missing or of another size than
+        the index says (truncated, replaced)."""
+        split = StorePrefix(root) if is_object_store(root) else LocalSplit(root)
+        raw_meta = split.read(INDEX)
+        if raw_meta is None:
             raise UsageError(f"{root}: no {INDEX}; write the shards with: python write_shards.py SRC DST")
-        meta = json.loads(index_file.read_text())
+        meta = json.loads(raw_meta)
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise UsageError(f"{index_file}: not a {FORMAT} v{VERSION} index; write the shards again with "
+            raise UsageError(f"{root}/{INDEX}: not a {FORMAT} v{VERSION} index; write the shards again with "
                              f"this version's write_shards.py")
+        sizes = split.sizes()
         for shard in meta["shards"]:
-            path = Path(root) / shard["name"]
-            size = path.stat().st_size if path.is_file() else None
+            size = sizes.get(shard["name"])
             if size != shard["bytes"]:
                 found = "missing" if size is None else f"{size:,} bytes, the index says {shard['bytes']:,}"
-                raise UsageError(f"{path}: {found}; copy the shard again, or write the shards again")
-        with np.load(Path(root) / RECORDS) as arrays:
+                raise UsageError(f"{root}/{shard['name']}: {found}; copy the shard again, or write the shards again")
+        raw_records = split.read(RECORDS)
+        if raw_records is None:
+            raise UsageError(f"{root}: no {RECORDS}; copy it from the shards' folder, or write the shards again")
+        with np.load(io.BytesIO(raw_records)) as arrays:
             fields = {name: arrays[name] for name in ("shard", "offset", "size", "label", "index")}
             paths = arrays["paths"].tobytes().decode()
         if len(fields["shard"]) != meta["samples"]:
             raise UsageError(f"{root}/{RECORDS}: {len(fields['shard'])} records, {INDEX} says {meta['samples']}; "
                              f"write the shards again")
-        return cls(root=str(root), classes=tuple(meta["classes"]), shards=tuple(meta["shards"]), paths=paths,
-                   **fields)
+        return cls(root=str(root).rstrip("/"), classes=tuple(meta["classes"]), shards=tuple(meta["shards"]),
+                   paths=paths, **fields)
 
     def __len__(self) -> int:
         return len(self.shard)
@@ -123,32 +148,51 @@ class ShardIndex:
 
 
 class ShardReader:
-    """Sample ``i``'s bytes from the shards of ``index``, each shard opened once per process
-    (a forked worker opens its own) and read with ``pread``, which shares no file position."""
+    """Sample ``i``'s bytes from the shards of ``index``, read with ``pread`` (which shares no
+    file position) from a shard opened once per process (a forked worker opens its own). Shards
+    in an object store are read from ``cache`` (:class:`object_store.ShardCache`; a temporary
+    one if None), at most ``OPEN_FROM_CACHE`` of them open at once so that the cache's evictions
+    free their space."""
 
-    def __init__(self, index: ShardIndex):
-        self.index, self._open, self._pid = index, {}, os.getpid()
+    OPEN_FROM_CACHE = 4
+
+    def __init__(self, index: ShardIndex, cache: ShardCache | None = None):
+        self.index, self.cache, self._open, self._pid = index, cache, {}, os.getpid()
+        if is_object_store(index.root) and cache is None:  # --check-data, say: a cache of its own, gone at exit
+            folder = tempfile.mkdtemp(prefix="ddp-shards-")
+            atexit.register(shutil.rmtree, folder, True)
+            self.cache = ShardCache(folder, int(DEFAULT_CACHE_GB * 1e9))
 
     def __getstate__(self):
-        return {"index": self.index}  # a worker started by spawn opens its own
+        return {"index": self.index, "cache": self.cache}  # a worker started by spawn opens its own
 
     def __setstate__(self, state):
-        self.__init__(state["index"])
+        self.__init__(state["index"], state["cache"])
 
     def read(self, i: int) -> Tensor:
         """The original file's bytes of sample ``i``, as a 1-D uint8 tensor."""
         if os.getpid() != self._pid:  # forked: the parent's descriptors are shared, not ours to keep
             self._open, self._pid = {}, os.getpid()
         shard = int(self.index.shard[i])
-        fd = self._open.get(shard)
+        fd = self._open.pop(shard, None)
         if fd is None:
-            fd = self._open[shard] = os.open(os.path.join(self.index.root, self.index.shards[shard]["name"]),
-                                              os.O_RDONLY)
+            fd = self._open_shard(shard)
+            if self.cache is not None and len(self._open) >= self.OPEN_FROM_CACHE:
+                os.close(self._open.pop(next(iter(self._open))))  # the least recently read
+        self._open[shard] = fd  # last in the dict: the most recently read
         size, offset = int(self.index.size[i]), int(self.index.offset[i])
         data = torch.empty(size, dtype=torch.uint8)
         if os.preadv(fd, [data.numpy()], offset) != size:  # read straight into the tensor
             raise OSError(f"{self.index.shards[shard]['name']} ends inside sample {i}")
+        if self.cache is not None:
+            os.utime(fd)  # read now: the cache evicts it last
         return data
+
+    def _open_shard(self, shard: int) -> int:
+        entry = self.index.shards[shard]
+        if self.cache is None:
+            return os.open(os.path.join(self.index.root, entry["name"]), os.O_RDONLY)
+        return self.cache.open(f"{self.index.root}/{entry['name']}", entry["bytes"])
 
     @property
     def open_shards(self) -> int:

@@ -14,14 +14,15 @@ from torch.utils.data import Dataset
 
 from ..config import UsageError
 from ..data.host_memory import check_shared_memory, describe_memory
-from ..data.image_files import decode_every_file
-from ..data.pipeline import ResumableDistributedSampler, plan_memory, raw_splits, require_a_batch, usable_cpus
+from ..data.image_files import decode_every_file, image_files_of
+from ..data.pipeline import plan_memory, raw_splits, require_a_batch, training_sampler, usable_cpus
 from ..data.recipes import AugmentRecipe
 from ..data.sets import check_data_dir
+from ..data.shard_order import shard_aware
 from ..runtime.dist import LaunchEnv, detect_launch, device_type, restart_count
 from ..runtime.stopping import EXIT_OK, EXIT_USAGE
 from .accumulation import steps_per_epoch
-from .preflight import checks_before_start, describe_settings, resolved_settings
+from .preflight import check_cache_room, checks_before_start, describe_settings, resolved_settings
 from .resume import check_resume_fits
 from .run import describe_position
 from .train_config import RESUME_IF_RESTARTED, TrainConfig
@@ -61,7 +62,9 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         plan = cfg.data_plan(resolved, AugmentRecipe())  # the augmentation plays no part in the checks
         train, val = raw_splits(plan)
         facts, extra = script_check(train)
-        samples_per_rank = ResumableDistributedSampler(train, world_size, 0, cfg.seed).num_samples
+        samples_per_rank = training_sampler(plan, train, world_size, 0).num_samples
+        if shard_aware(cfg.dataset, cfg.data_dir):
+            check_cache_room(cfg.shard_cache_gb, (image_files_of(train).index, image_files_of(val).index))
         batches = require_a_batch(samples_per_rank // cfg.batch_size, len(train), world_size, cfg.batch_size)
         steps = steps_per_epoch(batches, cfg.accum_steps)
         lines.append(f"data: {cfg.dataset}, {len(train):,} training and {len(val):,} validation images; {settings}")

@@ -13,6 +13,7 @@ from ..data.image_files import FolderListing
 from ..data.pipeline import default_workers, usable_cpus
 from ..data.recipes import augment_on_device
 from ..data.sets import IMAGE_FILES, check_data_dir, download_cifar10, list_image_files
+from ..data.shard_order import cache_bytes_needed, shard_aware
 from ..data.shards import ShardIndex
 from ..runtime.collectives import all_gather_object, all_ranks_agree, broadcast_object
 from ..runtime.dist import DistInfo, gpu_identity, restart_count, shared_gpu_problem
@@ -101,7 +102,20 @@ def list_image_files_once(cfg: TrainConfig, info: DistInfo) -> Listings | None:
     with all_ranks_agree():
         if info.is_main:
             listings = tuple(list_image_files(cfg.dataset, cfg.data_dir, train) for train in (True, False))
+            if shard_aware(cfg.dataset, cfg.data_dir):
+                check_cache_room(cfg.shard_cache_gb, listings)
     return broadcast_object(listings)
+
+
+def check_cache_room(cache_gb: float, indexes: tuple[ShardIndex, ...]) -> None:
+    """Bad input when a rank's cache of shards from an object store cannot hold what its workers
+    read at once (``shard_order.cache_bytes_needed``)."""
+    largest = max(shard["bytes"] for index in indexes for shard in index.shards)
+    needed = cache_bytes_needed(largest)
+    if cache_gb * 1e9 < needed:
+        raise UsageError(f"--shard-cache-gb {cache_gb:g}: a rank's cache must hold {needed // largest} of the largest "
+                         f"shard ({largest / 1e6:,.1f} MB), {needed / 1e9:.2f} GB; raise it, or write smaller shards "
+                         f"(write_shards.py --shard-mb)")
 
 
 def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, device: torch.device) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..config import UsageError, config_dict, fields_on_resume, flag_name
+from ..data.shard_order import shard_aware
 from ..runtime.dist import DistInfo, get_rank, get_world_size, unwrap
 from ..runtime.stopping import EXIT_OK, RunStopped
 from .checkpoint import (
@@ -146,12 +147,28 @@ def state_to_start_from(resume: Resume | None, cfg: TrainConfig, script: str, fa
                          f"written with another --arch or --image-size?") from None
     if ckpt["grad_scaler"]:  # empty when the checkpoint's run did not use fp16
         scaler.load_state_dict(ckpt["grad_scaler"])
-    state = RunState(ckpt["epoch"], ckpt["step"], ckpt["batches_done"], ckpt["nonfinite_skipped"])
+    state = RunState(ckpt["epoch"], ckpt["step"], ckpt["batches_done"], ckpt["nonfinite_skipped"],
+                     ckpt.get("order_segments", []))
     if not is_complete(cfg, state):  # a complete run trains nothing: its RNG streams do not matter
         restore_rng_states(ckpt["rng"], info.device)
     old_world, old_batch = ckpt["world_size"], ckpt["config"]["batch_size"]
     geometry_changed = (old_world, old_batch) != (info.world_size, cfg.batch_size)
-    if state.batches_done and (geometry_changed or state.batches_done % cfg.accum_steps):
+    saved_cfg = ckpt["config"]
+    order_now = shard_aware(cfg.dataset, cfg.data_dir)
+    if state.batches_done and shard_aware(saved_cfg["dataset"], saved_cfg["data_dir"]) != order_now:
+        raise UsageError(f"--resume {path}: saved part way through an epoch read from "
+                         f"{'an object store' if not order_now else 'a file system'}, whose order this run's "
+                         f"--data-dir {cfg.data_dir} does not follow; resume from the same kind of location, or from "
+                         f"a checkpoint at an epoch's end")
+    if state.batches_done and geometry_changed and order_now:
+        # The epoch's next segment: what the saved run left of it, shared out among these ranks
+        state.order_segments.append([old_world, old_batch, state.batches_done])
+        state.batches_done = 0
+        if info.is_main:
+            log.warning("resuming with world size %d x batch %d (was %d x %d): the samples of epoch %d that the saved "
+                        "run did not reach are shared out among these ranks, each once (docs/data.md)",
+                        info.world_size, cfg.batch_size, old_world, old_batch, state.epoch + 1)
+    elif state.batches_done and (geometry_changed or state.batches_done % cfg.accum_steps):
         # The same sample position in this run's micro-batches, rounded down to a whole window
         # (a few samples are seen again rather than skipped).
         batches = state.batches_done * old_world * old_batch // (info.world_size * cfg.batch_size)

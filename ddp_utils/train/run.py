@@ -33,6 +33,12 @@ class RunState:
     step: int = 0               # optimizer steps taken, applied or skipped: the one step counter
     batches_done: int = 0       # micro-batches of `epoch` this rank consumed (a multiple of accum_steps)
     nonfinite_skipped: int = 0  # optimizer steps skipped for a non-finite loss (--skip-nonfinite)
+    # The shard-aware order (object stores) only: `epoch`'s earlier segments at other world sizes
+    # or batch sizes, each [world size, batch size, batches per rank] (data.shard_order)
+    order_segments: list[list[int]] = field(default_factory=list)
+
+    def next_epoch(self) -> None:
+        self.epoch, self.batches_done, self.order_segments = self.epoch + 1, 0, []
 
     @property
     def epoch_number(self) -> int:
@@ -83,9 +89,10 @@ class TrainingBatches:
     def this_epoch(self) -> Iterator[tuple[MicroStep, Any]]:
         """The rest of this epoch's batches, each with its place in its accumulation window."""
         state = self.state
+        self.loaders.set_epoch(state.epoch, skip_batches=state.batches_done, earlier=state.order_segments)
         if state.batches_done >= self.loaders.batches_per_epoch:  # resumed with fewer batches per epoch
-            state.epoch, state.batches_done = state.epoch + 1, 0
-        self.loaders.set_epoch(state.epoch, skip_batches=state.batches_done)
+            state.next_epoch()
+            self.loaders.set_epoch(state.epoch)
         self.epoch_started = (time.perf_counter(), state.batches_done, self.data_wait.seconds)
         self._batches = self.data_wait.call(lambda: iter(self.loaders.train))  # may start the workers
         for micro in plan_windows(len(self.loaders.train), self.accum_steps):
@@ -160,7 +167,7 @@ class TrainRun:
             self.said_input_bound = True
             log.warning("input-bound: the training loop waited for its batches %.0f%% of epoch %d (rank 0); %s",
                         100 * waited, state.epoch_number, advice)
-        state.epoch, state.batches_done = state.epoch + 1, 0
+        state.next_epoch()
 
     def finished(self) -> bool:
         """All epochs done, --max-steps reached, or stopped by a preemption signal."""

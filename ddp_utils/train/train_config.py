@@ -3,7 +3,10 @@ and the command line that fills them in."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence, TypeVar
@@ -20,6 +23,7 @@ from ..config import (
     parse_config,
     recorded_run,
 )
+from ..data.object_store import DEFAULT_CACHE_GB, is_object_store
 from ..data.pipeline import DataPlan
 from ..data.recipes import AUG_ON, AugmentRecipe, augment_on_device
 from ..data.sets import DATASETS, IMAGE_FILES, NATIVE_SIZE, NORMALIZATIONS
@@ -40,7 +44,8 @@ C = TypeVar("C", bound="TrainConfig")
 RESUME_IF_RESTARTED = "if-restarted"
 DATA_FLAG_USERS = {"data_dir": "cifar10, imagefolder and shards", "download": "cifar10",
                    "synthetic_samples": "synthetic", "check_data": "imagefolder and shards",
-                   "decode_on": "imagefolder and shards"}
+                   "decode_on": "imagefolder and shards", "shard_cache_dir": "shards in an object store (s3://)",
+                   "shard_cache_gb": "shards in an object store (s3://)"}
 
 # --help's sections, each named once; a field names its own (opt(group=...))
 DATA, MODEL, SPEED, RUN_FOLDER, DISTRIBUTED = ("data", "model and optimisation", "precision and speed",
@@ -57,10 +62,17 @@ class TrainConfig:
 
     # data
     dataset: str = opt("digits", "data set: digits (ships with scikit-learn, no download), cifar10, "
-                       "imagefolder (DIR/train, DIR/val class folders) or synthetic (random tensors)",
+                       "imagefolder (DIR/train, DIR/val class folders), shards (an image folder as write_shards.py "
+                       "wrote it) or synthetic (random tensors)",
                        choices=DATASETS, group=DATA)
-    data_dir: str = opt("./data", "where cifar10 is (or is downloaded to) / the ImageFolder root",
+    data_dir: str = opt("./data", "where cifar10 is (or is downloaded to) / the ImageFolder root / the shards' "
+                        "folder, or their s3://BUCKET/PREFIX (endpoint and credentials from the AWS_* variables)",
                         group=DATA, on_resume="free")
+    shard_cache_dir: str = opt("", "shards in an object store: the folder that holds each rank's local cache "
+                               "of them, emptied at start; '' = the system's temporary folder (TMPDIR)",
+                               group=DATA, on_resume="free")
+    shard_cache_gb: float = opt(DEFAULT_CACHE_GB, "shards in an object store: GB of local disk each rank's cache may fill "
+                                "(the shards read least recently go first)", group=DATA, on_resume="free", above=0)
     download: bool = opt(False, "download cifar10 into --data-dir if it is not there (once per node, by its local rank 0)",
                          group=DATA, on_resume="free")
     image_size: int = opt(0, "input side in pixels; 0 = the data set's own (32, or 224 for imagefolder)",
@@ -203,7 +215,9 @@ class TrainConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         unused = {"data_dir": self.dataset in ("digits", "synthetic"), "download": self.dataset != "cifar10",
                   "synthetic_samples": self.dataset != "synthetic", "check_data": self.dataset not in IMAGE_FILES,
-                  "decode_on": self.dataset not in IMAGE_FILES}
+                  "decode_on": self.dataset not in IMAGE_FILES,
+                  "shard_cache_dir": not is_object_store(self.data_dir),
+                  "shard_cache_gb": not is_object_store(self.data_dir)}
         for name, ignored in unused.items():
             if ignored and getattr(self, name) != defaults[name]:
                 raise UsageError(f"{flag_name(name)} does nothing with --dataset {self.dataset}; drop it (it "
@@ -236,7 +250,13 @@ class TrainConfig:
                         batch_size=self.batch_size, workers=resolved["workers"], normalization=self.normalization,
                         recipe=recipe, views=self.VIEWS, aug_on_device=resolved["aug_on"] == "device",
                         decode_on_device=resolved["decode_on"] == "device", bank_samples=bank_samples,
-                        listings=listings)
+                        listings=listings, shard_cache=self.shard_cache_folder(), shard_cache_gb=self.shard_cache_gb)
+
+    def shard_cache_folder(self) -> str:
+        """This job's folder of shard caches: one per run folder, so that a restarted or requeued
+        attempt empties what the one before it left."""
+        run = hashlib.sha256(os.path.abspath(self.out).encode()).hexdigest()[:12]
+        return os.path.join(self.shard_cache_dir or tempfile.gettempdir(), f"ddp-shards-{run}")
 
 
 def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[Any]]:
