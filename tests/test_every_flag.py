@@ -37,6 +37,8 @@ SHARED = {
     "normalization": (["--normalization", "cifar10-demo"], "refused"),
     "aug_on": (["--aug-on", "loader"], "weights"),
     "decode_on": (["--decode-on", "device"], "refused"),  # digits; on image files: tests/test_jpeg_path.py
+    "shard_cache_dir": (["--shard-cache-dir", "/tmp"], "refused"),  # digits; from a bucket: tests/test_object_store.py
+    "shard_cache_gb": (["--shard-cache-gb", "1"], "refused"),  # digits; from a bucket: tests/test_object_store.py
     "workers": (["--workers", "1"], "log", ["--aug-on", "loader"]),  # the same batches, by design
     "arch": (["--arch", "small_cnn"], "weights"),
     "batch_size": (["--batch-size", "16"], "weights"),

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, assert_ok, assert_same_state, cli_env, load_ckpt, run_ranks
-from test_image_files import copy_of, damage
+from helpers import REPO, assert_ok, assert_same_state, cli_env, in_process, load_ckpt, run_ranks
+from test_image_files import FOLDER_RUN, copy_of, damage, file_met_at_batch
 
+import train_classifier
 import write_shards
 from ddp_utils.config import UsageError
 from ddp_utils.data import shards as shards_module
@@ -239,3 +240,55 @@ def test_a_run_on_the_shards_resumed_mid_epoch_ends_as_the_uninterrupted_one(wri
     assert "resumed from" in resumed.stdout and ": step 3, in epoch 1" in resumed.stdout
     assert_same_state(load_ckpt(part / "checkpoint_last.pt"), load_ckpt(whole / "checkpoint_last.pt"))
     assert load_ckpt(whole / "checkpoint_last.pt")["step"] == 10  # 20 samples a rank (39, padded), 5 steps an epoch
+
+
+def test_a_damaged_record_mid_epoch_stops_after_a_checkpoint_and_the_fixed_run_ends_as_if_never_met(
+        jpeg_folder, written, tmp_path, capsys):
+    """As a damaged file in a folder (tests/test_image_files.py): the record is named once by its
+    path and shard, step 6 is not taken, exit 2 after step 5's checkpoint; a resume refuses while
+    the record still fails, and once the shard is whole again the run ends as on intact shards."""
+    shards = Path(shutil.copytree(written, tmp_path / "shards"))
+    met = file_met_at_batch(jpeg_folder, batch=5, batch_size=4)  # the same order on the folder's shards
+    index = ShardIndex.read(str(shards / "train"))
+    i = index.paths.split("\0").index(os.path.relpath(met, jpeg_folder / "train"))
+    shard = shards / "train" / index.shards[int(index.shard[i])]["name"]
+    original = shard.read_bytes()
+    with open(shard, "r+b") as f:  # the record's bytes zeroed: the shard keeps its size and passes the pre-flight
+        f.seek(int(index.offset[i]))
+        f.write(bytes(int(index.size[i])))
+    name = f"{index.path(i)} in {shard}"
+    args = ["--dataset", "shards", *FOLDER_RUN[2:], "--batch-size", "4", "--epochs", "2"]
+    out = tmp_path / "run"
+    proc = in_process(train_classifier.main, args + ["--data-dir", str(shards), "--out", str(out)], capsys)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and said.count(name) == 1 and "Traceback" not in said, said
+    assert re.search(rf"ERROR step 6 \(not taken\): cannot decode {re.escape(name)} \(.*\); fix or remove it", said)
+    stopped = load_ckpt(out / "checkpoint_last.pt")
+    assert (stopped["step"], stopped["epoch"], stopped["batches_done"]) == (5, 0, 5)
+    proc = in_process(train_classifier.main, args + ["--data-dir", str(shards), "--out", str(out), "--resume", "auto"],
+                      capsys)
+    assert proc.returncode == 2 and f"cannot decode {name}" in proc.stderr and "stopped there" in proc.stderr
+    shard.write_bytes(original)  # copied again
+    assert_ok(in_process(train_classifier.main, args + ["--data-dir", str(shards), "--out", str(out), "--resume",
+                                                         "auto"], capsys))
+    assert not (out / "UNREADABLE").exists()
+    reference = tmp_path / "reference"
+    assert_ok(in_process(train_classifier.main, args + ["--data-dir", str(written), "--out", str(reference)], capsys))
+    assert_same_state(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(reference / "checkpoint_last.pt"))
+
+
+def test_check_data_checks_each_shards_sha256_then_decodes_every_record(written, tmp_path, capsys):
+    shards = Path(shutil.copytree(written, tmp_path / "shards"))
+    args = ["--dataset", "shards", *FOLDER_RUN[2:], "--batch-size", "4", "--check-data", "--out", str(tmp_path / "run")]
+    proc = in_process(train_classifier.main, args + ["--data-dir", str(shards)], capsys)
+    assert proc.returncode == 0 and re.search(r"  data check: all 51 image files decode", proc.stdout)
+    index = ShardIndex.read(str(shards / "val"))
+    shard = shards / "val" / index.shards[1]["name"]
+    with open(shard, "r+b") as f:  # one byte of an image changed: the size still matches the index
+        f.seek(int(index.offset[int((index.shard == 1).argmax())]) + 100)
+        f.write(b"\x00")
+    proc = in_process(train_classifier.main, args + ["--data-dir", str(shards)], capsys)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "train_classifier.py: error: --check-data: 1 shard(s) differ from the ones the index was written with:",
+        f"  {shard}: its bytes are not those the index was written with (sha256); copy the shard again"]
+    assert not (tmp_path / "run").exists()

@@ -40,6 +40,7 @@ from .object_store import ShardCache, is_object_store
 from .shards import ShardIndex, ShardReader
 
 PLACEHOLDER_SIDE = 8  # px: the placeholder's side (any transform resizes it)
+IN_SHARD = " in "  # a shard record's name: "PATH in SHARD" (ShardFiles.name)
 READS = ("pil", "decoded", "encoded")
 
 
@@ -166,7 +167,28 @@ class ShardFiles(ImageFiles):
 
     def name(self, index: int) -> str:
         shard = self.index.shards[int(self.index.shard[index])]["name"]
-        return f"{self.index.path(index)} in {os.path.join(self.root, shard)}"
+        return f"{self.index.path(index)}{IN_SHARD}{self.root}/{shard}"
+
+    @staticmethod
+    def decode_record_again(name: str, indexes: dict[str, ShardIndex]) -> UnreadableImage | None:
+        """Decode once more the record a run named ``name`` ("PATH in SHARD"); None when it
+        decodes now or is gone (its shards written again without it). ``indexes``: the splits'
+        indexes read so far, by folder (each is read once)."""
+        path, shard = name.rsplit(IN_SHARD, 1)
+        root = shard.rsplit("/", 1)[0]
+        if root not in indexes:
+            indexes[root] = ShardIndex.read(root)
+        paths = indexes[root].paths.split("\0")
+        if path not in paths:
+            return None
+        files = ShardFiles(indexes[root])
+        try:
+            files.decode_pil(paths.index(path))
+        except UnreadableImage as err:
+            return err
+        except OSError as err:
+            return UnreadableImage(name, str(err))
+        return None
 
     def target(self, index: int) -> int:
         return int(self.index.label[index])
@@ -304,6 +326,21 @@ def decode_rgb_bytes(data: bytes, name: str) -> Image.Image:
 
 
 # ----------------------------------------------------------------------------- files that cannot be decoded
+def decode_again(name: str, indexes: dict[str, ShardIndex]) -> UnreadableImage | None:
+    """Decode once more the image file or shard record that a run named ``name``
+    (``ImageFiles.name``); None when it decodes now or is gone. ``indexes``: as
+    :meth:`ShardFiles.decode_record_again` takes it."""
+    if not os.path.exists(name) and IN_SHARD in name:
+        return ShardFiles.decode_record_again(name, indexes)
+    if not os.path.exists(name):
+        return None
+    try:
+        decode_rgb(name)
+    except UnreadableImage as err:
+        return err
+    return None
+
+
 class UnreadableImage(Exception):
     """A file that cannot be decoded; ``str()`` is "PATH (reason)"."""
 

@@ -176,7 +176,7 @@ class ShardReader:
         shard = int(self.index.shard[i])
         fd = self._open.pop(shard, None)
         if fd is None:
-            fd = self._open_shard(shard)
+            fd = self.open_shard(shard)
             if self.cache is not None and len(self._open) >= self.OPEN_FROM_CACHE:
                 os.close(self._open.pop(next(iter(self._open))))  # the least recently read
         self._open[shard] = fd  # last in the dict: the most recently read
@@ -188,7 +188,8 @@ class ShardReader:
             os.utime(fd)  # read now: the cache evicts it last
         return data
 
-    def _open_shard(self, shard: int) -> int:
+    def open_shard(self, shard: int) -> int:
+        """A new read-only descriptor of shard number ``shard`` (from the cache for an object store)."""
         entry = self.index.shards[shard]
         if self.cache is None:
             return os.open(os.path.join(self.index.root, entry["name"]), os.O_RDONLY)
@@ -197,3 +198,21 @@ class ShardReader:
     @property
     def open_shards(self) -> int:
         return len(self._open)
+
+
+def shards_not_matching(index: ShardIndex, cache: ShardCache | None = None) -> list[str]:
+    """The shards whose bytes are not those the index was written with (their sha256 differs),
+    one line each."""
+    reader, found = ShardReader(index, cache), []
+    for number, shard in enumerate(index.shards):
+        fd, digest = reader.open_shard(number), hashlib.sha256()
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+        finally:
+            os.close(fd)
+        if digest.hexdigest() != shard["sha256"]:
+            found.append(f"{index.root}/{shard['name']}: its bytes are not those the index was written with "
+                         f"(sha256); copy the shard again")
+    return found

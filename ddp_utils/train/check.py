@@ -19,6 +19,7 @@ from ..data.pipeline import plan_memory, raw_splits, require_a_batch, training_s
 from ..data.recipes import AugmentRecipe
 from ..data.sets import check_data_dir
 from ..data.shard_order import shard_aware
+from ..data.shards import shards_not_matching
 from ..runtime.dist import LaunchEnv, detect_launch, device_type, restart_count
 from ..runtime.stopping import EXIT_OK, EXIT_USAGE
 from .accumulation import steps_per_epoch
@@ -74,6 +75,11 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
             lines.append(describe_memory(memory, launch.local_world_size))
         if cfg.check_data:
             started, threads = time.perf_counter(), usable_cpus()
+            if cfg.dataset == "shards":  # first the shards' checksums: a damaged copy is one line a shard
+                damaged = [line for split in (train, val) for line in shards_not_matching(image_files_of(split).index)]
+                if damaged:
+                    raise UsageError(f"--check-data: {len(damaged)} shard(s) differ from the ones the index was "
+                                     f"written with:" + "".join(f"\n  {line}" for line in damaged))
             total = decode_every_file(train, val, threads=threads)
             lines.append(f"data check: all {total:,} image files decode ({time.perf_counter() - started:.1f} s on "
                          f"{_count(threads, 'thread')})")

@@ -156,9 +156,9 @@ class TrainConfig:
                       "that would start and exit 0 (or 2, naming the problem); no process group, nothing "
                       "written (launch/ scripts run it before starting the workers)",
                       group=RUN_FOLDER, on_resume="invocation", from_file=False)
-    check_data: bool = opt(False, "--check, and decode every image file of both splits (imagefolder) on every "
-                           "CPU this process may use: each file that cannot be decoded is listed with its "
-                           "reason, exit 2 if there is one",
+    check_data: bool = opt(False, "--check, and decode every image file of both splits (imagefolder, shards) on "
+                           "every CPU this process may use: each file that cannot be decoded is listed with its "
+                           "reason, exit 2 if there is one; shards: each one's sha256 checked against the index first",
                            group=RUN_FOLDER, on_resume="invocation", from_file=False)
     ckpt_every: int = opt(0, "also checkpoint every this many optimizer steps (0 = at epoch ends only)",
                           group=RUN_FOLDER, on_resume="free", at_least=0)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import UsageError
-from ..data.image_files import UnreadableImage, decode_rgb, describe_unreadable, fix_hint
+from ..data.image_files import UnreadableImage, decode_again, describe_unreadable, fix_hint
 from ..runtime.stopping import EXIT_USAGE, RunStopped
 from .step_policy import save_checkpoint
 
@@ -51,20 +51,14 @@ def mark_unreadable(out: str, files: list[UnreadableImage]) -> None:
 
 
 def still_unreadable(out: str) -> list[UnreadableImage]:
-    """The files a run in ``out`` stopped on that still cannot be decoded (each is tried again;
-    a removed file no longer counts)."""
+    """The files (or shard records) a run in ``out`` stopped on that still cannot be decoded
+    (each is tried again; a removed one no longer counts)."""
     marker = Path(out) / UNREADABLE_MARKER
     if not marker.is_file():
         return []
-    unfixed = []
-    for line in marker.read_text().splitlines():
-        path = line.split("\t")[0]
-        if path and Path(path).exists():
-            try:
-                decode_rgb(path)
-            except UnreadableImage as err:
-                unfixed.append(err)
-    return unfixed
+    indexes: dict = {}  # shard indexes read so far
+    found = (decode_again(line.split("\t")[0], indexes) for line in marker.read_text().splitlines() if line)
+    return [err for err in found if err is not None]
 
 
 def refuse_unfixed_files(out: str, resume: Resume | None, restarted: bool) -> None:
