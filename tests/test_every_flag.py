@@ -112,14 +112,14 @@ _TIMES = re.compile(r"^\d\d:\d\d:\d\d |\d+(\.\d+)? s\b|[\d,]+ img/s|eta \S+|sha2
 # What a resume may do with each flag and each flag's --help section, declared with its field
 # (opt(group=..., on_resume=...)): pinned here, so that a change to them is a change of this file.
 FIXED = {"classifier": ("arch", "linear_probe", "probe_bn"), "moco": ("arch", "moco_dim", "moco_k", "mlp")}
-FREE = ("epochs", "max_steps", "data_dir", "download", "aug_on", "decode_on", "workers", "amp", "tf32", "deterministic",
+FREE = ("epochs", "max_steps", "data_dir", "shard_cache_dir", "shard_cache_gb", "download", "aug_on", "decode_on", "workers", "amp", "tf32", "deterministic",
         "compile", "device", "dist_timeout", "ckpt_every", "keep_checkpoints", "skip_nonfinite", "log_every")
 FREE_OF = {"classifier": FREE, "moco": FREE + ("knn_k", "knn_t", "knn_features", "knn_every", "knn_bank_samples",
                                                "export_backbone")}
 INVOCATION = ("out", "resume", "overwrite", "allow_changes", "check", "check_data")
 NOT_FROM_FILE = ("resume", "overwrite", "allow_changes", "check", "check_data")
 SECTIONS = {
-    "data": ["dataset", "data_dir", "download", "image_size", "synthetic_samples", "augment", "normalization",
+    "data": ["dataset", "data_dir", "shard_cache_dir", "shard_cache_gb", "download", "image_size", "synthetic_samples", "augment", "normalization",
              "aug_on", "decode_on", "workers"],
     "model and optimisation": ["arch", "batch_size", "accum_steps", "epochs", "max_steps", "lr", "momentum",
                                "weight_decay", "lr_schedule", "lr_milestones", "warmup_steps", "clip_grad", "seed"],
