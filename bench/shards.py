@@ -171,7 +171,7 @@ def main() -> None:
         print(f"| {name} | {statistics.median(rates[name, False]):,.0f} | {decoded:,.0f} | {decoded / base:.2f}x |")
 
     # 2. one rank's epoch: opens (folder, shards) or downloads (bucket), that rank's own order
-    n, per_rank = len(folder_files), len(folder_files) // args.ranks
+    per_rank = len(folder_files) // args.ranks
     sampler = ResumableDistributedSampler(folder_files, args.ranks, 0, seed=0)
     sampler.set_epoch(0)
     mine = [i for _, i in sampler][:per_rank]
