@@ -91,6 +91,19 @@ def test_any_order_opens_each_shard_once_per_process(written, monkeypatch):
     assert sorted(Path(p).name for p in opened) == [shard["name"] for shard in index.shards]
 
 
+def test_beyond_the_open_file_limit_the_least_recently_read_shard_is_closed(written):
+    index = ShardIndex.read(str(written / "train"))
+    whole, capped = ShardReader(index), ShardReader(index)
+    assert whole.max_open >= len(index.shards)  # the limit raised as far as needed (or 1,024 - 256 anyway)
+    capped.max_open = 2
+    order = list(range(len(index))) * 2
+    random.Random(1).shuffle(order)
+    for i in order:
+        assert bytes(capped.read(i).numpy()) == bytes(whole.read(i).numpy())
+        assert capped.open_shards <= 2
+    assert whole.open_shards == len(index.shards)
+
+
 def test_a_file_that_cannot_be_decoded_stops_the_writer_and_nothing_is_written(jpeg_folder, tmp_path, capsys):
     """In this process (exit 2, nothing written), then the real CLI with --skip-unreadable."""
     data = copy_of(jpeg_folder, tmp_path)

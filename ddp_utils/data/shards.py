@@ -24,6 +24,7 @@ import hashlib
 import io
 import json
 import os
+import resource
 import shutil
 import tarfile
 import tempfile
@@ -147,14 +148,26 @@ class ShardIndex:
         return self.paths.split("\0")[i]
 
 
+def raise_open_file_limit(wanted: int) -> int:
+    """This process's limit of open files, first raised towards ``wanted`` as far as its hard
+    limit allows (the soft limit is often 1,024 where the hard one is far higher)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < wanted and (hard == resource.RLIM_INFINITY or soft < hard):
+        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return soft
+
+
 class ShardReader:
     """Sample ``i``'s bytes from the shards of ``index``, read with ``pread`` (which shares no
-    file position) from a shard opened once per process (a forked worker opens its own). Shards
-    in an object store are read from ``cache`` (:class:`object_store.ShardCache`; a temporary
-    one if None), at most ``OPEN_FROM_CACHE`` of them open at once so that the cache's evictions
-    free their space."""
+    file position) from a shard opened once per process (a forked worker opens its own), as many
+    open at once as the process's limit of open files allows (the least recently read closed
+    first beyond it). Shards in an object store are read from ``cache``
+    (:class:`object_store.ShardCache`; a temporary one if None), at most ``OPEN_FROM_CACHE`` of
+    them open at once so that the cache's evictions free their space."""
 
     OPEN_FROM_CACHE = 4
+    SPARE_DESCRIPTORS = 256  # of the process's limit, left for everything else (a DataLoader's pipes, ...)
 
     def __init__(self, index: ShardIndex, cache: ShardCache | None = None):
         self.index, self.cache, self._open, self._pid = index, cache, {}, os.getpid()
@@ -162,6 +175,11 @@ class ShardReader:
             folder = tempfile.mkdtemp(prefix="ddp-shards-")
             atexit.register(shutil.rmtree, folder, True)
             self.cache = ShardCache(folder, int(DEFAULT_CACHE_GB * 1e9))
+        if self.cache is not None:
+            self.max_open = self.OPEN_FROM_CACHE
+        else:  # every shard open at once where the limit allows (raised to what is needed, up to the hard limit)
+            limit = raise_open_file_limit(len(index.shards) + self.SPARE_DESCRIPTORS)
+            self.max_open = max(self.OPEN_FROM_CACHE, limit - self.SPARE_DESCRIPTORS)
 
     def __getstate__(self):
         return {"index": self.index, "cache": self.cache}  # a worker started by spawn opens its own
@@ -177,7 +195,7 @@ class ShardReader:
         fd = self._open.pop(shard, None)
         if fd is None:
             fd = self.open_shard(shard)
-            if self.cache is not None and len(self._open) >= self.OPEN_FROM_CACHE:
+            if len(self._open) >= self.max_open:
                 os.close(self._open.pop(next(iter(self._open))))  # the least recently read
         self._open[shard] = fd  # last in the dict: the most recently read
         size, offset = int(self.index.size[i]), int(self.index.offset[i])
