@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import boto3
 import numpy as np
 import pytest
 from helpers import REPO, assert_ok, assert_same_state, cli_env, load_ckpt, run_ranks
@@ -21,7 +22,7 @@ from ddp_utils.data.object_store import ShardCache, check_address
 from ddp_utils.data.pipeline import ShardedEvalSampler
 from ddp_utils.data.sets import check_data_dir
 from ddp_utils.data.shard_order import SHUFFLE_SHARDS, ShardAwareSampler, epoch_sequence
-from ddp_utils.data.shards import ShardIndex, ShardReader
+from ddp_utils.data.shards import INDEX, RECORDS, ShardIndex, ShardReader
 from ddp_utils.runtime.spawn import free_port
 from ddp_utils.train.preflight import check_cache_room
 
@@ -136,6 +137,12 @@ def test_the_index_in_the_bucket_is_read_and_checked(bucket, written):
     with pytest.raises(UsageError, match=r"^s3://no-such-bucket/x/index.json: the object store refused or could "
                                          r"not be reached \(NoSuchBucket; endpoint http://127.0.0.1:\d+\); check"):
         ShardIndex.read("s3://no-such-bucket/x")
+    client = boto3.client("s3")  # a copy whose first shard did not arrive
+    for name in (INDEX, RECORDS, *(shard["name"] for shard in here.shards[1:])):
+        client.upload_file(str(written / "train" / name), "ddp-test", f"cut/train/{name}")
+    with pytest.raises(UsageError, match=rf"^s3://ddp-test/cut/train/{here.shards[0]['name']}: missing; copy the "
+                                         rf"shard again"):
+        ShardIndex.read("s3://ddp-test/cut/train")
     largest = max(shard["bytes"] for shard in here.shards)
     with pytest.raises(UsageError, match=rf"^--shard-cache-gb 0.001: a rank's cache must hold 8 of the largest "
                                          rf"shard \({largest / 1e6:,.1f} MB\)"):
@@ -230,3 +237,17 @@ def test_check_reads_the_bucket_and_an_unreachable_store_is_one_line(bucket, s3_
         f"(EndpointConnectionError; endpoint {closed}); check the address, AWS_ENDPOINT_URL and the credentials "
         f"(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"), proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # one more 2-rank run
+def test_the_classifier_trains_and_evaluates_from_the_bucket_on_the_loader_path(bucket, s3_server, tmp_path):
+    """The other script and the other augmentation path: each rank reads its share of the
+    validation shards (ordered by shard), every validation image counted once."""
+    out = tmp_path / "run"
+    proc = run_ranks("train_classifier.py", ["--device", "cpu", "--arch", "small_cnn", "--image-size", "32",
+                                             "--batch-size", "4", "--workers", "1", "--aug-on", "loader", "--epochs",
+                                             "1", "--dataset", "shards", "--data-dir", bucket, "--shard-cache-dir",
+                                             str(tmp_path / "cache"), "--out", str(out)], tmp_path, env=s3_server)
+    assert_ok(proc)
+    assert re.search(r"epoch 1 step 4: val loss [\d.]+, val acc1 [\d.]+%, acc5 [\d.]+% \(12 images\)", proc.stdout)
+    assert load_ckpt(out / "checkpoint_last.pt")["step"] == 4

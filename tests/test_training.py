@@ -50,9 +50,13 @@ def test_small_cnn_learns_digits_on_two_ranks(tmp_path):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_eval_shards_cover_every_sample_exactly_once(world_size):
     data = range(359)
-    shards = [list(ShardedEvalSampler(data, world_size, r)) for r in range(world_size)]
-    flat = [i for shard in shards for i in shard]
-    assert sorted(flat) == list(data)
+    shard_of = torch.randperm(359, generator=torch.Generator().manual_seed(0)).numpy() % 12  # 12 shards, mixed
+    for by_shard in (None, shard_of):  # by shard: each rank reads a run of whole shards
+        shards = [list(ShardedEvalSampler(data, world_size, r, by_shard)) for r in range(world_size)]
+        flat = [i for shard in shards for i in shard]
+        assert sorted(flat) == list(data)
+        if by_shard is not None:
+            assert all(len({shard_of[i] for i in part}) <= 12 // world_size + 1 for part in shards)
 
 
 def test_reference_run_counts_its_place_in_the_epoch(classifier_reference):
