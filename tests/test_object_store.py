@@ -199,11 +199,17 @@ def test_a_run_from_the_bucket_reads_each_of_its_shards_once_and_writes_no_crede
 
 @pytest.mark.slow  # two more 2-rank runs and a 1-rank one
 def test_a_resume_from_the_bucket_is_exact_at_the_same_shape_and_follows_the_rule_at_another(whole_run, bucket,
-                                                                                          s3_server, tmp_path):
+                                                                                          written, s3_server, tmp_path):
     root, _ = whole_run
     args = SMALL + ["--data-dir", bucket, "--epochs", "1", "--shard-cache-dir", str(tmp_path / "cache")]
     part = tmp_path / "part"
     assert_ok(run_ranks("train_moco.py", args + ["--max-steps", "3", "--out", str(part)], tmp_path, env=s3_server))
+    local = [arg if arg != bucket else str(written) for arg in args[:-2]]  # the same shards on a file system
+    proc = run_ranks("train_moco.py", local + ["--resume", str(part / "checkpoint_last.pt"), "--out",
+                                               str(tmp_path / "local")], tmp_path)
+    assert proc.codes == [2, 2] and proc.stderr.strip().endswith(
+        "saved part way through an epoch read from an object store, whose order this run's --data-dir "
+        f"{written} does not follow; resume from the same kind of location, or from a checkpoint at an epoch's end")
     resumed = run_ranks("train_moco.py", args + ["--resume", "auto", "--out", str(part)], tmp_path, env=s3_server)
     assert_ok(resumed)
     assert ": step 3, in epoch 1" in resumed.stdout
