@@ -213,7 +213,7 @@ def test_a_preempted_job_reading_from_a_bucket_requeues_empties_its_cache_and_en
     shard cache before it starts, both nodes resume at that step, and the run ends bit for bit as
     the same run never stopped (on 2 ranks outside SLURM); every step is in TensorBoard once."""
     args = ["--device", "cpu", "--dataset", "shards", "--data-dir", bucket, "--image-size", "32", "--batch-size",
-            "4", "--workers", "1", "--moco-k", "32", "--knn-every", "0", "--epochs", "10", "--log-every", "1"]
+            "4", "--workers", "1", "--moco-k", "32", "--knn-every", "0", "--epochs", "20", "--log-every", "1"]
     whole = tmp_path / "whole"
     assert_ok(run_ranks("train_moco.py", args + ["--out", str(whole), "--shard-cache-dir", str(whole / "cache")],
                         tmp_path, env=s3_server))
@@ -223,7 +223,7 @@ def test_a_preempted_job_reading_from_a_bucket_requeues_empties_its_cache_and_en
                  NPROC_PER_NODE="1")
     job_id = job.stdout.readline().strip()
     assert job_id.isdigit(), job.stderr.read() if job.poll() is not None else job_id
-    _wait_for(log, r"step (1[0-9])/40", timeout=180)
+    _wait_for(log, r"step (1[0-9])/80", timeout=180)
     (cache,) = (tmp_path / "cache").iterdir()  # the job's: a folder per rank in it
     left_behind = [cache / f"rank{rank}" / "shard-000000.tar.part-1" for rank in range(2)]  # as by a kill mid-download
     for path in left_behind:
@@ -236,11 +236,11 @@ def test_a_preempted_job_reading_from_a_bucket_requeues_empties_its_cache_and_en
     stopped = int(_wait_for_text(text, r"preempted \(SIGUSR1\): checkpoint written at step (\d+)").group(1))
     assert f"requeueing job {job_id}" in text and re.search(r"\(restart 1\) on 2 node\(s\)", text)
     resumed = int(_wait_for_text(text, r"resumed from .*: step (\d+)").group(1))
-    assert resumed == stopped and 10 <= stopped < 40  # from the preemption checkpoint, not from zero
+    assert resumed == stopped and 10 <= stopped < 80  # from the preemption checkpoint, not from zero
     assert "encoders, queue and pointer identical on all 2 ranks" in text
     assert not (out / "PREEMPTED").exists()
-    assert [s for s, _ in read_scalars(out / "tb")["train/loss"]] == list(range(1, 41))
-    assert_same_moco(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(whole / "checkpoint_last.pt"), steps=40)
+    assert [s for s, _ in read_scalars(out / "tb")["train/loss"]] == list(range(1, 81))
+    assert_same_moco(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(whole / "checkpoint_last.pt"), steps=80)
     assert not any(path.exists() for path in left_behind)  # the requeued attempt started with empty caches
     assert all((cache / f"rank{rank}" / "downloads.txt").exists() for rank in range(2))
 
