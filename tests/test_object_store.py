@@ -25,6 +25,7 @@ from ddp_utils.data.shard_order import SHUFFLE_SHARDS, ShardAwareSampler, epoch_
 from ddp_utils.data.shards import INDEX, RECORDS, ShardIndex, ShardReader
 from ddp_utils.runtime.spawn import free_port
 from ddp_utils.train.preflight import check_cache_room
+from train_classifier import ClassifierConfig
 
 # 11 shards of 7 samples and one of 4: 81 samples
 SHARD_OF = np.concatenate([np.full(7, s) for s in range(11)] + [np.full(4, 11)]).astype(np.int32)
@@ -146,7 +147,7 @@ def test_the_index_in_the_bucket_is_read_and_checked(bucket, written):
     largest = max(shard["bytes"] for shard in here.shards)
     with pytest.raises(UsageError, match=rf"^--shard-cache-gb 0.001: a rank's cache must hold 8 of the largest "
                                          rf"shard \({largest / 1e6:,.1f} MB\)"):
-        check_cache_room(0.001, (here,))
+        check_cache_room(ClassifierConfig(dataset="shards", data_dir=bucket, shard_cache_gb=0.001), (here,))
 
 
 def test_an_address_with_credentials_or_for_other_data_is_one_line():

@@ -179,16 +179,7 @@ class ShardFiles(ImageFiles):
         if root not in indexes:
             indexes[root] = ShardIndex.read(root)
         paths = indexes[root].paths.split("\0")
-        if path not in paths:
-            return None
-        files = ShardFiles(indexes[root])
-        try:
-            files.decode_pil(paths.index(path))
-        except UnreadableImage as err:
-            return err
-        except OSError as err:
-            return UnreadableImage(name, str(err))
-        return None
+        return decode_problem(ShardFiles(indexes[root]), paths.index(path)) if path in paths else None
 
     def target(self, index: int) -> int:
         return int(self.index.label[index])
@@ -330,10 +321,8 @@ def decode_again(name: str, indexes: dict[str, ShardIndex]) -> UnreadableImage |
     """Decode once more the image file or shard record that a run named ``name``
     (``ImageFiles.name``); None when it decodes now or is gone. ``indexes``: as
     :meth:`ShardFiles.decode_record_again` takes it."""
-    if not os.path.exists(name) and IN_SHARD in name:
-        return ShardFiles.decode_record_again(name, indexes)
     if not os.path.exists(name):
-        return None
+        return ShardFiles.decode_record_again(name, indexes) if IN_SHARD in name else None
     try:
         decode_rgb(name)
     except UnreadableImage as err:
@@ -356,15 +345,22 @@ def _reason(err: Exception, empty: bool) -> str:
     return text[0].lower() + text[1:]
 
 
-def why_unreadable(files: ImageFiles, index: int) -> UnreadableImage:
-    """A sample that could not be decoded, with the reason PIL gives when it decodes it once more."""
+def decode_problem(files: ImageFiles, index: int) -> UnreadableImage | None:
+    """Why sample ``index`` cannot be decoded (PIL's reason, or why its bytes could not be read:
+    a shard cut short), or None when it decodes."""
     try:
         files.decode_pil(index)
     except UnreadableImage as err:
         return err
-    except OSError as err:  # the bytes could not be read (a shard cut short)
+    except OSError as err:
         return UnreadableImage(files.name(index), str(err))
-    return UnreadableImage(files.name(index), "could not be decoded where the run decoded it")
+    return None
+
+
+def why_unreadable(files: ImageFiles, index: int) -> UnreadableImage:
+    """A sample that could not be decoded, with the reason PIL gives when it decodes it once more."""
+    return decode_problem(files, index) or UnreadableImage(files.name(index),
+                                                           "could not be decoded where the run decoded it")
 
 
 def unreadable_in(files: ImageFiles, targets: Tensor) -> list[UnreadableImage]:
@@ -441,17 +437,9 @@ def record_unreadable(batches, raw: Dataset, unreadable: UnreadableFiles):
 def check_decodes(files: ImageFiles, threads: int) -> list[UnreadableImage]:
     """Decode every file of ``files`` on ``threads`` threads (PIL's decoder releases the GIL);
     the files that fail, in the data set's order."""
-    def problem(index: int) -> UnreadableImage | None:
-        try:
-            files.decode_pil(index)
-        except UnreadableImage as err:
-            return err
-        except OSError as err:
-            return UnreadableImage(files.name(index), str(err))
-        return None
-
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        return [err for err in pool.map(problem, range(len(files))) if err is not None]
+        found = pool.map(lambda index: decode_problem(files, index), range(len(files)))
+        return [err for err in found if err is not None]
 
 
 def decode_every_file(*splits: Dataset, threads: int) -> int:

@@ -77,17 +77,16 @@ class ShardAwareSampler(Sampler[Key]):
 
     def __init__(self, shard_of: np.ndarray, num_replicas: int, rank: int, seed: int):
         self.shard_of, self.world_size, self.rank, self.seed = shard_of, num_replicas, rank, seed
-        self.epoch, self.skip, self.earlier = 0, 0, ()
-        self.num_samples = len(shard_of) // num_replicas
+        self.set_epoch(0)
 
     def set_epoch(self, epoch: int, skip: int = 0, earlier: Sequence[Sequence[int]] = ()) -> None:
-        self.epoch, self.skip, self.earlier = epoch, skip, tuple(tuple(segment) for segment in earlier)
-        self.num_samples = len(self.remaining()) // self.world_size
+        self.epoch, self.skip = epoch, skip
+        self.remaining = self._left_after(earlier)  # the epoch's samples the earlier segments did not consume
+        self.num_samples = len(self.remaining) // self.world_size
 
-    def remaining(self) -> np.ndarray:
-        """The epoch's samples the earlier segments did not consume, in the epoch's order."""
+    def _left_after(self, earlier: Sequence[Sequence[int]]) -> np.ndarray:
         left = epoch_sequence(self.shard_of, self.seed, self.epoch)
-        for world_size, batch_size, batches in self.earlier:
+        for world_size, batch_size, batches in earlier:
             consumed = np.concatenate([rank_piece(left, self.shard_of, world_size, r, self.seed, self.epoch)
                                        [:batches * batch_size] for r in range(world_size)])
             left = left[~np.isin(left, consumed)]
@@ -95,7 +94,7 @@ class ShardAwareSampler(Sampler[Key]):
 
     def order(self) -> np.ndarray:
         """This rank's samples of the epoch (its segment), before ``skip``."""
-        return rank_piece(self.remaining(), self.shard_of, self.world_size, self.rank, self.seed, self.epoch)
+        return rank_piece(self.remaining, self.shard_of, self.world_size, self.rank, self.seed, self.epoch)
 
     def __iter__(self) -> Iterator[Key]:
         return iter([(self.epoch, int(i)) for i in self.order()[self.skip:]])

@@ -72,10 +72,15 @@ def image_members(tar_path: Path, ext_of: dict[str, str]) -> dict[str, Record]:
 
 
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+        return stream_sha256(f)
+
+
+def stream_sha256(f) -> str:
+    """The sha256 of what is left to read in the binary file ``f``, read a MB at a time."""
+    digest = hashlib.sha256()
+    for block in iter(lambda: f.read(1 << 20), b""):
+        digest.update(block)
     return digest.hexdigest()
 
 
@@ -223,14 +228,9 @@ def shards_not_matching(index: ShardIndex, cache: ShardCache | None = None) -> l
     one line each."""
     reader, found = ShardReader(index, cache), []
     for number, shard in enumerate(index.shards):
-        fd, digest = reader.open_shard(number), hashlib.sha256()
-        try:
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
-        finally:
-            os.close(fd)
-        if digest.hexdigest() != shard["sha256"]:
+        with os.fdopen(reader.open_shard(number), "rb") as f:
+            digest = stream_sha256(f)
+        if digest != shard["sha256"]:
             found.append(f"{index.root}/{shard['name']}: its bytes are not those the index was written with "
                          f"(sha256); copy the shard again")
     return found

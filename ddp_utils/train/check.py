@@ -18,7 +18,6 @@ from ..data.image_files import decode_every_file, image_files_of
 from ..data.pipeline import plan_memory, raw_splits, require_a_batch, training_sampler, usable_cpus
 from ..data.recipes import AugmentRecipe
 from ..data.sets import check_data_dir
-from ..data.shard_order import shard_aware
 from ..data.shards import shards_not_matching
 from ..runtime.dist import LaunchEnv, detect_launch, device_type, restart_count
 from ..runtime.stopping import EXIT_OK, EXIT_USAGE
@@ -64,8 +63,8 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         train, val = raw_splits(plan)
         facts, extra = script_check(train)
         samples_per_rank = training_sampler(plan, train, world_size, 0).num_samples
-        if shard_aware(cfg.dataset, cfg.data_dir):
-            check_cache_room(cfg.shard_cache_gb, (image_files_of(train).index, image_files_of(val).index))
+        if cfg.dataset == "shards":
+            check_cache_room(cfg, (image_files_of(train).index, image_files_of(val).index))
         batches = require_a_batch(samples_per_rank // cfg.batch_size, len(train), world_size, cfg.batch_size)
         steps = steps_per_epoch(batches, cfg.accum_steps)
         lines.append(f"data: {cfg.dataset}, {len(train):,} training and {len(val):,} validation images; {settings}")

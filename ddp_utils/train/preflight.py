@@ -102,18 +102,19 @@ def list_image_files_once(cfg: TrainConfig, info: DistInfo) -> Listings | None:
     with all_ranks_agree():
         if info.is_main:
             listings = tuple(list_image_files(cfg.dataset, cfg.data_dir, train) for train in (True, False))
-            if shard_aware(cfg.dataset, cfg.data_dir):
-                check_cache_room(cfg.shard_cache_gb, listings)
+            check_cache_room(cfg, listings)
     return broadcast_object(listings)
 
 
-def check_cache_room(cache_gb: float, indexes: tuple[ShardIndex, ...]) -> None:
-    """Bad input when a rank's cache of shards from an object store cannot hold what its workers
-    read at once (``shard_order.cache_bytes_needed``)."""
+def check_cache_room(cfg: TrainConfig, indexes: Listings) -> None:
+    """Shards from an object store: bad input when a rank's cache cannot hold what its workers
+    read at once (``shard_order.cache_bytes_needed``); other data: nothing to check."""
+    if not shard_aware(cfg.dataset, cfg.data_dir):
+        return
     largest = max(shard["bytes"] for index in indexes for shard in index.shards)
     needed = cache_bytes_needed(largest)
-    if cache_gb * 1e9 < needed:
-        raise UsageError(f"--shard-cache-gb {cache_gb:g}: a rank's cache must hold {needed // largest} of the largest "
+    if cfg.shard_cache_gb * 1e9 < needed:
+        raise UsageError(f"--shard-cache-gb {cfg.shard_cache_gb:g}: a rank's cache must hold {needed // largest} of the largest "
                          f"shard ({largest / 1e6:,.1f} MB), {needed / 1e9:.2f} GB; raise it, or write smaller shards "
                          f"(write_shards.py --shard-mb)")
 
