@@ -386,8 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{'MLP' if cfg.mlp else 'linear'} head, {cfg.aug} augmentation")
         return check_only(cfg, SCRIPT, model, lambda train: ({}, queue_remarks(cfg, len(train))))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
-        run = setup(cfg, session)
-        fit(run)
+        fit(setup(cfg, session))  # no name holds the run: its DDP model dies before the group (cleanup_distributed)
     return session.exit_code
 
 

@@ -80,6 +80,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
               f"{'s/step naive':>13} {'naive/ours':>11}")
         for accum, ob, nb, ot, nt in rows_all[0]:
             print(f"{accum:>3} {ob:>16.2f} {nb:>17.2f} {ot:>12.3f} {nt:>13.3f} {nt / ot:>11.2f}")
+    del model  # no DDP model may outlive the group (runtime.dist.cleanup_distributed)
     cleanup_distributed()
 
 

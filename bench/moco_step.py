@@ -100,6 +100,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     gathered = all_gather_object(result)
     if info.is_main:
         report(args, *gathered[0])
+    query = None  # no DDP model may outlive the group (runtime.dist.cleanup_distributed)
     cleanup_distributed()
 
 

@@ -2,6 +2,7 @@
 disks, elastic restarts, dead ranks, non-finite losses and Ctrl-C, through the real CLI."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 from helpers import (
     CLASSIFIER_REF,
+    MOCO_REF,
     REPO,
     assert_ok,
     assert_same_state,
@@ -46,6 +48,24 @@ def _steps(tb: Path, tag: str = "train/loss") -> list[int]:
 def classifier(capsys):
     """The classifier's CLI entry point, called in this process."""
     return lambda args: in_process(train_classifier.main, args, capsys)
+
+
+@pytest.mark.parametrize("script, args, fault, codes", [
+    ("train_moco.py", MOCO_REF[:-1] + ["4"], "", [0, 0]),
+    ("train_classifier.py", CLASSIFIER_REF + ["--max-steps", "4"], "nan:1:2", [3, 3]),
+], ids=["moco ends", "classifier stops on a NaN"])
+def test_no_ddp_model_outlives_the_process_group(script, args, fault, codes, tmp_path):
+    """When a rank destroys its process group, no DDP model is alive: neither after a finished
+    run nor after one that stops inside a step (the exception's frames hold the run). A DDP
+    reducer left as the group's last holder destroys it later while holding the GIL, and gloo's
+    destructor can then wait forever for a worker thread that needs the GIL (a rank that never
+    exits; runtime.dist.cleanup_distributed)."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    proc = run_ranks("teardown_probe.py", [script, *args, "--out", str(tmp_path / "run")], tmp_path,
+                     env={"TEARDOWN_PROBE_OUT": str(probe), **({"DDP_FAULT": fault} if fault else {})})
+    assert proc.codes == codes, proc.stdout + proc.stderr
+    assert [json.loads((probe / f"rank{r}.json").read_text()) for r in range(2)] == [0, 0]
 
 
 # ----------------------------------------------------------------------------- run folders

@@ -14,7 +14,9 @@ import logging
 import os
 import re
 import sys
+import traceback
 from pathlib import Path
+from types import TracebackType
 
 import torch
 import torch.distributed as dist
@@ -88,10 +90,12 @@ class RunSession:
         self._closing.callback(resource.close)
         return resource
 
-    def __exit__(self, kind, err: BaseException | None, traceback) -> bool:
+    def __exit__(self, kind, err: BaseException | None, tb: TracebackType | None) -> bool:
         try:
             return self._end(err)
         finally:
+            if tb is not None and self.info.is_distributed:  # one process keeps them for a debugger
+                traceback.clear_frames(tb)  # their run (its DDP model) must not outlive the group
             self._close()
 
     def _end(self, err: BaseException | None) -> bool:
