@@ -1,5 +1,10 @@
 """Shared fixtures: the reference runs that many tests compare against, each made once per test
-session, and a real two-node SLURM cluster, started once per session when installed.
+session (of each worker), and a real two-node SLURM cluster, started once per session when installed.
+
+The suite runs on two pytest-xdist workers (pyproject.toml: ``-n 2 --dist loadfile``): a test file
+stays on one worker, the longest files start first, and a test marked ``machine_alone`` (it bounds
+something machine-wide: /dev/shm, the share of time spent waiting) runs while the other worker
+waits. ``-n 0`` runs everything in this one process.
 
 A reference run writes a checkpoint after every optimizer step; a resume test copies step k's
 checkpoint into a new folder, resumes it once and compares the end with the reference's."""
@@ -8,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,10 +22,61 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import CLASSIFIER_REF, MOCO_REF, SYMMETRIC_REF, Reference, assert_ok, run_ranks
+import torch
+from helpers import CLASSIFIER_REF, MOCO_REF, SYMMETRIC_REF, Reference, assert_ok, free_port, run_ranks
 from slurm_cluster import missing_tools, start_cluster, stop_cluster
 
-from ddp_utils.runtime.spawn import free_port
+# The files that take longest, started first so that the two workers end together.
+LONGEST_FIRST = ("test_launch_scripts.py", "test_gpu_check.py", "test_moco.py", "test_image_files.py",
+                 "test_training.py")
+LOCKS = "DDP_TESTS_LOCKS"  # the folder of the workers' turnstile, made by the controlling process
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker: one thread each, as two ranks on two cores
+        torch.set_num_threads(1)
+    else:  # made before the workers start, which inherit the variable
+        os.environ[LOCKS] = tempfile.mkdtemp(prefix="ddp-tests-")
+
+
+def pytest_unconfigure(config):
+    locks = None if hasattr(config, "workerinput") else os.environ.pop(LOCKS, None)
+    if locks:
+        shutil.rmtree(locks, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A turnstile between the workers: every test holds a shared lock while it runs; a
+    ``machine_alone`` test takes it exclusively, and holds the gate that every test passes first,
+    so that the other worker stops before its next test until this one is done; it runs on every
+    core, as in one process."""
+    if not hasattr(item.config, "workerinput"):
+        yield
+        return
+    alone = item.get_closest_marker("machine_alone") is not None
+    locks = Path(os.environ[LOCKS])
+    with open(locks / "gate", "a") as gate, open(locks / "running", "a") as running:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        threads = torch.get_num_threads()
+        torch.set_num_threads((os.cpu_count() or 1) if alone else threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+            fcntl.flock(running, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)
@@ -149,8 +206,8 @@ def slurm(tmp_path_factory):
         if os.environ.get("CI") == "true":
             pytest.fail(reason + " - in CI a missing SLURM is a failure, not a skip")
         pytest.skip(reason)
-    # One cluster per machine: two test sessions' clusters would number their jobs alike, and a
-    # job's rendezvous port and id come from its number.
+    # One cluster per machine: two would number their jobs alike, and a job's rendezvous port and
+    # id come from its number. (loadfile keeps the SLURM tests, all in one file, on one worker.)
     with open(Path(tempfile.gettempdir()) / "ddp-tests-slurm.lock", "a") as owner:
         try:
             fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -3,9 +3,11 @@ checkpoint into a new run folder, and run functions on N gloo ranks."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import multiprocessing
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from ddp_utils.runtime.spawn import free_port, spawn_local
+from ddp_utils.runtime.spawn import spawn_local
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -115,6 +117,26 @@ def load_ckpt(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+_PORT_BAND = 2000
+_next_port = itertools.count()
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 for a rendezvous (or a server) of this test process: each pytest-xdist
+    worker hands out its own band, from 20000 up, below Linux's ephemeral range (32768 up), from
+    which every ``bind(0)`` and gloo connection gets its port; so no other test process can take
+    it between this choice and the bind. A port in use is passed over."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    while True:
+        port = 20000 + worker * _PORT_BAND + next(_next_port) % _PORT_BAND
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+
+
 def _fork_like_torchrun() -> None:
     """A forkserver child inherits "forkserver" as its default start method; a torchrun worker
     has the platform's, fork, and so must a rank's DataLoader workers (through a server of their
@@ -150,7 +172,7 @@ def run_on_ranks(fn: Callable, tmp_path: Path, *args: Any, world_size: int = 2) 
 
     ``fn`` must be importable (defined at module level) and return torch.save-able data.
     """
-    spawn_local(_rank_entry, world_size, fn, str(tmp_path), args, start_method=_forkserver())
+    spawn_local(_rank_entry, world_size, fn, str(tmp_path), args, start_method=_forkserver(), port=free_port())
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 

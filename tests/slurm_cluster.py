@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers import free_port
+
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "scancel", "squeue")
 
 # Short timers for a throw-away cluster. A requeued job starts again cred_expire seconds after it
@@ -142,12 +144,6 @@ def missing_tools() -> list[str]:
     return [tool for tool in DAEMONS if shutil.which(tool) is None]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _ensure_munged() -> int | None:
     """Start munged unless one runs already; the PID of the one started here, if any."""
     if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0:
@@ -174,9 +170,9 @@ def start_cluster(base: Path) -> tuple[SlurmCluster, list[int]]:
     names = [host, "localhost"]
     for sub in ("state", "run", "log", *(f"spool/{name}" for name in names)):
         (base / sub).mkdir(parents=True, exist_ok=True)
-    nodes = "\n".join(NODE.format(name=name, host=host, port=_free_port(), cpus=cpus) for name in names)
+    nodes = "\n".join(NODE.format(name=name, host=host, port=free_port(), cpus=cpus) for name in names)
     conf = base / "slurm.conf"
-    conf.write_text(CONF.format(host=host, base=base, ctld_port=_free_port(), nodes=nodes))
+    conf.write_text(CONF.format(host=host, base=base, ctld_port=free_port(), nodes=nodes))
     env = {"SLURM_CONF": str(conf)}
     munged = _ensure_munged()
     full_env = {**os.environ, **env}

@@ -54,6 +54,7 @@ def test_the_line_for_a_small_shm_names_the_room_the_need_and_the_fix(tmp_path):
 
 @needs_shm
 @pytest.mark.slow
+@pytest.mark.machine_alone  # /dev/shm is the machine's: another worker's loaders would count
 @pytest.mark.parametrize("decode_on_device", [False, True], ids=["workers-decode", "device-decodes"])
 def test_the_workers_shared_memory_stays_within_the_bound(jpeg_folder, decode_on_device):
     """Two training epochs and an evaluation pass with 2 workers and a slow consumer (every

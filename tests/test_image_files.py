@@ -260,6 +260,7 @@ def test_the_knn_bank_and_the_preview_name_a_damaged_file_before_training(jpeg_f
 
 
 # ----------------------------------------------------------------------------- the wait for data
+@pytest.mark.machine_alone  # a share of wall time: another worker's load would move it
 def test_the_wait_for_data_is_high_when_starved_and_low_in_memory(jpeg_folder, tmp_path, capsys):
     starved = tmp_path / "starved"  # full-size JPEGs decoded and augmented by the training process itself
     proc = in_process(train_classifier.main, FOLDER_RUN + ["--data-dir", str(jpeg_folder), "--batch-size", "8",

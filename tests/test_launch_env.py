@@ -7,12 +7,11 @@ import textwrap
 
 import pytest
 import torch
-from helpers import REPO, cli_env
+from helpers import REPO, cli_env, free_port
 
 from ddp_utils.config import UsageError
 from ddp_utils.runtime import dist as ddp_dist
 from ddp_utils.runtime.dist import detect_launch, first_slurm_host, init_distributed
-from ddp_utils.runtime.spawn import free_port
 
 LAUNCH_VARS = ("CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_JOB_ID",

@@ -19,13 +19,12 @@ from helpers import (
     assert_ok,
     assert_same_state,
     cli_env,
+    free_port,
     load_ckpt,
     read_scalars,
     run_ranks,
 )
 from slurm_cluster import descendants
-
-from ddp_utils.runtime.spawn import free_port
 
 DIGITS_CPU = ["--device", "cpu", "--dataset", "digits", "--log-every", "1"]
 

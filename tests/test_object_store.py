@@ -15,7 +15,7 @@ from pathlib import Path
 import boto3
 import numpy as np
 import pytest
-from helpers import REPO, assert_ok, assert_same_state, cli_env, load_ckpt, run_ranks
+from helpers import REPO, assert_ok, assert_same_state, cli_env, free_port, load_ckpt, run_ranks
 
 from ddp_utils.config import UsageError
 from ddp_utils.data.object_store import ShardCache, check_address
@@ -23,7 +23,6 @@ from ddp_utils.data.pipeline import ShardedEvalSampler
 from ddp_utils.data.sets import check_data_dir
 from ddp_utils.data.shard_order import SHUFFLE_SHARDS, ShardAwareSampler, epoch_sequence
 from ddp_utils.data.shards import INDEX, RECORDS, ShardIndex, ShardReader
-from ddp_utils.runtime.spawn import free_port
 from ddp_utils.train.preflight import check_cache_room
 from train_classifier import ClassifierConfig
 

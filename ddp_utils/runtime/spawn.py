@@ -22,13 +22,14 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> 
     fn(rank, *args)
 
 
-def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any, start_method: str = "spawn") -> None:
+def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any, start_method: str = "spawn",
+                port: int | None = None) -> None:
     """Run ``fn(rank, *args)`` in ``world_size`` processes with torchrun's environment variables
-    (a free port on 127.0.0.1); ``init_distributed()`` in ``fn`` then forms the group. ``fn``
-    must be importable (module level). Raises if any process fails. ``start_method``
+    (``port`` on 127.0.0.1, by default a free one); ``init_distributed()`` in ``fn`` then forms
+    the group. ``fn`` must be importable (module level). Raises if any process fails. ``start_method``
     "forkserver" forks each process from one server that imported the modules given to
     ``multiprocessing.set_forkserver_preload`` once, instead of starting a fresh interpreter
     each time."""
-    mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
+    mp.start_processes(_entry, args=(fn, world_size, port or free_port(), args), nprocs=world_size,
                        join=True, start_method=start_method)
 
