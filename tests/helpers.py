@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -151,6 +152,9 @@ def _rank_entry(rank: int, fn: Callable, out_dir: str, args: tuple) -> None:
     info = init_distributed("cpu", timeout_s=60)
     try:
         torch.save(fn(info, *args), Path(out_dir) / f"rank{rank}.pt")
+    except BaseException as err:  # its frames' DDP models must not outlive the group
+        traceback.clear_frames(err.__traceback__)
+        raise
     finally:
         cleanup_distributed()
 
