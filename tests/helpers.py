@@ -118,18 +118,18 @@ def load_ckpt(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-_PORT_BAND = 2000
 _next_port = itertools.count()
 
 
 def free_port() -> int:
     """A port on 127.0.0.1 for a rendezvous (or a server) of this test process: each pytest-xdist
-    worker hands out its own band, from 20000 up, below Linux's ephemeral range (32768 up), from
-    which every ``bind(0)`` and gloo connection gets its port; so no other test process can take
-    it between this choice and the bind. A port in use is passed over."""
+    worker hands out its own band of [20000, 32768), below Linux's ephemeral range, from which
+    every ``bind(0)`` and gloo connection gets its port; so no other test process can take it
+    between this choice and the bind. A port in use is passed over."""
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    band = (32768 - 20000) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     while True:
-        port = 20000 + worker * _PORT_BAND + next(_next_port) % _PORT_BAND
+        port = 20000 + worker * band + next(_next_port) % band
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))

@@ -1,4 +1,4 @@
-"""A training script run through ``main(["train_moco.py", *args])`` that writes, on each rank,
+"""A training script run through ``main([script, *args])`` that writes, on each rank,
 how many DistributedDataParallel models are alive when the process group is destroyed, into
 ``$TEARDOWN_PROBE_OUT/rank<r>.json`` (tests/test_run_safety.py)."""
 from __future__ import annotations

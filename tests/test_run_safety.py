@@ -51,7 +51,7 @@ def classifier(capsys):
 
 
 @pytest.mark.parametrize("script, args, fault, codes", [
-    ("train_moco.py", MOCO_REF[:-1] + ["4"], "", [0, 0]),
+    ("train_moco.py", MOCO_REF + ["--max-steps", "4"], "", [0, 0]),  # the last --max-steps counts
     ("train_classifier.py", CLASSIFIER_REF + ["--max-steps", "4"], "nan:1:2", [3, 3]),
 ], ids=["moco ends", "classifier stops on a NaN"])
 def test_no_ddp_model_outlives_the_process_group(script, args, fault, codes, tmp_path):
