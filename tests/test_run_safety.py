@@ -149,6 +149,36 @@ def test_a_full_disk_at_save_time_keeps_the_previous_checkpoint(classifier, tmp_
     assert not (out / ".checkpoint_last.pt.tmp").exists()
 
 
+def _limit_file_size(limit: int):
+    """For a child process: any write past ``limit`` bytes of one file fails with EFBIG, the way a
+    write fails on a full disk, midway through torch's own zip writer."""
+    def set_limit():
+        import resource
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return set_limit
+
+
+def test_a_write_that_fails_inside_torch_names_the_system_reason(classifier, tmp_path):
+    """torch's zip writer reports a failed write as its own RuntimeError naming a line of C++; the
+    message gives the operating system's reason instead (here the file-size limit, on a full disk
+    'No space left on device'), and the previous checkpoint stays."""
+    out = tmp_path / "run"
+    assert_ok(classifier(LENET + ["--max-steps", "2", "--out", str(out)]))
+    before = (out / "checkpoint_last.pt").read_bytes()
+    assert len(before) > 256 * 1024
+    proc = subprocess.run([sys.executable, str(REPO / "train_classifier.py"), *LENET, "--max-steps", "4",
+                           "--ckpt-every", "2", "--resume", "auto", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=cli_env(),
+                          preexec_fn=_limit_file_size(256 * 1024))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert (f"could not write the step-4 checkpoint in {out} (File too large); the previous "
+            f"checkpoint {out}/checkpoint_last.pt is intact") in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert (out / "checkpoint_last.pt").read_bytes() == before
+    assert not (out / ".checkpoint_last.pt.tmp").exists()
+
+
 def test_a_restarted_attempt_continues_instead_of_overwriting_again(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert train_classifier.main(LENET + ["--max-steps", "2", "--out", str(out)]) == 0

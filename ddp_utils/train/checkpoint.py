@@ -143,8 +143,7 @@ def _write_with_history(state: dict[str, Any], out: Path, keep: int) -> str | No
         with contextlib.suppress(OSError):
             tmp.unlink()
         kept = f"the previous checkpoint {last} is intact" if last.exists() else "no checkpoint was written yet"
-        reason = getattr(err, "strerror", None) or str(err).split(". ")[0]
-        return (f"could not write the step-{state['step']} checkpoint in {out} ({reason}); "
+        return (f"could not write the step-{state['step']} checkpoint in {out} ({_write_error_reason(err)}); "
                 f"{kept}; free some space (or fix the folder) and continue with --resume auto")
     try:
         names = history_names(keep)
@@ -162,6 +161,16 @@ def _write_with_history(state: dict[str, Any], out: Path, keep: int) -> str | No
     except OSError as err:
         return f"could not rotate the checkpoints in {out} ({err.strerror or err}); the newest is {tmp}"
     return None
+
+
+def _write_error_reason(err: BaseException) -> str:
+    """The operating system's reason for a failed write. torch's zip writer turns a failed
+    ``write`` (a full disk, a file-size limit) into a RuntimeError of its own whose message names
+    only a line of its C++; the OSError it swallowed is the exception's context."""
+    for cause in (err, err.__cause__, err.__context__):
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+    return str(err).split(". ")[0].strip() or type(err).__name__
 
 
 # ----------------------------------------------------------------------------- reading
