@@ -264,11 +264,13 @@ def test_the_knn_bank_and_the_preview_name_a_damaged_file_before_training(jpeg_f
 def test_the_wait_for_data_is_high_when_starved_and_low_in_memory(jpeg_folder, tmp_path, capsys):
     starved = tmp_path / "starved"  # full-size JPEGs decoded and augmented by the training process itself
     proc = in_process(train_classifier.main, FOLDER_RUN + ["--data-dir", str(jpeg_folder), "--batch-size", "8",
-                                                           "--aug-on", "loader", "--epochs", "1", "--log-every", "2",
+                                                           "--aug-on", "loader", "--epochs", "1",
                                                            "--out", str(starved)], capsys)
     assert_ok(proc)
     waits = [v for _, v in read_scalars(starved / "tb")["train/data_wait_percent"]]
-    assert len(waits) == 2 and min(waits) > 50, waits  # 4 steps
+    # 4 steps, each its own window; step 1's compute carries one-time costs (first allocations, the
+    # optimizer's state), which in one run of the suite held steps 1-2 to 41%
+    assert len(waits) == 4 and min(waits[1:]) > 50, waits
     assert re.search(r"data wait \d+% eta", proc.stdout)
     assert re.search(r"WARNING input-bound: the training loop waited for its batches \d+% of epoch 1 \(rank 0\); "
                      r"try more --workers \(now 0 per rank", proc.stdout)
