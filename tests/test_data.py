@@ -216,6 +216,28 @@ def test_persistent_workers_see_each_epoch_and_resume_exactly():
     assert len(resumed) == 5 and all(torch.equal(a, b) for a, b in zip(resumed, epoch1[3:]))
 
 
+def test_a_python_that_can_deadlock_a_starting_worker_is_named_when_workers_run(tmp_path, capsys):
+    """CPython before 3.11.10 can leave a forked worker deadlocked before its first line
+    (gh-112275); a run with workers on such a Python says so, in the log and in --check."""
+    from ddp_utils.data.pipeline import worker_start_hazard
+
+    assert worker_start_hazard(2, (3, 11, 7)) == (
+        "Python 3.11.7 can deadlock a DataLoader worker as it starts, leaving the run waiting for ever "
+        "(CPython gh-112275, fixed in 3.11.10 and 3.12); use a newer Python, or --workers 0")
+    assert worker_start_hazard(2, (3, 10, 14)) is not None
+    assert worker_start_hazard(0, (3, 11, 7)) is None
+    assert worker_start_hazard(2, (3, 11, 10)) is None and worker_start_hazard(2, (3, 12, 1)) is None
+    root = tmp_path / "folder"
+    write_image_folder(root / "train", per_class=4)
+    write_image_folder(root / "val", per_class=2)
+    hazard = worker_start_hazard(1)
+    proc = in_process(train_classifier.main, ["--dataset", "imagefolder", "--data-dir", str(root), "--device", "cpu",
+                                              "--workers", "1", "--batch-size", "8", "--check", "--out", str(tmp_path / "run")],
+                      capsys)
+    assert proc.returncode == 0
+    assert (f"warning: {hazard}" in proc.stdout) == (hazard is not None)
+
+
 def test_imagefolder_on_the_device_splits_the_work_and_stays_seeded(tmp_path):
     """ImageFolder with --aug-on device: workers decode and pack each batch, the device crops and
     augments every view as a batch, keyed by (seed, epoch, index); then a MoCo run through the CLI."""

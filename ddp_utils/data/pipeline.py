@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence, Sized, TypeAlias
 
@@ -266,6 +267,20 @@ def data_loader(data: Dataset, sampler: Iterable, *, batch_size: int, workers: i
     return DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=train, num_workers=workers,
                       pin_memory=pin_memory, persistent_workers=train and workers > 0, collate_fn=collate,
                       prefetch_factor=prefetch if workers else None, generator=torch.Generator().manual_seed(0))
+
+
+def worker_start_hazard(workers: int, version: tuple[int, ...] = tuple(sys.version_info[:3])) -> str | None:
+    """A warning when this Python can deadlock a DataLoader worker as it starts, else None.
+
+    Workers are forked from the rank, which runs threads (gloo's or NCCL's, TensorBoard's writer).
+    CPython before 3.11.10 resets its interpreter head lock in the child only after taking it; a
+    fork while one of those threads holds it (gloo's thread does, taking the GIL to free a
+    tensor) leaves the worker stopped before its first line and the rank waiting for its batch
+    for ever (CPython gh-112275, fixed in 3.11.10 and 3.12)."""
+    if workers == 0 or version >= (3, 11, 10):
+        return None
+    return (f"Python {'.'.join(map(str, version))} can deadlock a DataLoader worker as it starts, leaving the run "
+            "waiting for ever (CPython gh-112275, fixed in 3.11.10 and 3.12); use a newer Python, or --workers 0")
 
 
 def require_a_batch(batches: int, samples: int, world_size: int, batch_size: int) -> int:

@@ -15,7 +15,14 @@ from torch.utils.data import Dataset
 from ..config import UsageError
 from ..data.host_memory import check_shared_memory, describe_memory
 from ..data.image_files import decode_every_file, image_files_of
-from ..data.pipeline import plan_memory, raw_splits, require_a_batch, training_sampler, usable_cpus
+from ..data.pipeline import (
+    plan_memory,
+    raw_splits,
+    require_a_batch,
+    training_sampler,
+    usable_cpus,
+    worker_start_hazard,
+)
 from ..data.recipes import AugmentRecipe
 from ..data.sets import check_data_dir
 from ..data.shards import shards_not_matching
@@ -55,6 +62,9 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
     settings = describe_settings(cfg, resolved, launch.launcher, launch.local_world_size)
     global_batch = world_size * cfg.accum_steps * cfg.batch_size
     lines = [f"launch: world size {world_size}, {device}, precision {'fp32' if cfg.amp == 'none' else cfg.amp}"]
+    hazard = worker_start_hazard(resolved["workers"])
+    if hazard:
+        lines.append(f"warning: {hazard}")
     if cfg.dataset == "cifar10" and cfg.download and check_data_dir(cfg.dataset, cfg.data_dir, False):
         lines.append(f"data: cifar10, downloaded into {cfg.data_dir} at start; {settings}")
         facts, extra = {}, []

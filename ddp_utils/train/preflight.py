@@ -10,7 +10,7 @@ import torch
 
 from ..config import UsageError, dataset_values, flag_name
 from ..data.image_files import FolderListing
-from ..data.pipeline import default_workers, usable_cpus
+from ..data.pipeline import default_workers, usable_cpus, worker_start_hazard
 from ..data.recipes import augment_on_device
 from ..data.sets import IMAGE_FILES, check_data_dir, download_cifar10, list_image_files
 from ..data.shard_order import cache_bytes_needed, shard_aware
@@ -55,6 +55,9 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dic
     resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
     if info.is_main:
         log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size))
+        hazard = worker_start_hazard(resolved["workers"])
+        if hazard:
+            log.warning(hazard)
     return resume, resolved, listings
 
 
