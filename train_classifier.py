@@ -167,8 +167,9 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
     resume, resolved, listings = preflight(cfg, session)  # every rank checked; "auto" resolved; files listed once
     with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
         recipe = classifier_recipe(cfg.dataset, resolved["image_size"], cfg.augment, cfg.normalization)
-        loaders = build_data(cfg.data_plan(resolved, recipe, listings=listings), rank=info.rank, world_size=info.world_size,
-                             device=info.device, ranks_on_node=info.local_world_size)
+        loaders = session.close_at_exit(build_data(cfg.data_plan(resolved, recipe, listings=listings), rank=info.rank,
+                                                   world_size=info.world_size, device=info.device,
+                                                   ranks_on_node=info.local_world_size))
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         model = build_network(cfg, info, loaders.num_classes)
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
@@ -177,7 +178,7 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
                                                                          info.device)
         facts = {"num_classes": loaders.num_classes}  # a checkpoint must match them
         state = state_to_start_from(resume, cfg, SCRIPT, facts, model=model, optimizer=optimizer, scaler=scaler,
-                                    info=info)
+                                    sampler=loaders.train_sampler, data=resolved.get("data_fingerprint"), info=info)
     stop_if_complete(cfg, state, resume)  # a finished run resumed: its last metrics, exit 0
     network = wrap_network(model, info, cfg.compile)  # DDP: rank 0's weights on every rank
     tb = open_run_folder(cfg, session, resume, state.step, resolved, preview)  # nothing was written before

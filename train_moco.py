@@ -232,8 +232,8 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
         # --knn-bank-samples of it).
         recipe = moco_recipe(cfg.dataset, resolved["image_size"], cfg.aug, cfg.crop_min, cfg.normalization)
         plan = cfg.data_plan(resolved, recipe, bank_samples=cfg.knn_bank_samples, listings=listings)
-        loaders = build_data(plan, rank=info.rank, world_size=info.world_size, device=info.device,
-                             ranks_on_node=info.local_world_size)
+        loaders = session.close_at_exit(build_data(plan, rank=info.rank, world_size=info.world_size, device=info.device,
+                                                   ranks_on_node=info.local_world_size))
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         if info.is_main:
             for remark in queue_remarks(cfg, len(loaders.train_set)):
@@ -243,7 +243,7 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
         optimizer, lr_schedule, scaler, total_steps = build_optimization(
             cfg, moco.encoder_q.parameters(), loaders.batches_per_epoch, info.device)  # never encoder_k
         state = state_to_start_from(resume, cfg, SCRIPT, {}, model=moco, optimizer=optimizer, scaler=scaler,
-                                    info=info)
+                                    sampler=loaders.train_sampler, data=resolved.get("data_fingerprint"), info=info)
     if resume is not None and is_complete(cfg, state) and cfg.export_backbone and info.is_main:
         export_finished_backbone(moco, cfg.export_backbone)  # a finished run's backbone, as asked
     stop_if_complete(cfg, state, resume)  # a finished run resumed: its last metrics, exit 0

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ddp_utils.config import OneLineErrorParser, UsageError
-from ddp_utils.data.image_files import FolderListing, UnreadableImage, decode_rgb_bytes
+from ddp_utils.data.image_files import FolderListing, UnreadableImage, decode_rgb_bytes, device_decodable
 from ddp_utils.data.sets import check_data_dir, list_image_split
 from ddp_utils.data.shards import (
     FORMAT,
@@ -122,12 +122,14 @@ def write_split(listing: FolderListing, out: Path, shard_bytes: int, threads: in
     writer, kept, bad = _ShardWriter(out, shard_bytes), [], []
     progress = _Progress(split, len(samples))
     drawn = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    facts = {}  # i: (width, height, device-decodable) of each file written
     for done, (i, (data, error)) in enumerate(_checked_bytes(samples, drawn, threads), 1):
         if error is not None:
             bad.append(error)
         elif skip_unreadable or not bad:
-            writer.add(i, data, relative[i], listing.classes[samples[i][1]], samples[i][1])
+            writer.add(i, data[0], relative[i], listing.classes[samples[i][1]], samples[i][1])
             kept.append(i)
+            facts[i] = data[1]
         progress.update(done)
     writer.close()
     bad.sort(key=lambda err: err.path)
@@ -140,6 +142,9 @@ def write_split(listing: FolderListing, out: Path, shard_bytes: int, threads: in
              offset=np.array([r.offset for r in order], dtype=np.int64),
              size=np.array([r.size for r in order], dtype=np.int64),
              label=np.array([samples[i][1] for i in kept], dtype=np.int32), index=np.array(kept, dtype=np.int64),
+             width=np.array([facts[i][0] for i in kept], dtype=np.int32),
+             height=np.array([facts[i][1] for i in kept], dtype=np.int32),
+             device_decodable=np.array([facts[i][2] for i in kept], dtype=bool),
              paths=np.frombuffer("\0".join(relative[i] for i in kept).encode(), dtype=np.uint8))
     (out / INDEX).write_text(json.dumps({
         "format": FORMAT, "version": VERSION, "split": split, "classes": list(listing.classes), "samples": len(kept),
@@ -150,15 +155,15 @@ def write_split(listing: FolderListing, out: Path, shard_bytes: int, threads: in
 
 
 def _checked_bytes(samples: list[tuple[str, int]], order: list[int], threads: int):
-    """(i, (bytes, None)) or (i, (None, UnreadableImage)) for each file ``samples[i]``, ``i`` in
-    ``order``; read and decoded on ``threads`` threads (the decoders release the GIL), a bounded
-    number ahead."""
+    """(i, ((bytes, (width, height, device-decodable)), None)) or (i, (None, UnreadableImage))
+    for each file ``samples[i]``, ``i`` in ``order``; read and decoded on ``threads`` threads (the
+    decoders release the GIL), a bounded number ahead."""
     def check(path: str):
         try:
             with open(path, "rb") as f:
                 data = f.read()
-            decode_rgb_bytes(data, path)
-            return data, None
+            width, height = decode_rgb_bytes(data, path).size
+            return (data, (width, height, device_decodable(torch.from_numpy(np.frombuffer(data, np.uint8).copy())))), None
         except UnreadableImage as err:
             return None, err
         except OSError as err:

@@ -31,7 +31,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the gathered search is the te
 import knn_reference as reference  # noqa: E402
 
 import ddp_utils.eval.knn as knn  # noqa: E402
-from ddp_utils.data.pipeline import ShardedEvalSampler, data_loader  # noqa: E402
+from ddp_utils.data.order import ShardedEvalSampler  # noqa: E402
+from ddp_utils.data.pipeline import data_loader  # noqa: E402
 from ddp_utils.runtime.collectives import all_gather_object  # noqa: E402
 from ddp_utils.runtime.dist import cleanup_distributed, init_distributed  # noqa: E402
 from ddp_utils.runtime.spawn import spawn_local  # noqa: E402

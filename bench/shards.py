@@ -40,10 +40,9 @@ import write_shards  # noqa: E402
 from bench.file_list import IMAGENET_TRAIN, IMAGENET_VAL, write_tree  # noqa: E402
 from bench.imagenet_like import write_imagenet_like  # noqa: E402
 from ddp_utils.data.image_files import FolderListing, ImageFiles, ShardFiles  # noqa: E402
-from ddp_utils.data.object_store import ShardCache  # noqa: E402
-from ddp_utils.data.pipeline import ResumableDistributedSampler  # noqa: E402
+from ddp_utils.data.order import ResumableDistributedSampler, ShardAwareSampler  # noqa: E402
 from ddp_utils.data.sets import list_image_split  # noqa: E402
-from ddp_utils.data.shard_order import ShardAwareSampler  # noqa: E402
+from ddp_utils.data.shard_cache import NodeCache  # noqa: E402
 from ddp_utils.data.shards import FORMAT, INDEX, RECORDS, VERSION, ShardIndex, shard_name  # noqa: E402
 from ddp_utils.runtime.spawn import free_port  # noqa: E402
 
@@ -151,7 +150,7 @@ def main() -> None:
     sources = {"folder (a file per image)": folder_files, "shards on the file system": shard_files}
     s3 = start_s3(shards)
     if s3:
-        cache = ShardCache(str(work / "cache"), 8 << 30).start_empty()
+        cache = NodeCache(str(work / "cache"), 8 << 30, rank=0, patience=0.0).start_empty()
         sources["shards from S3 on localhost (cache warm)"] = ShardFiles(ShardIndex.read(f"{s3[1]}/train"), cache)
     order = torch.randperm(len(folder_files), generator=torch.Generator().manual_seed(0)).tolist()
     for files in sources.values():  # page cache and the S3 cache warm: the decoding and the reads compared
@@ -181,15 +180,15 @@ def main() -> None:
     print(f"\n| one rank of {args.ranks}, {args.workers} workers, one epoch ({per_rank:,} images) | files opened "
           f"| per image |\n| --- | --: | --: |")
     print(f"| folder | {folder_opens:,} | {folder_opens / per_rank:.2f} |")
-    print(f"| shards on the file system (the folder's order) | {sum(per_worker):,} | {sum(per_worker) / per_rank:.3f} |")
+    print(f"| shards on the file system (the samples order) | {sum(per_worker):,} | {sum(per_worker) / per_rank:.3f} |")
     if s3:
         aware = ShardAwareSampler(shard_files.index.shard, args.ranks, 0, seed=0)
-        cache = ShardCache(str(work / "cache-rank0"), 8 << 30).start_empty()
+        cache = NodeCache(str(work / "cache-rank0"), 8 << 30, rank=0, patience=0.0).start_empty()
         bucket_files = ShardFiles(ShardIndex.read(f"{s3[1]}/train"), cache)
         for i in aware.order():
             bucket_files.bytes_of(int(i))
         downloads = len(cache.downloads())
-        print(f"| shards from S3 (the shard-aware order): downloads | {downloads:,} | {downloads / per_rank:.3f} |")
+        print(f"| shards from S3 (the shards order): downloads | {downloads:,} | {downloads / per_rank:.3f} |")
         s3[0].terminate()
 
     # 3. start-up: the scan of ImageNet's tree against reading an index of as many records

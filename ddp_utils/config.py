@@ -29,11 +29,12 @@ T = TypeVar("T")
 class UsageError(Exception):
     """Bad input: reported as one line (by rank 0 only), exit code 2, before any work is done.
     ``said``: an earlier attempt of this job printed it already (a restarted attempt then exits 2
-    without repeating it)."""
+    without repeating it). ``exit_code``: 2, unless the one line reports a fault outside the input
+    that a later attempt may not meet (an object store that did not answer: 75)."""
 
-    def __init__(self, message: str, said: bool = False):
+    def __init__(self, message: str, said: bool = False, exit_code: int = 2):
         super().__init__(message)
-        self.said = said
+        self.said, self.exit_code = said, exit_code
 
 
 # What a resume may do with a flag (``opt(on_resume=...)``):

@@ -63,7 +63,7 @@ python_bin=${PYTHON:-python}
 cpus=()
 if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK"); fi
 # A marker left by an earlier attempt must not requeue this one if it fails before training.
-rm -f "$out/PREEMPTED"
+rm -f "$out/PREEMPTED" "$out/STORE_UNAVAILABLE"
 
 say "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $nnodes node(s): $SLURM_JOB_NODELIST; mode $mode; out $out"
 if [[ ${SLURM_RESTART_COUNT:-0} -gt 0 ]]; then
@@ -93,6 +93,13 @@ rc=$?
 
 if [[ $rc == 0 && -f "$out/PREEMPTED" ]]; then
     say "preempted at $(cat "$out/PREEMPTED"); requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" || { say "scontrol requeue failed" >&2; exit 1; }
+    exit 0
+fi
+# The object store did not answer for --store-timeout (the run checkpointed and exited 75; under
+# torchrun, after its own restarts): requeued, up to STORE_REQUEUES times (requeues of any kind counted).
+if [[ $rc != 0 && -f "$out/STORE_UNAVAILABLE" && ${SLURM_RESTART_COUNT:-0} -lt ${STORE_REQUEUES:-3} ]]; then
+    say "training stopped because the object store did not answer ($out/STORE_UNAVAILABLE); requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID" || { say "scontrol requeue failed" >&2; exit 1; }
     exit 0
 fi

@@ -199,6 +199,37 @@ def bucket(s3_server, written) -> str:
 
 
 @pytest.fixture(scope="session")
+def far(s3_server):
+    """The far-network proxy (bench/far_network.py) in front of the S3 server (no latency, no cap
+    unless a test sets them), and the AWS_* variables that go through it."""
+    from bench.far_network import FarNetwork
+
+    port = int(s3_server["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    with FarNetwork(("127.0.0.1", port), latency_s=None, bytes_per_s=None) as proxy:
+        yield proxy, {**s3_server, "AWS_ENDPOINT_URL": proxy.url}
+
+
+@pytest.fixture(scope="session")
+def one_per_shard(bucket, tmp_path_factory) -> tuple[Path, str]:
+    """An ImageNet-like folder of 72 + 12 JPEGs (bench/imagenet_like.py) in shards of one image,
+    on disk and in the bucket: far more shards than a rank's share of a node cache sized to the
+    read-ahead holds, so that every epoch downloads."""
+    import boto3
+
+    import write_shards
+    from bench.imagenet_like import write_imagenet_like
+
+    folder, dst = tmp_path_factory.mktemp("folder"), tmp_path_factory.mktemp("one_per_shard") / "out"
+    write_imagenet_like(folder, classes=3, train_per_class=24, val_per_class=4, oddities=False)
+    assert write_shards.main([str(folder), str(dst), "--shard-mb", "0.01"]) == 0
+    client = boto3.client("s3")
+    for path in dst.rglob("*"):
+        if path.is_file():
+            client.upload_file(str(path), "ddp-test", f"one-per-shard/{path.relative_to(dst)}")
+    return dst, "s3://ddp-test/one-per-shard"
+
+
+@pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     missing = missing_tools()
     if missing:

@@ -110,6 +110,16 @@ def resume_folder(checkpoint: Path, out: Path) -> Path:
     return out
 
 
+def wait_until(condition: Callable[[], Any], timeout: float = 30.0) -> bool:
+    """Whether ``condition()`` became true within ``timeout`` seconds (looked at 50 times a second)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
 
@@ -200,13 +210,15 @@ def _main_entry(rank: int, world_size: int, port: int, script: str, args: list[s
 
 
 def run_ranks(script: str, args: list[str], tmp_path: Path, nproc: int = 2, timeout: float = 300,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+              env: dict[str, str] | None = None, watch: Callable[[str], None] | None = None
+              ) -> subprocess.CompletedProcess:
     """``main(args)`` of ``script`` on ``nproc`` gloo ranks, each a process forked from the
     session's forkserver with torchrun's environment variables: the scripts' own code from
     ``init_distributed`` on, without torchrun's agent or a fresh interpreter per rank (for the
     promises that are not about the launcher; those use :func:`run_cli`). ``returncode``: 0 when
     every rank exited 0, else the first rank's non-zero code (all of them in ``codes``); stdout
-    and stderr: every rank's, in rank order."""
+    and stderr: every rank's, in rank order. ``watch``: called with rank 0's stdout so far about
+    ten times a second while the ranks run (to act on the network at a given step)."""
     out = Path(tempfile.mkdtemp(dir=tmp_path, prefix="ranks-"))
     context = multiprocessing.get_context(_forkserver())
     port, child_env = free_port(), cli_env(env)
@@ -215,6 +227,10 @@ def run_ranks(script: str, args: list[str], tmp_path: Path, nproc: int = 2, time
     for rank in ranks:
         rank.start()
     deadline = time.monotonic() + timeout
+    while watch is not None and any(rank.is_alive() for rank in ranks) and time.monotonic() < deadline:
+        ranks[0].join(0.1)
+        if (out / "rank0.stdout").exists():
+            watch((out / "rank0.stdout").read_text())
     for rank in ranks:
         rank.join(max(0.0, deadline - time.monotonic()))
     for rank in ranks:

@@ -96,8 +96,15 @@ CASES = [
     ("moco", ["--dataset", "shards", "--data-dir", "s3://KEY:SECRET@bucket/x"], "credentials do not belong in the address"),
     ("moco", ["--dataset", "shards", "--data-dir", "{three_classes}", "--shard-cache-gb", "4"],
      "--shard-cache-gb does nothing with --dataset shards"),
-    ("moco", ["--dataset", "shards", "--data-dir", "s3://bucket/x", "--shard-cache-gb", "0"],
-     "--shard-cache-gb must be positive"),
+    ("moco", ["--dataset", "shards", "--data-dir", "s3://bucket/x", "--shard-cache-gb", "-1"],
+     "--shard-cache-gb must be >= 0"),
+    ("moco", ["--dataset", "shards", "--data-dir", "s3://bucket/x", "--store-timeout", "600"],
+     "--store-timeout 600 leaves a rank waiting for the store longer than its peers wait in a collective"),
+    ("moco", ["--dataset", "shards", "--data-dir", "s3://bucket/x", "--order", "samples"],
+     "--order samples would read every shard of s3://bucket/x in every batch"),
+    ("moco", ["--order", "shards"], "--order shards reads whole shards; --dataset digits has none"),
+    ("moco", ["--dataset", "shards", "--data-dir", "{three_classes}", "--store-timeout", "60"],
+     "--store-timeout does nothing with --dataset shards"),
     ("classifier", ["--dataset", "imagefolder", "--data-dir", "{three_classes}", "--aug-on", "loader", "--decode-on",
                     "device"], "--decode-on device needs --aug-on device"),
     ("classifier", ["--check-data"], "--check-data does nothing with --dataset digits"),
@@ -255,8 +262,17 @@ def test_a_bad_fault_plan_is_a_usage_error(tmp_path, capsys, monkeypatch):
 # ----------------------------------------------------------------------------- every numeric flag
 # Where 0 or -1 is a legal value (0 = off / auto / plain SGD; -1 workers = auto; any seed).
 ZERO_OK = {"image_size", "workers", "max_steps", "momentum", "weight_decay", "warmup_steps", "clip_grad",
-           "seed", "ckpt_every", "skip_nonfinite", "knn_every", "knn_bank_samples", "moco_m"}
+           "seed", "ckpt_every", "skip_nonfinite", "knn_every", "knn_bank_samples", "moco_m", "shard_cache_gb",
+           "shard_read_ahead"}
 NEGATIVE_OK = {"seed", "workers"}
+IN_A_BUCKET = ["--dataset", "shards", "--data-dir", "s3://bucket/x"]  # where the object store's flags apply
+
+
+def applying(name: str) -> list[str]:
+    """The flags a field's own flag needs to apply at all (the object store's: a bucket)."""
+    from ddp_utils.train.train_config import STORE_FLAGS
+
+    return IN_A_BUCKET if name in STORE_FLAGS else []
 
 
 def _numeric_cases():
@@ -290,7 +306,7 @@ def test_every_numeric_flag_at_zero_negative_nan_and_inf(capsys, script, name, v
     legal = value not in ("nan", "inf", "-inf") and (
         (value == "0" and name in ZERO_OK) or (value == "-1" and name in NEGATIVE_OK))
     try:
-        cfg = parse_config(cls, [f"{flag}={value}"])
+        cfg = parse_config(cls, [*applying(name), f"{flag}={value}"])
         cfg.validate(LaunchEnv("single", 0, 0, 1, 1), cuda_devices=0)
         problem = None
     except SystemExit:
@@ -358,7 +374,7 @@ def test_every_bound_is_refused_on_the_command_line_and_its_edge_accepted(capsys
 
     def run(cls, flag, value):
         try:
-            parse_args(cls, ["--device", "cpu", f"{flag}={value}"], "doc")
+            parse_args(cls, ["--device", "cpu", *applying(flag[2:].replace("-", "_")), f"{flag}={value}"], "doc")
             return 0, capsys.readouterr().err
         except SystemExit as stop:
             return stop.code, capsys.readouterr().err

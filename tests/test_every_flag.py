@@ -37,8 +37,14 @@ SHARED = {
     "normalization": (["--normalization", "cifar10-demo"], "refused"),
     "aug_on": (["--aug-on", "loader"], "weights"),
     "decode_on": (["--decode-on", "device"], "refused"),  # digits; on image files: tests/test_jpeg_path.py
-    "shard_cache_dir": (["--shard-cache-dir", "/tmp"], "refused"),  # digits; from a bucket: tests/test_object_store.py
-    "shard_cache_gb": (["--shard-cache-gb", "1"], "refused"),  # digits; from a bucket: tests/test_object_store.py
+    "order": (["--order", "shards"], "refused"),  # digits; on shards: tests/test_shards.py, tests/test_object_store.py
+    # digits; from a bucket: tests/test_object_store.py
+    "shard_cache_dir": (["--shard-cache-dir", "/tmp"], "refused"),
+    "shard_cache_gb": (["--shard-cache-gb", "1"], "refused"),
+    "shard_read_ahead": (["--shard-read-ahead", "1"], "refused"),
+    "shard_downloads": (["--shard-downloads", "1"], "refused"),
+    "store_timeout": (["--store-timeout", "60"], "refused"),
+    "keep_shard_cache": (["--keep-shard-cache"], "refused"),
     "workers": (["--workers", "1"], "log", ["--aug-on", "loader"]),  # the same batches, by design
     "arch": (["--arch", "small_cnn"], "weights"),
     "batch_size": (["--batch-size", "16"], "weights"),
@@ -112,15 +118,18 @@ _TIMES = re.compile(r"^\d\d:\d\d:\d\d |\d+(\.\d+)? s\b|[\d,]+ img/s|eta \S+|sha2
 # What a resume may do with each flag and each flag's --help section, declared with its field
 # (opt(group=..., on_resume=...)): pinned here, so that a change to them is a change of this file.
 FIXED = {"classifier": ("arch", "linear_probe", "probe_bn"), "moco": ("arch", "moco_dim", "moco_k", "mlp")}
-FREE = ("epochs", "max_steps", "data_dir", "shard_cache_dir", "shard_cache_gb", "download", "aug_on", "decode_on", "workers", "amp", "tf32", "deterministic",
-        "compile", "device", "dist_timeout", "ckpt_every", "keep_checkpoints", "skip_nonfinite", "log_every")
+FREE = ("epochs", "max_steps", "data_dir", "shard_cache_dir", "shard_cache_gb", "shard_read_ahead", "shard_downloads",
+        "store_timeout", "keep_shard_cache", "download", "aug_on", "decode_on", "workers", "amp", "tf32",
+        "deterministic", "compile", "device", "dist_timeout", "ckpt_every", "keep_checkpoints", "skip_nonfinite",
+        "log_every")
 FREE_OF = {"classifier": FREE, "moco": FREE + ("knn_k", "knn_t", "knn_features", "knn_every", "knn_bank_samples",
                                                "export_backbone")}
 INVOCATION = ("out", "resume", "overwrite", "allow_changes", "check", "check_data")
 NOT_FROM_FILE = ("resume", "overwrite", "allow_changes", "check", "check_data")
 SECTIONS = {
-    "data": ["dataset", "data_dir", "shard_cache_dir", "shard_cache_gb", "download", "image_size", "synthetic_samples", "augment", "normalization",
-             "aug_on", "decode_on", "workers"],
+    "data": ["dataset", "data_dir", "order", "shard_cache_dir", "shard_cache_gb", "shard_read_ahead", "shard_downloads",
+             "store_timeout", "keep_shard_cache", "download", "image_size", "synthetic_samples", "augment",
+             "normalization", "aug_on", "decode_on", "workers"],
     "model and optimisation": ["arch", "batch_size", "accum_steps", "epochs", "max_steps", "lr", "momentum",
                                "weight_decay", "lr_schedule", "lr_milestones", "warmup_steps", "clip_grad", "seed"],
     "precision and speed": ["amp", "tf32", "deterministic", "compile"],

@@ -35,10 +35,12 @@ from ddp_utils.data.image_files import (
     ImageFiles,
     UnreadableFiles,
     UnreadableImage,
+    data_fingerprint,
     decode_rgb,
     record_unreadable,
 )
-from ddp_utils.data.pipeline import ResumableDistributedSampler, SeededTransform, build_data
+from ddp_utils.data.order import ResumableDistributedSampler
+from ddp_utils.data.pipeline import SeededTransform, build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import moco_recipe
 from ddp_utils.runtime.dist import DistInfo
@@ -298,7 +300,9 @@ def test_the_log_config_json_and_checkpoint_say_what_auto_resolved_to(jpeg_folde
     record = json.loads((out / "config.json").read_text())
     assert {k: record["config"][k] for k in ("image_size", "workers", "aug_on")} == \
         {"image_size": 0, "workers": -1, "aug_on": "auto"}  # as asked: what a --config re-run reads
-    assert record["resolved"] == {"image_size": 224, "workers": workers, "aug_on": "loader", "decode_on": "loader"}
+    assert record["resolved"] == {"image_size": 224, "workers": workers, "aug_on": "loader", "decode_on": "loader",
+                                  "order": "samples", "data_fingerprint": data_fingerprint(
+                                      FolderListing.of(str(jpeg_folder / "train")), FolderListing.of(str(jpeg_folder / "val")))}
     assert load_ckpt(out / "checkpoint_last.pt")["resolved"] == record["resolved"]
     proc = in_process(train_classifier.main, ["--config", str(out / "config.json"), "--check", "--out",
                                               str(tmp_path / "again")], capsys)

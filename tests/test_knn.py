@@ -17,7 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddp_utils.eval.knn as knn
-from ddp_utils.data.pipeline import ShardedEvalSampler, data_loader
+from ddp_utils.data.order import ShardedEvalSampler
+from ddp_utils.data.pipeline import data_loader
 from ddp_utils.data.sets import bank_subset
 from ddp_utils.runtime.dist import DistInfo
 

@@ -205,43 +205,63 @@ def test_two_node_moco_job_with_srun(slurm, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_a_preempted_job_reading_from_a_bucket_requeues_empties_its_cache_and_ends_as_if_never_stopped(
-        slurm, bucket, s3_server, tmp_path):
-    """MoCo on 2 nodes from shards in an S3 server, USR1 mid-run: every rank stops after the same
-    step, rank 0 checkpoints, the job requeues itself, the requeued attempt empties each rank's
-    shard cache before it starts, both nodes resume at that step, and the run ends bit for bit as
-    the same run never stopped (on 2 ranks outside SLURM); every step is in TensorBoard once."""
+def test_a_job_from_a_bucket_requeues_itself_for_the_store_and_for_a_preemption_and_ends_as_never_stopped(
+        slurm, far, one_per_shard, s3_server, tmp_path):
+    """MoCo on 2 nodes from shards in an S3 server behind the far network. The store is cut at step 3
+    for longer than --store-timeout: every rank stops with exit 75 after a checkpoint, the job
+    script sees STORE_UNAVAILABLE and requeues the job. Once the store answers, the requeued attempt
+    empties each node's shard cache, resumes at that checkpoint, and is preempted with USR1: every
+    rank stops after the same step, rank 0 checkpoints, the job requeues itself again and resumes.
+    The run ends bit for bit as the same run never stopped (on 2 ranks outside SLURM); every step is
+    in TensorBoard once."""
+    proxy, env = far
+    _, bucket = one_per_shard
     args = ["--device", "cpu", "--dataset", "shards", "--data-dir", bucket, "--image-size", "32", "--batch-size",
-            "4", "--workers", "1", "--moco-k", "32", "--knn-every", "0", "--epochs", "20", "--log-every", "1"]
+            "4", "--workers", "1", "--moco-k", "32", "--knn-every", "0", "--epochs", "4", "--log-every", "1",
+            "--shard-read-ahead", "0", "--store-timeout", "3"]  # 9 steps an epoch; a node cache of 9 shards a rank
     whole = tmp_path / "whole"
     assert_ok(run_ranks("train_moco.py", args + ["--out", str(whole), "--shard-cache-dir", str(whole / "cache")],
                         tmp_path, env=s3_server))
-    out, log = tmp_path / "run", tmp_path / "job.log"
-    job = submit(slurm, "slurm_moco.sbatch", TWO_NODES,
-                 args + ["--out", str(out), "--shard-cache-dir", str(tmp_path / "cache")], log, wait=False,
-                 NPROC_PER_NODE="1")
-    job_id = job.stdout.readline().strip()
-    assert job_id.isdigit(), job.stderr.read() if job.poll() is not None else job_id
-    _wait_for(log, r"step (1[0-9])/80", timeout=180)
-    (cache,) = (tmp_path / "cache").iterdir()  # the job's: a folder per rank in it
-    left_behind = [cache / f"rank{rank}" / "shard-000000.tar.part-1" for rank in range(2)]  # as by a kill mid-download
-    for path in left_behind:
-        path.write_bytes(b"partial")
-    signal = slurm.run("scancel", "--signal=USR1", job_id)
-    assert signal.returncode == 0, signal.stderr
-    job.wait(timeout=400)
+    out, log, cache_dir = tmp_path / "run", tmp_path / "job.log", tmp_path / "cache"
+    proxy.set(latency_s=0.05)  # downloads spread over the steps: the cut meets those still to come
+    try:
+        job = submit(slurm, "slurm_moco.sbatch", TWO_NODES,
+                     args + ["--out", str(out), "--shard-cache-dir", str(cache_dir), "--keep-shard-cache"], log,
+                     wait=False, NPROC_PER_NODE="1", MAX_RESTARTS="0", AWS_ENDPOINT_URL=env["AWS_ENDPOINT_URL"])
+        job_id = job.stdout.readline().strip()
+        assert job_id.isdigit(), job.stderr.read() if job.poll() is not None else job_id
+        _wait_for(log, r"step 3/36", timeout=180)
+        proxy.cut(600)
+        _wait_for(log, rf"requeueing job {job_id}", timeout=180)
+        caches = sorted(cache_dir.iterdir())  # the job's: a folder per node, kept (--keep-shard-cache)
+        assert [cache.name.rsplit("-", 1)[1] for cache in caches] == ["node0", "node1"]
+        left_behind = [cache / "shard-000000.tar.part-1-1-100" for cache in caches]  # as by a kill mid-download
+        for path in left_behind:
+            path.write_bytes(b"partial")
+        proxy.end_cut()
+        _wait_for(log, r"\(restart 1\)[\s\S]*step (1[4-9]|2\d|3[0-4])/36", timeout=180)
+        signal = slurm.run("scancel", "--signal=USR1", job_id)
+        assert signal.returncode == 0, signal.stderr
+        job.wait(timeout=400)
+    finally:
+        proxy.end_cut()
+        proxy.set(latency_s=None)
     text = log.read_text()
     assert job.returncode == 0, job.stderr.read() + text
-    stopped = int(_wait_for_text(text, r"preempted \(SIGUSR1\): checkpoint written at step (\d+)").group(1))
-    assert f"requeueing job {job_id}" in text and re.search(r"\(restart 1\) on 2 node\(s\)", text)
-    resumed = int(_wait_for_text(text, r"resumed from .*: step (\d+)").group(1))
-    assert resumed == stopped and 10 <= stopped < 80  # from the preemption checkpoint, not from zero
+    cut = int(_wait_for_text(text, r"ERROR step (\d+) \(not taken\): s3://ddp-test/one-per-shard/train/shard-\d+\.tar: "
+                                   r"the object store did not answer").group(1))
+    assert f"[job] training stopped because the object store did not answer ({out}/STORE_UNAVAILABLE); " \
+           f"requeueing job {job_id}" in text, text
+    preempted = int(_wait_for_text(text, r"preempted \(SIGUSR1\): checkpoint written at step (\d+)").group(1))
+    assert re.search(r"\(restart 2\) on 2 node\(s\)", text)
+    resumed = [int(step) for step in re.findall(r"resumed from .*: step (\d+)", text)]
+    assert resumed == [cut - 1, preempted] and 3 < cut < preempted < 36  # each from its stop's checkpoint
     assert "encoders, queue and pointer identical on all 2 ranks" in text
-    assert not (out / "PREEMPTED").exists()
-    assert [s for s, _ in read_scalars(out / "tb")["train/loss"]] == list(range(1, 81))
-    assert_same_moco(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(whole / "checkpoint_last.pt"), steps=80)
+    assert not (out / "PREEMPTED").exists() and not (out / "STORE_UNAVAILABLE").exists()
+    assert [s for s, _ in read_scalars(out / "tb")["train/loss"]] == list(range(1, 37))
+    assert_same_moco(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(whole / "checkpoint_last.pt"), steps=36)
     assert not any(path.exists() for path in left_behind)  # the requeued attempt started with empty caches
-    assert all((cache / f"rank{rank}" / "downloads.txt").exists() for rank in range(2))
+    assert all((cache / "downloads.txt").exists() for cache in caches)
 
 
 @pytest.mark.slow

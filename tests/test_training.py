@@ -23,7 +23,7 @@ from helpers import (
 from memory_probe import peak_saved_bytes
 
 import train_classifier
-from ddp_utils.data.pipeline import ShardedEvalSampler
+from ddp_utils.data.order import ShardedEvalSampler
 from ddp_utils.train.optimization import LRSchedule
 
 CPU = ["--device", "cpu"]

@@ -5,10 +5,10 @@
    normalisation statistics).
 2. ``pipeline``: ``build_data(plan) -> Loaders``, the one way from a run's data plan to its
    batches. It loads the raw splits, chooses the path (below), and makes the training batches,
-   validation and MoCo's kNN bank with one function, on each rank's share: the samplers
-   (resumable training order, sharded evaluation; for a bucket, ``shard_order``'s order in which
-   each rank reads whole shards), per-sample seeding, the DataLoader (written
-   once), and the in-memory path's batches on the device (``DeviceBatches``).
+   validation and MoCo's kNN bank with one function, on each rank's share (``order``: the
+   samples order, or for shards the one in which each rank reads whole shards, each resumable
+   with its own state; sharded evaluation), per-sample seeding, the DataLoader (written once),
+   and the in-memory path's batches on the device (``DeviceBatches``).
 3. ``sets``: the raw splits (digits, CIFAR-10, synthetic noise, ImageFolder), the ``--debug``
    and kNN-bank subsets, in-memory splits as tensors.
 4. ``image_files``: ImageFolder's files (their ``FolderListing``, made once per job by rank 0 in
@@ -17,7 +17,8 @@
    files, the loader wrapper that records them, ``--check-data``'s check). ``ShardFiles`` reads
    the same files from an image folder's shards (``shards``: the layout ``write_shards.py``
    writes, its index, any sample by number), on a file system or in an S3 bucket
-   (``object_store``: the requests, each rank's bounded cache of whole shards).
+   (``object_store``: the requests and their faults; ``shard_cache``: the node's bounded cache of
+   whole shards, filled ahead of the reads by each rank's read-ahead).
 5. Then, on one of three paths:
 
    * in-memory data augmented on the device: ``pipeline.DeviceBatches`` gathers each batch from

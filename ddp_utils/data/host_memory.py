@@ -17,14 +17,11 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
-from io import BytesIO
-from typing import Sequence
 
-from PIL import Image
 from torch.utils.data import Dataset
 
 from ..config import UsageError
-from .image_files import device_decodable, image_files_of
+from .image_files import image_files_of
 
 TRAIN_PREFETCH = 2     # batches each training worker prepares ahead (DataLoader's prefetch_factor)
 EVAL_PREFETCH = 1      # batches each evaluation worker prepares ahead: the larger batches
@@ -97,39 +94,23 @@ def loader_memory(train: Dataset, *, batch_size: int, workers: int, views: int, 
                         workers=workers, kept=aug_on_device and not decode_on_device)
 
 
-def _sampled(files) -> Sequence[int]:
-    """A sample of at most SIZE_SAMPLE of the files' indices (``ImageFiles.size_sample``)."""
-    return files.size_sample(SIZE_SAMPLE)
+def _facts(files) -> list:
+    """What the headers of at most SIZE_SAMPLE files spread over the split say
+    (``ImageFiles.size_sample``, ``ImageFiles.file_facts``); files without one are left out."""
+    return [facts for facts in map(files.file_facts, files.size_sample(SIZE_SAMPLE)) if facts is not None]
 
 
 def mean_image_pixels(files) -> float:
     """Mean pixels per image over an even sample of the files, read from their headers."""
-    pixels = [w * h for w, h in filter(None, (_image_size(files, i) for i in _sampled(files)))]
+    pixels = [facts.size[0] * facts.size[1] for facts in _facts(files)]
     return sum(pixels) / len(pixels) if pixels else 0.0
 
 
 def mean_encoded_bytes(files) -> float:
     """Mean bytes per image of an ``--decode-on device`` batch over an even sample of the files:
     the file's, or the pixels' of a file its worker decodes (``image_files.device_decodable``)."""
-    sizes = []
-    for i in _sampled(files):
-        try:
-            data = files.bytes_of(i)
-        except OSError:
-            continue
-        size = None if device_decodable(data) else _image_size(files, i, data)
-        sizes.append(data.numel() if size is None else 3 * size[0] * size[1])
+    sizes = [facts.bytes if facts.device_decodable else 3 * facts.size[0] * facts.size[1] for facts in _facts(files)]
     return sum(sizes) / len(sizes) if sizes else 0.0
-
-
-def _image_size(files, index: int, data=None) -> tuple[int, int] | None:
-    """(width, height) of sample ``index`` from its header; None if it has none that PIL reads."""
-    try:
-        data = files.bytes_of(index) if data is None else data
-        with Image.open(BytesIO(data.numpy().tobytes())) as image:
-            return image.size
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-        return None  # no header: left out of the estimate
 
 
 def check_shared_memory(memory: LoaderMemory | None, ranks_on_node: int) -> None:

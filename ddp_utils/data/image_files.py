@@ -16,11 +16,14 @@ file, and the rank that met it would leave while its peers wait in a collective.
 black placeholder with target ``-1 - index``; :class:`RecordingUnreadable` finds such targets on
 the host, records the file in the run's :class:`UnreadableFiles` and hands on the batch with a
 valid target, so every rank finishes the step and the per-step agreement stops them together.
+A shard that an object store did not give travels the same way, and is recorded as the store's
+fault (``object_store.StoreError``), never as an image that cannot be decoded.
 """
 from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +39,8 @@ from torch.utils.data import Dataset, Subset
 
 from ..config import UsageError
 from ..runtime.collectives import all_gather_object
-from .object_store import ShardCache, is_object_store
+from .object_store import StoreError, is_object_store
+from .shard_cache import NodeCache
 from .shards import ShardIndex, ShardReader
 
 PLACEHOLDER_SIDE = 8  # px: the placeholder's side (any transform resizes it)
@@ -68,6 +72,15 @@ class FolderListing:
         return cls(listing.root, tuple(listing.classes), "\0".join(path[cut:] for path, _ in listing.samples),
                    np.array([target for _, target in listing.samples], dtype=np.int32))
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """sha256 of the classes, paths and targets: what identifies the files listed (wherever
+        the folder lies)."""
+        digest = hashlib.sha256("\0".join(self.classes).encode())
+        digest.update(self.paths.encode())
+        digest.update(self.targets.astype("<i4").tobytes())
+        return digest.hexdigest()
+
     def samples(self) -> list[tuple[str, int]]:
         """ImageFolder's ``samples``: (path, class index) per file, the paths as it writes them."""
         if not self.paths:
@@ -90,6 +103,7 @@ class ImageFiles(Dataset):
 
     def __init__(self, listing: FolderListing):
         self.root, self.classes, self.samples = listing.root, list(listing.classes), listing.samples()
+        self.fingerprint = listing.fingerprint  # what identifies these files (data_fingerprint)
 
     def reading(self, read: str) -> ImageFiles:
         """The same files, read as ``read``."""
@@ -105,6 +119,16 @@ class ImageFiles(Dataset):
     def size_sample(self, count: int) -> Sequence[int]:
         """At most ``count`` indices spread evenly over the files, whose sizes stand for all."""
         return range(0, len(self), max(1, len(self) // count))[:count]
+
+    def file_facts(self, index: int) -> FileFacts | None:
+        """Sample ``index``'s bytes, size in pixels and whether the device decoder takes it, read
+        from the file's header; None when it cannot be read or has no header PIL knows."""
+        try:
+            data = self.bytes_of(index)
+            with Image.open(BytesIO(data.numpy().tobytes())) as image:
+                return FileFacts(data.numel(), image.size, device_decodable(data))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+            return None
 
     def first_samples(self, count: int) -> Sequence[int]:
         """``count`` samples to show (TensorBoard's augmentation preview): the first ones."""
@@ -129,7 +153,7 @@ class ImageFiles(Dataset):
         target = self.target(index)
         try:
             return self._load(index), target
-        except (UnreadableImage, OSError, RuntimeError, SyntaxError, ValueError):
+        except (UnreadableImage, StoreError, OSError, RuntimeError, SyntaxError, ValueError):
             if self.read == "pil":
                 return Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE)), -1 - index
             return torch.zeros((3, PLACEHOLDER_SIDE, PLACEHOLDER_SIDE), dtype=torch.uint8), -1 - index
@@ -143,13 +167,22 @@ class ImageFiles(Dataset):
         return decode_cpu(data)
 
 
+@dataclass(frozen=True)
+class FileFacts:
+    """What start-up needs of an image file to bound the workers' memory."""
+
+    bytes: int
+    size: tuple[int, int]   # (width, height), px
+    device_decodable: bool  # :func:`device_decodable`
+
+
 class ShardFiles(ImageFiles):
     """The files of one split written by ``write_shards.py`` (``shards.ShardIndex``), read from
     the shards by their number (``shards.ShardReader``), in the folder's order: everything else
     as :class:`ImageFiles`. A sample is named by its original path and its shard."""
 
-    def __init__(self, index: ShardIndex, cache: ShardCache | None = None):
-        self.root, self.classes, self.index = index.root, list(index.classes), index
+    def __init__(self, index: ShardIndex, cache: NodeCache | None = None):
+        self.root, self.classes, self.index, self.fingerprint = index.root, list(index.classes), index, index.fingerprint
         self.reader = ShardReader(index, cache)  # cache: where shards from an object store are kept
 
     def __len__(self) -> int:
@@ -163,7 +196,18 @@ class ShardFiles(ImageFiles):
         return super().first_samples(count)
 
     def size_sample(self, count: int) -> Sequence[int]:
-        return self.first_samples(count) if is_object_store(self.root) else super().size_sample(count)
+        """Spread over the files when the index gives their sizes (nothing is read for them);
+        else, from an object store, the first shard's (one download)."""
+        if is_object_store(self.root) and self.index.width is None:
+            return self.first_samples(count)
+        return super().size_sample(count)
+
+    def file_facts(self, index: int) -> FileFacts | None:
+        """From the index where it has them (written by ``write_shards.py``), else from the header."""
+        if self.index.width is None:
+            return super().file_facts(index)
+        return FileFacts(int(self.index.size[index]), (int(self.index.width[index]), int(self.index.height[index])),
+                         bool(self.index.device_decodable[index]))
 
     def name(self, index: int) -> str:
         shard = self.index.shards[int(self.index.shard[index])]["name"]
@@ -192,6 +236,12 @@ class ShardFiles(ImageFiles):
             return decode_rgb_bytes(self.bytes_of(index).numpy().tobytes(), "")
         except UnreadableImage as err:  # named here only: a name is a walk through every path
             raise UnreadableImage(self.name(index), err.reason) from None
+
+
+def data_fingerprint(train: FolderListing | ShardIndex, val: FolderListing | ShardIndex) -> str:
+    """What identifies a run's image files, both splits (their listings, or their shards'
+    indexes): a checkpoint records it, and a resume on other files is refused."""
+    return hashlib.sha256(f"{train.fingerprint}\0{val.fingerprint}".encode()).hexdigest()[:16]
 
 
 def underlying(ds: Dataset) -> Dataset:
@@ -347,7 +397,8 @@ def _reason(err: Exception, empty: bool) -> str:
 
 def decode_problem(files: ImageFiles, index: int) -> UnreadableImage | None:
     """Why sample ``index`` cannot be decoded (PIL's reason, or why its bytes could not be read:
-    a shard cut short), or None when it decodes."""
+    a shard cut short), or None when it decodes. A shard the object store does not give raises
+    its :class:`object_store.StoreError`."""
     try:
         files.decode_pil(index)
     except UnreadableImage as err:
@@ -363,25 +414,23 @@ def why_unreadable(files: ImageFiles, index: int) -> UnreadableImage:
                                                            "could not be decoded where the run decoded it")
 
 
-def unreadable_in(files: ImageFiles, targets: Tensor) -> list[UnreadableImage]:
-    """The files behind the placeholder targets of a batch (a host tensor), with their reasons."""
-    return [why_unreadable(files, -1 - code) for code in targets[targets < 0].tolist()]
-
-
 @dataclass
 class UnreadableFiles:
-    """The files this rank could not decode so far (training, evaluation and kNN-bank batches)."""
+    """What this rank could not read so far (training, evaluation and kNN-bank batches): files
+    it could not decode, and shards the object store did not give (``store_faults``)."""
 
     found: list[UnreadableImage] = field(default_factory=list)
+    store_faults: list[StoreError] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.found)
+        return bool(self.found or self.store_faults)
 
-    def on_every_rank(self) -> list[UnreadableImage]:
-        """Every rank's files, each once (every rank must call: one all_gather_object)."""
-        everyone = all_gather_object([(e.path, e.reason) for e in self.found])
-        unique = dict.fromkeys(item for rank in everyone for item in rank)
-        return [UnreadableImage(path, reason) for path, reason in unique]
+    def on_every_rank(self) -> tuple[list[UnreadableImage], list[StoreError]]:
+        """Every rank's files and store faults, each once (every rank must call: one all_gather_object)."""
+        everyone = all_gather_object(([(e.path, e.reason) for e in self.found], self.store_faults))
+        unique = dict.fromkeys(item for files, _ in everyone for item in files)
+        faults = {str(fault): fault for _, rank_faults in everyone for fault in rank_faults}
+        return [UnreadableImage(path, reason) for path, reason in unique], list(faults.values())
 
 
 class RecordingUnreadable:
@@ -401,11 +450,16 @@ class RecordingUnreadable:
         return _Recorded(iter(self.batches), self)
 
     def record(self, batch: list | tuple) -> list | tuple:
-        """``batch`` with each placeholder target replaced by a valid label, its file recorded."""
+        """``batch`` with each placeholder target replaced by a valid label, its file recorded
+        (or the store's fault that kept it from being read)."""
         targets = batch[1]
         if not (targets < 0).any():  # a host tensor: no device is read
             return batch
-        self.unreadable.found += unreadable_in(self.files, targets)
+        for code in targets[targets < 0].tolist():
+            try:
+                self.unreadable.found.append(why_unreadable(self.files, -1 - code))
+            except StoreError as fault:
+                self.unreadable.store_faults.append(fault)
         return [batch[0], targets.clamp(min=0), *batch[2:]]
 
 

@@ -14,10 +14,11 @@ bank alike, the evaluation ones with ``recipes.eval_recipe``), on one of three p
 * the loader path (the reference): workers run torchvision's per-sample transforms
   (``transforms.view_transform``).
 
-Randomness: data order comes from ``DistributedSampler`` (seed + epoch, identical on every rank,
-then sharded), or, for shards in an object store, from ``shard_order`` (each rank reads whole
-shards); augmentation is a function of (seed, epoch, sample index), so a resumed or
-re-sharded run applies exactly the crops and flips of an uninterrupted one.
+Randomness: data order comes from ``order`` (the samples order: one permutation shared out,
+as ``DistributedSampler``'s; or, for shards, the shards order, in which each rank reads whole
+shards); augmentation is a function of (seed, epoch, sample index), so a resumed or re-sharded
+run applies exactly the crops and flips of an uninterrupted one. Shards in an object store are
+read through the node's cache, filled ahead by each rank's read-ahead (``shard_cache``).
 """
 from __future__ import annotations
 
@@ -25,12 +26,12 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence, Sized, TypeAlias
+from typing import TYPE_CHECKING, Callable, Iterable, TypeAlias
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from .. import hashing
 from ..config import UsageError
@@ -44,17 +45,37 @@ from .image_files import (
     read_as,
     record_unreadable,
 )
-from .object_store import DEFAULT_CACHE_GB, ShardCache
+from .order import SHARDS_IN_USE, Key, ResumableDistributedSampler, ShardAwareSampler, ShardedEvalSampler
 from .recipes import AugmentRecipe, eval_recipe
 from .sets import bank_subset, in_memory_tensors, load_raw_splits, num_classes_of
-from .shard_order import ShardAwareSampler, shard_aware
+from .shard_cache import NodeCache, ReadAhead, ReadAheadLoader, SplitShards
 
 if TYPE_CHECKING:
     from .files_on_device import FinishOnDevice
 
 Batches: TypeAlias = "DataLoader | RecordingUnreadable | DeviceBatches | FinishOnDevice"  # one path's batches
 log = logging.getLogger("train")
-Key = tuple[int, int]  # (epoch, sample index): what the training sampler yields
+
+
+@dataclass(frozen=True)
+class StoreCache:
+    """Shards read from an object store: how each node keeps them (``shard_cache``)."""
+
+    folder: str          # the job's cache folder; each node's is below it
+    gb: float            # GB of disk a node's cache may fill; 0: what its ranks' read-ahead needs
+    read_ahead: int      # shards a rank downloads beyond what its workers read
+    downloads: int       # downloads at once per rank
+    timeout: float       # s a fault of the store is waited out before the run stops (exit 75)
+    keep: bool = False   # keep the node's folder when the run ends
+
+    def node_folder(self, node: int) -> str:
+        return f"{self.folder}-node{node}"
+
+    def node_bytes(self, largest_shard: int, ranks_on_node: int) -> int:
+        """The most a node's cache holds: ``gb``, or (0) its ranks' shards in use and read ahead."""
+        if self.gb:
+            return int(self.gb * 1e9)
+        return ranks_on_node * (SHARDS_IN_USE + self.read_ahead) * largest_shard
 
 
 @dataclass(frozen=True)
@@ -75,8 +96,8 @@ class DataPlan:
     aug_on_device: bool
     decode_on_device: bool = False
     bank_samples: int | None = None  # MoCo's kNN bank: this many training samples (0: all); None: no bank
-    shard_cache: str = ""            # shards from an object store: the job's local cache (a folder per rank below)
-    shard_cache_gb: float = DEFAULT_CACHE_GB  # GB, the most each rank's cache holds
+    order: str = "samples"           # the training order: "samples" or "shards" (``order``)
+    store: StoreCache | None = None  # shards from an object store: the node's cache
     # An image folder's train and val listings, made once for the job (train.preflight); None: listed here
     listings: tuple[FolderListing, FolderListing] | None = field(default=None, repr=False, compare=False)
 
@@ -92,7 +113,15 @@ class Loaders:
     train_sampler: ResumableDistributedSampler | ShardAwareSampler
     train_set: Dataset    # the raw training split
     num_classes: int
-    unreadable: UnreadableFiles = field(default_factory=UnreadableFiles)  # files this rank could not decode
+    unreadable: UnreadableFiles = field(default_factory=UnreadableFiles)  # what this rank could not read
+    read_ahead: ReadAhead | None = None  # shards from an object store: this rank's downloads
+
+    def close(self) -> None:
+        """Shards from an object store: stop downloading, let this rank's holds go, and (the
+        node's last rank, unless the plan keeps it) delete the node's cache."""
+        if self.read_ahead is not None:
+            self.read_ahead.close()
+            self.read_ahead.cache.leave(keep=self.plan.store.keep)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -120,15 +149,11 @@ class Loaders:
             batch = recorder.record(batch)
         return _as_list(batch[0])
 
-    def set_epoch(self, epoch: int, skip_batches: int = 0, earlier: Sequence[Sequence[int]] = ()) -> None:
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Reshuffle for ``epoch`` (augmentation follows: the epoch travels with each index);
-        skip the batches a checkpoint consumed. ``earlier``: the epoch's segments at other world
-        sizes, (world size, batch size, batches), which only the shard-aware order has
-        (``shard_order``)."""
-        if isinstance(self.train_sampler, ShardAwareSampler):
-            self.train_sampler.set_epoch(epoch, skip=skip_batches * self.train.batch_size, earlier=earlier)
-        else:
-            self.train_sampler.set_epoch(epoch, skip=skip_batches * self.train.batch_size)
+        skip the batches a checkpoint consumed."""
+        self.train_sampler.set_epoch(epoch, skip=skip_batches * self.train.batch_size)
+
 
 
 def _as_list(views) -> list[torch.Tensor]:
@@ -151,9 +176,16 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
                ) -> Loaders:
     """Every rank's batches for ``plan``: training (sharded, shuffled, drop_last; resumable),
     evaluation (sharded, each sample once) and, with ``plan.bank_samples`` set, the kNN bank.
-    Bad input when ``/dev/shm`` cannot hold the workers' batches of ``ranks_on_node`` ranks."""
-    cache = shard_cache_of(plan, rank)
+    Bad input when ``/dev/shm`` cannot hold the workers' batches of ``ranks_on_node`` ranks.
+    Shards from an object store come through the node's cache (the node: ranks
+    ``ranks_on_node`` at a time), which the caller leaves with :meth:`Loaders.close`."""
+    cache = node_cache_of(plan, rank, ranks_on_node)
     train_raw, val_raw = raw_splits(plan, cache)
+    read_ahead = None
+    if cache is not None:
+        largest = max(shard["bytes"] for split in (train_raw, val_raw) for shard in image_files_of(split).index.shards)
+        cache.capacity = plan.store.node_bytes(largest, ranks_on_node)
+        read_ahead = ReadAhead(cache, plan.store.read_ahead, plan.store.downloads, cache.capacity // ranks_on_node)
     check_shared_memory(plan_memory(plan, train_raw), ranks_on_node)
     unreadable = UnreadableFiles()
     held = _held_on_device(plan, train_raw, val_raw, device)
@@ -161,47 +193,51 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
         log.info("data: the training split held on %s, batches made there%s", device,
                  f" (--workers {plan.workers} unused)" if plan.workers else "")
 
-    def batches(raw: Dataset, sampler: Iterable, kind: _Kind) -> Batches:  # image files: undecodable ones recorded
-        return record_unreadable(_batches(raw, sampler, kind, plan=plan, device=device, held=held), raw, unreadable)
+    def batches(raw: Dataset, sampler, kind: _Kind) -> Batches:  # image files: undecodable ones recorded
+        ahead = _Ahead(read_ahead, split_shards(raw), sampler) if read_ahead is not None else None
+        made = _batches(raw, sampler, kind, plan=plan, device=device, held=held, ahead=ahead)
+        return record_unreadable(made, raw, unreadable)
 
-    sampler = training_sampler(plan, train_raw, world_size, rank)
+    sampler = training_order(plan, train_raw, world_size, rank)
     train = batches(train_raw, sampler, _Kind(plan.recipe, plan.views, plan.seed, plan.batch_size, train=True))
     require_a_batch(len(train), len(train_raw), world_size, plan.batch_size)
     evaluation = _Kind(eval_recipe(plan.dataset, plan.normalization), views=1, seed=0, train=False,
                        batch_size=eval_batch_size(plan.batch_size, image_files_of(train_raw) is not None))
 
     def eval_batches(raw: Dataset) -> Batches:  # validation and the kNN bank, on every path
-        by_shard = shards_of(raw) if cache is not None else None  # from an object store: few shards a rank
+        by_shard = shards_of(raw) if plan.order == "shards" else None  # the shards order: few shards a rank
         return batches(raw, ShardedEvalSampler(raw, world_size, rank, by_shard), evaluation)
 
     bank = None
     if plan.bank_samples is not None:
         bank = eval_batches(bank_subset(train_raw, plan.bank_samples, plan.seed) if plan.bank_samples else train_raw)
-    return Loaders(plan, train, eval_batches(val_raw), bank, sampler, train_raw, num_classes_of(train_raw), unreadable)
+    return Loaders(plan, train, eval_batches(val_raw), bank, sampler, train_raw, num_classes_of(train_raw),
+                   unreadable, read_ahead)
 
 
-def raw_splits(plan: DataPlan, shard_cache: ShardCache | None = None) -> tuple[Dataset, Dataset]:
+def raw_splits(plan: DataPlan, shard_cache: NodeCache | None = None) -> tuple[Dataset, Dataset]:
     """The plan's train and val splits as stored, before any transform (``--check`` reads them
-    too); shards from an object store kept in ``shard_cache``."""
+    too); shards from an object store read through ``shard_cache``."""
     return load_raw_splits(plan.dataset, plan.data_dir, plan.image_size, plan.synthetic_samples, plan.debug,
                            plan.listings, shard_cache)
 
 
-def training_sampler(plan: DataPlan, train_raw: Dataset, world_size: int, rank: int
-                     ) -> ResumableDistributedSampler | ShardAwareSampler:
-    """Rank ``rank``'s order of the training split: the shard-aware one for shards in an object
-    store (each rank reads whole shards), else one permutation of the samples shared out."""
-    if shard_aware(plan.dataset, plan.data_dir):
-        return ShardAwareSampler(shards_of(train_raw), world_size, rank, plan.seed)
-    return ResumableDistributedSampler(train_raw, world_size, rank, plan.seed)
+def training_order(plan: DataPlan, train_raw: Dataset, world_size: int, rank: int
+                   ) -> ResumableDistributedSampler | ShardAwareSampler:
+    """Rank ``rank``'s order of the training split, the plan's (``order``): the shards order
+    (each rank reads whole shards), or one permutation of the samples shared out."""
+    if plan.order == "shards":
+        return ShardAwareSampler(shards_of(train_raw), world_size, rank, plan.seed, plan.batch_size)
+    return ResumableDistributedSampler(train_raw, world_size, rank, plan.seed, plan.batch_size)
 
 
-def shard_cache_of(plan: DataPlan, rank: int) -> ShardCache | None:
-    """Rank ``rank``'s cache of shards from an object store, emptied of what an earlier attempt
-    of the job left there; None for data on a file system."""
-    if not shard_aware(plan.dataset, plan.data_dir):
+def node_cache_of(plan: DataPlan, rank: int, ranks_on_node: int) -> NodeCache | None:
+    """This rank's view of its node's cache of shards from an object store (the node's local
+    rank 0 empties it at start: ``train.preflight``); None for data on a file system. Its
+    capacity is set once the shards' sizes are known."""
+    if plan.store is None:
         return None
-    return ShardCache(os.path.join(plan.shard_cache, f"rank{rank}"), int(plan.shard_cache_gb * 1e9)).start_empty()
+    return NodeCache(plan.store.node_folder(rank // ranks_on_node), 0, rank, plan.store.timeout)
 
 
 def shards_of(raw: Dataset) -> np.ndarray:
@@ -209,6 +245,28 @@ def shards_of(raw: Dataset) -> np.ndarray:
     files = image_files_of(raw)
     shard_of = files.index.shard  # type: ignore[union-attr]
     return shard_of[np.asarray(raw.indices)] if isinstance(raw, Subset) else shard_of
+
+
+def split_shards(raw: Dataset) -> SplitShards:
+    """Where each sample of ``raw`` (``ShardFiles`` or a Subset of it) lies, for a read-ahead."""
+    return SplitShards(shards_of(raw), image_files_of(raw).index.refs())  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """A loader's part in its rank's read-ahead: where its samples lie, and its sampler (a
+    training sampler names its next epoch's samples)."""
+
+    read_ahead: ReadAhead
+    shards: SplitShards
+    sampler: Iterable
+
+    def loader_args(self) -> dict:
+        next_epoch = None
+        if isinstance(self.sampler, ShardAwareSampler):
+            def next_epoch() -> np.ndarray:
+                return self.sampler.indices_of_epoch(self.sampler.epoch + 1)
+        return {"read_ahead": self.read_ahead, "shards": self.shards, "next_epoch": next_epoch}
 
 
 def _held_on_device(plan: DataPlan, train_raw: Dataset, val_raw: Dataset, device: torch.device) -> dict:
@@ -222,9 +280,10 @@ def _held_on_device(plan: DataPlan, train_raw: Dataset, val_raw: Dataset, device
 
 
 def _batches(raw: Dataset, sampler: Iterable, kind: _Kind, *, plan: DataPlan, device: torch.device,
-             held: dict) -> Batches:
+             held: dict, ahead: _Ahead | None = None) -> Batches:
     """``kind`` of batch of ``raw`` in ``sampler``'s order, on the plan's path (see the module
-    docstring); ``held``: the splits :func:`_held_on_device` put there."""
+    docstring); ``held``: the splits :func:`_held_on_device` put there; ``ahead``: shards from an
+    object store, read ahead."""
     size = plan.image_size
     augment = DeviceAugment(BatchAugment(kind.recipe, size), kind.seed, kind.views)  # the device paths'
     if held:  # in-memory data; the kNN bank, a subset of the training split, is batched from its tensor
@@ -242,31 +301,35 @@ def _batches(raw: Dataset, sampler: Iterable, kind: _Kind, *, plan: DataPlan, de
         data = SeededTransform(read_as(raw, "encoded" if plan.decode_on_device else "decoded"), None, kind.seed,
                                with_key=True)
         loader = data_loader(data, sampler, batch_size=kind.batch_size, workers=plan.workers,
-                             pin_memory=device.type == "cuda", train=kind.train, collate=collate_files)
+                             pin_memory=device.type == "cuda", train=kind.train, collate=collate_files, ahead=ahead)
         return FinishOnDevice(loader, augment, device, read_as(raw, "decoded"))
     from .transforms import TwoCrops, view_transform
 
     view = view_transform(kind.recipe, plan.dataset, size)
     data = SeededTransform(raw, view if kind.views == 1 else TwoCrops(view), kind.seed)
     loader = data_loader(data, sampler, batch_size=kind.batch_size, workers=plan.workers,
-                         pin_memory=device.type == "cuda", train=kind.train)
+                         pin_memory=device.type == "cuda", train=kind.train, ahead=ahead)
     return loader
 
 
 def data_loader(data: Dataset, sampler: Iterable, *, batch_size: int, workers: int, pin_memory: bool, train: bool,
-                collate: Callable | None = None) -> DataLoader:
+                collate: Callable | None = None, ahead: _Ahead | None = None) -> DataLoader:
     """``data`` in ``sampler``'s order, ``batch_size`` samples a batch, ``collate`` (default:
     torch's) making each. Training (``train``): full batches only (every micro-batch has
     batch_size samples, so the 1/window loss scale is exact) and a resident pool of workers,
     each preparing ``TRAIN_PREFETCH`` batches ahead; evaluation: every sample, its workers
     started for each pass and gone after it, ``EVAL_PREFETCH`` batches ahead each (its batches
-    are the larger)."""
+    are the larger). ``ahead``: shards from an object store, whose rank's read-ahead each pass
+    tells its order (``shard_cache.ReadAheadLoader``)."""
     prefetch = TRAIN_PREFETCH if train else EVAL_PREFETCH
     # Each iterator draws its workers' base seed from a generator of its own: from the global RNG,
     # a resumed run would shift its position.
-    return DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=train, num_workers=workers,
-                      pin_memory=pin_memory, persistent_workers=train and workers > 0, collate_fn=collate,
-                      prefetch_factor=prefetch if workers else None, generator=torch.Generator().manual_seed(0))
+    settings = dict(batch_size=batch_size, sampler=sampler, drop_last=train, num_workers=workers,
+                    pin_memory=pin_memory, persistent_workers=train and workers > 0, collate_fn=collate,
+                    prefetch_factor=prefetch if workers else None, generator=torch.Generator().manual_seed(0))
+    if ahead is not None:
+        return ReadAheadLoader(data, **settings, **ahead.loader_args())
+    return DataLoader(data, **settings)
 
 
 def worker_start_hazard(workers: int, version: tuple[int, ...] = tuple(sys.version_info[:3])) -> str | None:
@@ -324,47 +387,6 @@ class SeededTransform(Dataset):
                 torch.default_generator.manual_seed(hashing.seed(self.seed, epoch, index))
                 image = self.transform(image)
         return (image, target, epoch, index) if self.with_key else (image, target)
-
-
-class ResumableDistributedSampler(DistributedSampler):
-    """``DistributedSampler`` that can start an epoch part-way, after the samples a checkpoint
-    already consumed, so a resumed run sees exactly the batches it had not seen yet."""
-
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        self.skip = 0
-
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        super().set_epoch(epoch)
-        self.skip = skip
-
-    def __iter__(self) -> Iterator[Key]:
-        """(epoch, index) pairs: the epoch travels with each index (see SeededTransform)."""
-        indices = list(super().__iter__())
-        return iter([(self.epoch, i) for i in indices[self.skip:]])
-
-    def __len__(self) -> int:
-        return self.num_samples - self.skip
-
-
-class ShardedEvalSampler(Sampler[int]):
-    """Rank r takes samples r, r+W, r+2W, ... (with ``shard_of``, each sample's shard: the r-th
-    of W consecutive runs of the samples ordered by shard, so that it reads few shards): every
-    sample exactly once, no padding duplicates (``DistributedSampler`` pads, which would count
-    some validation samples twice)."""
-
-    def __init__(self, data: Sized, num_replicas: int, rank: int, shard_of: np.ndarray | None = None):
-        if shard_of is None:
-            self.indices = range(rank, len(data), num_replicas)
-        else:
-            by_shard = np.argsort(shard_of, kind="stable")
-            self.indices = by_shard[len(data) * rank // num_replicas:len(data) * (rank + 1) // num_replicas].tolist()
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
 
 
 # ----------------------------------------------------------------------------- in-memory data on the device

@@ -19,7 +19,8 @@ from torch.utils.data import Dataset, Subset
 from .. import hashing
 from ..config import UsageError
 from .image_files import FolderListing, ImageFiles, ShardFiles, underlying
-from .object_store import ShardCache, check_address, is_object_store
+from .object_store import check_address, is_object_store
+from .shard_cache import NodeCache
 from .shards import INDEX as SHARD_INDEX
 from .shards import ShardIndex
 
@@ -140,7 +141,7 @@ def download_cifar10(data_dir: str) -> None:
 
 
 def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_samples: int = 2048,
-               listing: FolderListing | ShardIndex | None = None, shard_cache: ShardCache | None = None) -> Dataset:
+               listing: FolderListing | ShardIndex | None = None, shard_cache: NodeCache | None = None) -> Dataset:
     """The raw split (no transform): tensors for digits/synthetic, PIL images otherwise (RGB;
     ImageFolder's files as :class:`ImageFiles` reads them, its shards as :class:`ShardFiles` does,
     from ``listing`` when the job listed or read the split already, else here; shards from an
@@ -165,9 +166,12 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int, synthetic_sa
     raise ValueError(f"unknown dataset {dataset!r}")
 
 
-def list_image_files(dataset: str, data_dir: str, train: bool) -> FolderListing | ShardIndex:
-    """The split's list of image files: an image folder's listing, or its shards' index."""
-    return list_image_split(data_dir, train) if dataset == "imagefolder" else read_shard_split(data_dir, train)
+def list_image_files(dataset: str, data_dir: str, train: bool, patience: float = 0.0) -> FolderListing | ShardIndex:
+    """The split's list of image files: an image folder's listing, or its shards' index (an
+    object store's transient fault waited out for ``patience`` seconds)."""
+    if dataset == "imagefolder":
+        return list_image_split(data_dir, train)
+    return read_shard_split(data_dir, train, patience)
 
 
 def list_image_split(data_dir: str, train: bool) -> FolderListing:
@@ -181,14 +185,14 @@ def list_image_split(data_dir: str, train: bool) -> FolderListing:
                          f"folder needs at least one image") from None
 
 
-def read_shard_split(data_dir: str, train: bool) -> ShardIndex:
+def read_shard_split(data_dir: str, train: bool, patience: float = 0.0) -> ShardIndex:
     """``DIR/train`` or ``DIR/val`` as ``write_shards.py`` wrote it, its shards checked (bad input
     for a missing or truncated shard, or an index of another format)."""
-    return ShardIndex.read(f"{data_dir.rstrip('/')}/{'train' if train else 'val'}")
+    return ShardIndex.read(f"{data_dir.rstrip('/')}/{'train' if train else 'val'}", patience)
 
 
 def load_raw_splits(dataset: str, data_dir: str, image_size: int, synthetic_samples: int = 2048,
-                    debug: bool = False, listings: tuple | None = None, shard_cache: ShardCache | None = None
+                    debug: bool = False, listings: tuple | None = None, shard_cache: NodeCache | None = None
                     ) -> tuple[Dataset, Dataset]:
     """Train and val splits without transforms (CIFAR-10 must be on disk already; image files
     from ``listings``, train's and val's, when the job listed or read them already:

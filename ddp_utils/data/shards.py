@@ -13,9 +13,11 @@ Layout of ``DST/train/`` (and ``DST/val/``), as ``write_shards.py`` writes it:
   left out (``write_shards.py --skip-unreadable``).
 * ``records.npz`` (numpy's own format): one row per sample, in the folder's order: its shard,
   the byte offset and size of its image inside that tar, its class and its index in the folder's
-  listing; and the paths, NUL-separated. It is what makes sample ``i`` one ``pread`` of a shard
-  already open, so a training run keeps its own order (the project's sampler) and opens each
-  shard once per process, not a file per image.
+  listing; its image's width and height and whether the device decoder takes it (what start-up
+  needs to bound the workers' memory, so that nothing is read for it); and the paths,
+  NUL-separated. It is what makes sample ``i`` one ``pread`` of a shard already open, so a
+  training run keeps its own order (the project's sampler) and opens each shard once per
+  process, not a file per image.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ import torch
 from torch import Tensor
 
 from ..config import UsageError
-from .object_store import DEFAULT_CACHE_GB, ShardCache, StorePrefix, is_object_store
+from .object_store import StorePrefix, is_object_store
+from .shard_cache import NodeCache, ShardRef
 
 FORMAT, VERSION = "ddp-image-shards", 1
 INDEX, RECORDS = "index.json", "records.npz"
@@ -94,14 +97,16 @@ class LocalSplit:
         path = self.root / name
         return path.read_bytes() if path.is_file() else None
 
-    def sizes(self) -> dict[str, int]:
-        return {entry.name: entry.stat().st_size for entry in self.root.iterdir() if entry.is_file()} \
+    def objects(self) -> dict[str, tuple[int, str]]:
+        """{name: (bytes, "")} of the folder's files (a file system has no ETags)."""
+        return {entry.name: (entry.stat().st_size, "") for entry in self.root.iterdir() if entry.is_file()} \
             if self.root.is_dir() else {}
 
 
 @dataclass(frozen=True)
 class ShardIndex:
-    """One split's ``index.json`` and ``records.npz``, checked against the shards on disk."""
+    """One split's ``index.json`` and ``records.npz``, checked against the shards where they
+    are, with each shard's ETag as the listing gave it (an object store's; "" on a file system)."""
 
     root: str
     classes: tuple[str, ...]
@@ -112,13 +117,19 @@ class ShardIndex:
     label: np.ndarray    # int32 per sample
     index: np.ndarray    # int64 per sample: its index in the folder's listing
     paths: str           # per sample, its path below the split folder, NUL between two
+    etags: tuple[str, ...] = ()  # per shard
+    fingerprint: str = ""        # sha256 of index.json and records.npz: the data a run read
+    width: np.ndarray | None = None   # int32 per sample, px (None: an index written without them)
+    height: np.ndarray | None = None  # int32 per sample, px
+    device_decodable: np.ndarray | None = None  # bool per sample (image_files.device_decodable)
 
     @classmethod
-    def read(cls, root: str) -> ShardIndex:
+    def read(cls, root: str, patience: float = 0.0) -> ShardIndex:
         """The split at ``root`` (a folder, or ``s3://BUCKET/PREFIX/train``); bad input (one
         line) when its index is missing or foreign, or a shard is missing or of another size than
-        the index says (truncated, replaced)."""
-        split = StorePrefix(root) if is_object_store(root) else LocalSplit(root)
+        the index says (truncated, replaced). A store's transient fault is waited out for
+        ``patience`` seconds (0: reported at once)."""
+        split = StorePrefix(root, patience) if is_object_store(root) else LocalSplit(root)
         raw_meta = split.read(INDEX)
         if raw_meta is None:
             raise UsageError(f"{root}: no {INDEX}; write the shards with: python write_shards.py SRC DST")
@@ -126,9 +137,9 @@ class ShardIndex:
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise UsageError(f"{root}/{INDEX}: not a {FORMAT} v{VERSION} index; write the shards again with "
                              f"this version's write_shards.py")
-        sizes = split.sizes()
+        objects = split.objects()
         for shard in meta["shards"]:
-            size = sizes.get(shard["name"])
+            size = objects.get(shard["name"], (None, ""))[0]
             if size != shard["bytes"]:
                 found = "missing" if size is None else f"{size:,} bytes, the index says {shard['bytes']:,}"
                 raise UsageError(f"{root}/{shard['name']}: {found}; copy the shard again, or write the shards again")
@@ -137,15 +148,22 @@ class ShardIndex:
             raise UsageError(f"{root}: no {RECORDS}; copy it from the shards' folder, or write the shards again")
         with np.load(io.BytesIO(raw_records)) as arrays:
             fields = {name: arrays[name] for name in ("shard", "offset", "size", "label", "index")}
+            fields.update({name: arrays[name] for name in ("width", "height", "device_decodable") if name in arrays})
             paths = arrays["paths"].tobytes().decode()
         if len(fields["shard"]) != meta["samples"]:
             raise UsageError(f"{root}/{RECORDS}: {len(fields['shard'])} records, {INDEX} says {meta['samples']}; "
                              f"write the shards again")
         return cls(root=str(root).rstrip("/"), classes=tuple(meta["classes"]), shards=tuple(meta["shards"]),
-                   paths=paths, **fields)
+                   paths=paths, etags=tuple(objects[shard["name"]][1] for shard in meta["shards"]),
+                   fingerprint=hashlib.sha256(raw_meta + raw_records).hexdigest(), **fields)
 
     def __len__(self) -> int:
         return len(self.shard)
+
+    def refs(self) -> tuple[ShardRef, ...]:
+        """Each shard as the store's cache fetches it: address, bytes, the ETag listed."""
+        return tuple(ShardRef(f"{self.root}/{shard['name']}", shard["bytes"], etag)
+                     for shard, etag in zip(self.shards, self.etags))
 
     def path(self, i: int) -> str:
         """Sample ``i``'s original path below the split folder (a walk through the paths: for
@@ -168,18 +186,20 @@ class ShardReader:
     file position) from a shard opened once per process (a forked worker opens its own), as many
     open at once as the process's limit of open files allows (the least recently read closed
     first beyond it). Shards in an object store are read from ``cache``
-    (:class:`object_store.ShardCache`; a temporary one if None), at most ``OPEN_FROM_CACHE`` of
-    them open at once so that the cache's evictions free their space."""
+    (:class:`shard_cache.NodeCache`; a temporary one if None, which keeps what it fetched until
+    the process ends), at most ``OPEN_FROM_CACHE`` of them open at once so that the cache's
+    evictions free their space."""
 
     OPEN_FROM_CACHE = 4
     SPARE_DESCRIPTORS = 256  # of the process's limit, left for everything else (a DataLoader's pipes, ...)
 
-    def __init__(self, index: ShardIndex, cache: ShardCache | None = None):
+    def __init__(self, index: ShardIndex, cache: NodeCache | None = None):
         self.index, self.cache, self._open, self._pid = index, cache, {}, os.getpid()
+        self._refs = index.refs() if is_object_store(index.root) else ()
         if is_object_store(index.root) and cache is None:  # --check-data, say: a cache of its own, gone at exit
             folder = tempfile.mkdtemp(prefix="ddp-shards-")
             atexit.register(shutil.rmtree, folder, True)
-            self.cache = ShardCache(folder, int(DEFAULT_CACHE_GB * 1e9))
+            self.cache = NodeCache(folder, capacity=1 << 62, rank=0, patience=0.0).start_empty()
         if self.cache is not None:
             self.max_open = self.OPEN_FROM_CACHE
         else:  # every shard open at once where the limit allows (raised to what is needed, up to the hard limit)
@@ -213,17 +233,16 @@ class ShardReader:
 
     def open_shard(self, shard: int) -> int:
         """A new read-only descriptor of shard number ``shard`` (from the cache for an object store)."""
-        entry = self.index.shards[shard]
         if self.cache is None:
-            return os.open(os.path.join(self.index.root, entry["name"]), os.O_RDONLY)
-        return self.cache.open(f"{self.index.root}/{entry['name']}", entry["bytes"])
+            return os.open(os.path.join(self.index.root, self.index.shards[shard]["name"]), os.O_RDONLY)
+        return self.cache.open(self._refs[shard])
 
     @property
     def open_shards(self) -> int:
         return len(self._open)
 
 
-def shards_not_matching(index: ShardIndex, cache: ShardCache | None = None) -> list[str]:
+def shards_not_matching(index: ShardIndex, cache: NodeCache | None = None) -> list[str]:
     """The shards whose bytes are not those the index was written with (their sha256 differs),
     one line each."""
     reader, found = ShardReader(index, cache), []

@@ -69,12 +69,12 @@ def all_ranks_agree() -> Iterator[None]:
     try:
         yield
     except UsageError as err:
-        problem = (str(err), err.said)
+        problem = (str(err), err.said, err.exit_code)
     problems = all_gather_object(problem)
     for rank, found in enumerate(problems):
         if found is not None:
-            text, said = found
-            raise UsageError(text if rank == 0 else f"(rank {rank}) {text}", said)
+            text, said, code = found
+            raise UsageError(text if rank == 0 else f"(rank {rank}) {text}", said, code)
 
 
 def broadcast_(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -19,21 +19,27 @@ from .collectives import all_reduce_sum
 log = logging.getLogger("train")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NONFINITE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_STORE = 75  # sysexits.h's EX_TEMPFAIL: a fault outside the run that a later attempt may not meet
 # code: (when, what is on disk afterwards); README's table is generated from it
 EXIT_CODES = {
     EXIT_OK: ("finished; or preempted (SIGUSR1/SIGTERM)",
               "a checkpoint of the last step; `PREEMPTED` when preempted (the SLURM script requeues)"),
     EXIT_FAILURE: ("a crash, a lost peer, a checkpoint that could not be written",
                    "the previous checkpoints, untouched"),
-    EXIT_USAGE: ("bad input: one line naming the fix, before any work; or an image file that cannot be decoded, "
-                 "met during the run", "nothing new; for a file met during the run, a checkpoint of the last "
-                 "completed step and `UNREADABLE`"),
+    EXIT_USAGE: ("bad input: one line naming the fix, before any work; or, met during the run, an image file that "
+                 "cannot be decoded or a shard that changed in the object store", "nothing new; for what was met "
+                 "during the run, a checkpoint of the last completed step (and for a file, `UNREADABLE`)"),
     EXIT_NONFINITE: ("a NaN or Inf loss (beyond `--skip-nonfinite`), or weights that became NaN or Inf",
                      "the last good checkpoint; the bad step was not applied"),
+    EXIT_STORE: ("the object store (`--data-dir s3://...`) did not answer for `--store-timeout` seconds (unreachable, "
+                 "throttling, a full cache disk), during the run or at a restarted attempt's start",
+                 "a checkpoint of the last completed step and `STORE_UNAVAILABLE`; torchrun's `--max-restarts` and the "
+                 "SLURM script (a requeue) start the job again, which waits for the store, then resumes"),
     EXIT_INTERRUPTED: ("Ctrl-C", "the first Ctrl-C during training: a checkpoint of the optimizer step in "
                        "progress, which finishes; a second Ctrl-C, or one before training starts: nothing new"),
 }
 MARKER = "PREEMPTED"
+STORE_MARKER = "STORE_UNAVAILABLE"  # OUT's record of a run that stopped on the object store (the SLURM script requeues)
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 

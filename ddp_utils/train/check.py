@@ -14,20 +14,20 @@ from torch.utils.data import Dataset
 
 from ..config import UsageError
 from ..data.host_memory import check_shared_memory, describe_memory
-from ..data.image_files import decode_every_file, image_files_of
+from ..data.image_files import data_fingerprint, decode_every_file, image_files_of
 from ..data.pipeline import (
     plan_memory,
     raw_splits,
     require_a_batch,
-    training_sampler,
+    training_order,
     usable_cpus,
     worker_start_hazard,
 )
 from ..data.recipes import AugmentRecipe
-from ..data.sets import check_data_dir
+from ..data.sets import IMAGE_FILES, check_data_dir
 from ..data.shards import shards_not_matching
 from ..runtime.dist import LaunchEnv, detect_launch, device_type, restart_count
-from ..runtime.stopping import EXIT_OK, EXIT_USAGE
+from ..runtime.stopping import EXIT_OK
 from .accumulation import steps_per_epoch
 from .preflight import check_cache_room, checks_before_start, describe_settings, resolved_settings
 from .resume import check_resume_fits
@@ -48,7 +48,7 @@ def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCh
     except UsageError as err:
         if says and not err.said:
             print(f"{script}: error: {err}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return err.exit_code
     if says:
         print(f"{script} --check: ok, nothing written; the run:", *(f"  {line}" for line in lines), sep="\n",
               flush=True)
@@ -72,12 +72,20 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         plan = cfg.data_plan(resolved, AugmentRecipe())  # the augmentation plays no part in the checks
         train, val = raw_splits(plan)
         facts, extra = script_check(train)
-        samples_per_rank = training_sampler(plan, train, world_size, 0).num_samples
+        samples_per_rank = training_order(plan, train, world_size, 0).num_samples
         if cfg.dataset == "shards":
-            check_cache_room(cfg, (image_files_of(train).index, image_files_of(val).index))
+            indexes = (image_files_of(train).index, image_files_of(val).index)
+            check_cache_room(cfg, indexes, launch.local_world_size)
         batches = require_a_batch(samples_per_rank // cfg.batch_size, len(train), world_size, cfg.batch_size)
         steps = steps_per_epoch(batches, cfg.accum_steps)
         lines.append(f"data: {cfg.dataset}, {len(train):,} training and {len(val):,} validation images; {settings}")
+        store = cfg.store_cache()
+        if store is not None:
+            largest = max(shard["bytes"] for index in indexes for shard in index.shards)
+            lines.append(f"object store: each node caches up to {store.node_bytes(largest, launch.local_world_size) / 1e9:.2f}"
+                         f" GB of shards in {store.folder}-nodeN ({'kept' if store.keep else 'deleted'} at the end); "
+                         f"each rank reads {store.read_ahead} shard(s) ahead, {store.downloads} download(s) at once; "
+                         f"a store that does not answer is waited for {store.timeout:g} s")
         memory = plan_memory(plan, train)
         check_shared_memory(memory, launch.local_world_size)
         if memory is not None:
@@ -99,7 +107,9 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
                  f"{_count(cfg.accum_steps, 'micro-step')} x {cfg.batch_size}; lr {cfg.lr:g}, {cfg.lr_schedule}"
                  + (f", {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else ""))
     if resume is not None:
-        check_resume_fits(resume, cfg, script, facts, world_size, announce=False)
+        files = [image_files_of(split) for split in (train, val)] if cfg.dataset in IMAGE_FILES else []
+        check_resume_fits(resume, cfg, script, facts, world_size, announce=False,
+                          data=data_fingerprint(*files) if files else None)
         ckpt = resume.checkpoint
         lines.append(f"run folder: {cfg.out}, continuing {resume.path} at "
                      f"{describe_position(ckpt['step'], ckpt['epoch'], ckpt['batches_done'])}")

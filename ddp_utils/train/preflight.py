@@ -3,17 +3,19 @@ and ``--check`` (``train.check``), and what the data flags left to the machine r
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..config import UsageError, dataset_values, flag_name
-from ..data.image_files import FolderListing
+from ..data.image_files import FolderListing, data_fingerprint
+from ..data.order import SHARDS_IN_USE
 from ..data.pipeline import default_workers, usable_cpus, worker_start_hazard
 from ..data.recipes import augment_on_device
 from ..data.sets import IMAGE_FILES, check_data_dir, download_cifar10, list_image_files
-from ..data.shard_order import cache_bytes_needed, shard_aware
+from ..data.shard_cache import NodeCache
 from ..data.shards import ShardIndex
 from ..runtime.collectives import all_gather_object, all_ranks_agree, broadcast_object
 from ..runtime.dist import DistInfo, gpu_identity, restart_count, shared_gpu_problem
@@ -35,8 +37,9 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dic
     """The checks every rank must pass before anything is built (folders, data, the fault plan,
     the checkpoint to resume, GPUs not shared), agreed by all ranks so that all stop together,
     the CIFAR-10 download and an image folder's listing. Returns the checkpoint to resume (or
-    None), what the "auto" data flags resolve to (:func:`resolved_settings`, logged) and the
-    image files' train and val listings (:func:`list_image_files_once`; None for other data).
+    None), what the "auto" data flags resolve to (:func:`resolved_settings`, logged; with image
+    files, what identifies them: "data_fingerprint") and the image files' train and val
+    listings (:func:`list_image_files_once`; None for other data).
     Nothing is written into --out."""
     info = session.info
     # A node that comes back joins with a fresh torchrun agent (restart count 0) while the others'
@@ -47,12 +50,15 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dic
     if info.is_main:
         forget_unreadable(cfg.out)  # every rank found the files a run here stopped on fixed, or starts afresh
     download_once_per_node(cfg, info)
-    listings = list_image_files_once(cfg, info)
+    listings = list_image_files_once(cfg, info, restarted)
+    empty_shard_cache_once_per_node(cfg, info, listings)
     if info.device.type == "cuda" and info.is_distributed:
         problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))
         if problem:
             raise UsageError(problem)
     resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
+    if listings is not None:
+        resolved["data_fingerprint"] = data_fingerprint(*listings)
     if info.is_main:
         log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size))
         hazard = worker_start_hazard(resolved["workers"])
@@ -93,33 +99,60 @@ def download_once_per_node(cfg: TrainConfig, info: DistInfo) -> None:
                 download_cifar10(cfg.data_dir)
 
 
-def list_image_files_once(cfg: TrainConfig, info: DistInfo) -> Listings | None:
+def list_image_files_once(cfg: TrainConfig, info: DistInfo, restarted: bool = False) -> Listings | None:
     """Image files: rank 0 lists an image folder's train/ and val/ (or reads the shards' indexes
     and checks their shards) and every rank receives the result, so that the job scans the tree
     once, not once per rank (at 512 ranks, 512 scans of ImageNet's 1.28M files meet one file
-    system's metadata servers at once). Bad data stops every rank with rank 0's one line. None for
-    other data sets."""
+    system's metadata servers at once). Bad data stops every rank with rank 0's one line. An
+    object store that does not answer is bad input at a first start (the address, or the
+    endpoint, is likely wrong); a restarted attempt waits ``--store-timeout`` for it, then stops
+    with exit 75. None for other data sets."""
     if cfg.dataset not in IMAGE_FILES:
         return None
     listings = None
+    patience = cfg.store_timeout if restarted else 0.0
     with all_ranks_agree():
         if info.is_main:
-            listings = tuple(list_image_files(cfg.dataset, cfg.data_dir, train) for train in (True, False))
-            check_cache_room(cfg, listings)
+            listings = tuple(list_image_files(cfg.dataset, cfg.data_dir, train, patience) for train in (True, False))
     return broadcast_object(listings)
 
 
-def check_cache_room(cfg: TrainConfig, indexes: Listings) -> None:
-    """Shards from an object store: bad input when a rank's cache cannot hold what its workers
-    read at once (``shard_order.cache_bytes_needed``); other data: nothing to check."""
-    if not shard_aware(cfg.dataset, cfg.data_dir):
+def check_cache_room(cfg: TrainConfig, indexes: Listings, ranks_on_node: int) -> None:
+    """Shards from an object store: bad input when each of a node's ``ranks_on_node`` ranks gets
+    less of the node's cache than the shards its workers read at once (``order.SHARDS_IN_USE``),
+    or when the cache's disk (here) has less room than the cache may fill. Other data: nothing
+    to check."""
+    store = cfg.store_cache()
+    if store is None:
         return
     largest = max(shard["bytes"] for index in indexes for shard in index.shards)
-    needed = cache_bytes_needed(largest)
-    if cfg.shard_cache_gb * 1e9 < needed:
-        raise UsageError(f"--shard-cache-gb {cfg.shard_cache_gb:g}: a rank's cache must hold {needed // largest} of the largest "
-                         f"shard ({largest / 1e6:,.1f} MB), {needed / 1e9:.2f} GB; raise it, or write smaller shards "
-                         f"(write_shards.py --shard-mb)")
+    capacity, needed = store.node_bytes(largest, ranks_on_node), ranks_on_node * SHARDS_IN_USE * largest
+    if capacity < needed:
+        raise UsageError(f"--shard-cache-gb {cfg.shard_cache_gb:g}: each of the node's {ranks_on_node} rank(s) must "
+                         f"hold {SHARDS_IN_USE} of the largest shard ({largest / 1e6:,.1f} MB) at once, "
+                         f"{needed / 1e9:.2f} GB for the node; raise it (0 sizes it to the read-ahead), or write "
+                         f"smaller shards (write_shards.py --shard-mb)")
+    folder = Path(store.folder).parent
+    existing = next(path for path in (folder, *folder.parents) if path.is_dir())  # made at start if missing
+    free = shutil.disk_usage(existing).free
+    if free < capacity:
+        raise UsageError(f"--shard-cache-dir {folder}: {free / 1e9:.2f} GB free, the node's cache of shards may fill "
+                         f"{capacity / 1e9:.2f} GB ({ranks_on_node} rank(s), largest shard {largest / 1e6:,.1f} MB); "
+                         f"point --shard-cache-dir at a local disk with room, or lower --shard-read-ahead or "
+                         f"--shard-cache-gb")
+
+
+def empty_shard_cache_once_per_node(cfg: TrainConfig, info: DistInfo, indexes: Listings | None) -> None:
+    """Shards from an object store: each node's local rank 0 checks its cache's disk and empties
+    the node's cache folder of what an earlier attempt left, before any rank of the node reads
+    (every rank waits for the agreement)."""
+    store = cfg.store_cache()
+    if store is None:
+        return
+    with all_ranks_agree():
+        if info.local_rank == 0:
+            check_cache_room(cfg, indexes, info.local_world_size)
+            NodeCache(store.node_folder(info.rank // info.local_world_size), 0, info.rank, 0.0).start_empty()
 
 
 def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, device: torch.device) -> dict[str, Any]:
@@ -133,7 +166,8 @@ def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, de
     resolved = {"image_size": cfg.resolved_image_size(),
                 "workers": cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing),
                 "aug_on": "device" if augment_on_device(cfg.aug_on, cfg.dataset, device) else "loader",
-                "decode_on": "device" if cfg.decode_on == "device" else "loader"}
+                "decode_on": "device" if cfg.decode_on == "device" else "loader",
+                "order": cfg.resolved_order()}
     own = {name: value for name, value in dataset_values(type(cfg), cfg.dataset).items()
            if getattr(cfg, name) == value}
     if own:  # the settings at the data set's own defaults (the script's DATASET_DEFAULTS)
@@ -151,12 +185,16 @@ def describe_settings(cfg: TrainConfig, resolved: dict[str, Any], launcher: str,
     auto = {"image_size": cfg.image_size == 0 and "--image-size 0",
             "aug_on": cfg.aug_on == "auto" and "--aug-on auto",
             "decode_on": cfg.decode_on == "auto" and "--decode-on auto",
-            "workers": cfg.workers < 0 and f"--workers -1: {why_workers}"}
+            "workers": cfg.workers < 0 and f"--workers -1: {why_workers}",
+            "order": cfg.order == "auto" and "--order auto"}
     said = {"image_size": f"{resolved['image_size']} px", "aug_on": f"augmentation on the {resolved['aug_on']}",
             "decode_on": f"decoding on the {resolved['decode_on']}",
-            "workers": f"{resolved['workers']} DataLoader worker(s) per rank"}
+            "workers": f"{resolved['workers']} DataLoader worker(s) per rank",
+            "order": f"the {resolved['order']} order"}
     if cfg.dataset != "imagefolder":
         del said["decode_on"]  # only image files are decoded
+    if cfg.dataset != "shards":
+        del said["order"]  # the one order there is
     text = ", ".join(text + (f" ({auto[name]})" if auto[name] else "") for name, text in said.items())
     own = resolved.get("dataset_defaults")
     if own:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..config import UsageError, config_dict, fields_on_resume, flag_name
-from ..data.shard_order import shard_aware
+from ..data.order import ResumableDistributedSampler, ShardAwareSampler
 from ..runtime.dist import DistInfo, get_rank, get_world_size, unwrap
 from ..runtime.stopping import EXIT_OK, RunStopped
 from .checkpoint import (
@@ -94,11 +94,12 @@ def choose_resume(resume: str, out: str, overwrite: bool, announce: bool, restar
 
 
 def check_resume_fits(resume: Resume, cfg: TrainConfig, script: str, facts: dict[str, Any], world_size: int,
-                      announce: bool) -> None:
+                      announce: bool, data: str | None = None) -> None:
     """Refuse (one line, every difference listed) a checkpoint of the other script or of another
     model (the fields declared ``on_resume="fixed"``; ``facts`` such as the class count), and one
-    whose run had other settings that make another experiment (``on_resume="experiment"``) unless
-    --allow-changes; log the settings that changed."""
+    whose run had other settings that make another experiment (``on_resume="experiment"``) or
+    read other image files (``data``, this run's ``data_fingerprint``) unless --allow-changes;
+    log the settings that changed."""
     ckpt, path = resume.checkpoint, resume.path
     if ckpt["script"] != script:
         hint = "; to start a classifier from it use --pretrained" if ckpt["script"] == "train_moco.py" else ""
@@ -118,6 +119,14 @@ def check_resume_fits(resume: Resume, cfg: TrainConfig, script: str, facts: dict
         raise UsageError(f"--resume {path}: its run had other settings ({', '.join(another_experiment)}), so this "
                          f"would be another experiment; resume with its settings, add --allow-changes to "
                          f"continue anyway (recorded in config.json), or start a new run in another --out")
+    saved_data = ckpt.get("resolved", {}).get("data_fingerprint")
+    if saved_data and data and saved_data != data:
+        if not cfg.allow_changes:
+            raise UsageError(f"--resume {path}: its run read other image files (data fingerprint {saved_data}, now "
+                             f"{data}: a listing or a shards' index changed); resume on the data it read, add "
+                             f"--allow-changes to continue on this data (recorded in config.json), or start a new "
+                             f"run in another --out")
+        changed.append(f"data fingerprint {saved_data} -> {data}")
     if ckpt["world_size"] != world_size:
         changed.append(f"world size {ckpt['world_size']} -> {world_size}")
     if changed and announce:
@@ -130,14 +139,16 @@ def _label(name: str) -> str:
 
 def state_to_start_from(resume: Resume | None, cfg: TrainConfig, script: str, facts: dict[str, Any], *,
                         model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                        sampler: ResumableDistributedSampler | ShardAwareSampler, data: str | None,
                         info: DistInfo) -> RunState:
     """Where the run starts: at the beginning without a checkpoint (``resume`` None); else the
     checkpoint, checked against this run (:func:`check_resume_fits`, ``facts`` such as the class
-    count), loaded into the objects given. A model that does not fit (another --image-size, say)
-    is a UsageError naming the first mismatch."""
+    count, ``data`` its data fingerprint), loaded into the objects given, and the training
+    ``sampler`` set to continue the saved epoch by its own rule. A model that does not fit
+    (another --image-size, say) is a UsageError naming the first mismatch."""
     if resume is None:
         return RunState()
-    check_resume_fits(resume, cfg, script, facts, info.world_size, info.is_main)
+    check_resume_fits(resume, cfg, script, facts, info.world_size, info.is_main, data)
     ckpt, path = resume.checkpoint, resume.path
     try:
         unwrap(model).load_state_dict(ckpt["model"])
@@ -147,39 +158,32 @@ def state_to_start_from(resume: Resume | None, cfg: TrainConfig, script: str, fa
                          f"written with another --arch or --image-size?") from None
     if ckpt["grad_scaler"]:  # empty when the checkpoint's run did not use fp16
         scaler.load_state_dict(ckpt["grad_scaler"])
-    state = RunState(ckpt["epoch"], ckpt["step"], ckpt["batches_done"], ckpt["nonfinite_skipped"],
-                     ckpt.get("order_segments", []))
+    state = RunState(ckpt["epoch"], ckpt["step"], ckpt["batches_done"], ckpt["nonfinite_skipped"])
     if not is_complete(cfg, state):  # a complete run trains nothing: its RNG streams do not matter
         restore_rng_states(ckpt["rng"], info.device)
-    old_world, old_batch = ckpt["world_size"], ckpt["config"]["batch_size"]
-    geometry_changed = (old_world, old_batch) != (info.world_size, cfg.batch_size)
-    saved_cfg = ckpt["config"]
-    order_now = shard_aware(cfg.dataset, cfg.data_dir)
-    if state.batches_done and shard_aware(saved_cfg["dataset"], saved_cfg["data_dir"]) != order_now:
-        raise UsageError(f"--resume {path}: saved part way through an epoch read from "
-                         f"{'an object store' if not order_now else 'a file system'}, whose order this run's "
-                         f"--data-dir {cfg.data_dir} does not follow; resume from the same kind of location, or from "
-                         f"a checkpoint at an epoch's end")
-    if state.batches_done and geometry_changed and order_now:
-        # The epoch's next segment: what the saved run left of it, shared out among these ranks
-        state.order_segments.append([old_world, old_batch, state.batches_done])
-        state.batches_done = 0
-        if info.is_main:
-            log.warning("resuming with world size %d x batch %d (was %d x %d): the samples of epoch %d that the saved "
-                        "run did not reach are shared out among these ranks, each once (docs/data.md)",
-                        info.world_size, cfg.batch_size, old_world, old_batch, state.epoch + 1)
-    elif state.batches_done and (geometry_changed or state.batches_done % cfg.accum_steps):
-        # The same sample position in this run's micro-batches, rounded down to a whole window
-        # (a few samples are seen again rather than skipped).
-        batches = state.batches_done * old_world * old_batch // (info.world_size * cfg.batch_size)
-        state.batches_done = batches - batches % cfg.accum_steps
-        if info.is_main:
-            log.warning("resuming with world size %d x batch %d x accum steps %d (was %d x %d): the epoch "
-                        "continues near, not exactly at, the saved position", info.world_size, cfg.batch_size,
-                        cfg.accum_steps, old_world, old_batch)
+    try:
+        state.batches_done, remark = sampler.continue_from(saved_order(ckpt), cfg.accum_steps)
+    except UsageError as err:
+        raise UsageError(f"--resume {path}: {err}") from None
+    if remark and info.is_main:
+        log.warning("resuming with world size %d x batch %d x accum steps %d (was %d x %d): %s (docs/data.md)",
+                    info.world_size, cfg.batch_size, cfg.accum_steps, ckpt["world_size"], ckpt["config"]["batch_size"],
+                    remark)
     if info.is_main:
         log.info("resumed from %s: %s, %d batches into the epoch", path, state.describe(), state.batches_done)
     return state
+
+
+def saved_order(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """How far the checkpoint's epoch went, as its training sampler said (``state_dict``); for a
+    checkpoint that has no such record, the same from its position: the shards order if it read
+    shards from an object store, else the samples order."""
+    if "order" in ckpt:
+        return ckpt["order"]
+    cfg = ckpt["config"]
+    kind = "shards" if cfg["dataset"] == "shards" and cfg["data_dir"].startswith("s3://") else "samples"
+    now = [[ckpt["world_size"], cfg["batch_size"], ckpt["batches_done"]]] if ckpt["batches_done"] else []
+    return {"order": kind, "epoch": ckpt["epoch"], "segments": [*ckpt.get("order_segments", []), *now]}
 
 
 def stop_if_complete(cfg: TrainConfig, state: RunState, resume: Resume | None) -> None:

@@ -33,12 +33,9 @@ class RunState:
     step: int = 0               # optimizer steps taken, applied or skipped: the one step counter
     batches_done: int = 0       # micro-batches of `epoch` this rank consumed (a multiple of accum_steps)
     nonfinite_skipped: int = 0  # optimizer steps skipped for a non-finite loss (--skip-nonfinite)
-    # The shard-aware order (object stores) only: `epoch`'s earlier segments at other world sizes
-    # or batch sizes, each [world size, batch size, batches per rank] (data.shard_order)
-    order_segments: list[list[int]] = field(default_factory=list)
 
     def next_epoch(self) -> None:
-        self.epoch, self.batches_done, self.order_segments = self.epoch + 1, 0, []
+        self.epoch, self.batches_done = self.epoch + 1, 0
 
     @property
     def epoch_number(self) -> int:
@@ -89,7 +86,7 @@ class TrainingBatches:
     def this_epoch(self) -> Iterator[tuple[MicroStep, Any]]:
         """The rest of this epoch's batches, each with its place in its accumulation window."""
         state = self.state
-        self.loaders.set_epoch(state.epoch, skip_batches=state.batches_done, earlier=state.order_segments)
+        self.loaders.set_epoch(state.epoch, skip_batches=state.batches_done)
         if state.batches_done >= self.loaders.batches_per_epoch:  # resumed with fewer batches per epoch
             state.next_epoch()
             self.loaders.set_epoch(state.epoch)

@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import traceback
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 
@@ -30,7 +31,8 @@ from ..runtime.stopping import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_USAGE,
+    EXIT_STORE,
+    STORE_MARKER,
     RunStopped,
     StepGuard,
     StopSignals,
@@ -106,12 +108,14 @@ class RunSession:
             release_held_logs(show=False)  # the error line says it all
             if self.reporter and not err.said:
                 print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr, flush=True)
-            self.exit_code = EXIT_USAGE
+            self.exit_code = err.exit_code
+            self._mark_store_fault(err)
             return True
         if isinstance(err, RunStopped):
             if self.reporter:
                 {EXIT_OK: log.info, EXIT_INTERRUPTED: log.warning}.get(err.code, log.error)("%s", err)
             self.exit_code = err.code
+            self._mark_store_fault(err)
             return True
         if isinstance(err, KeyboardInterrupt):
             if self.reporter:
@@ -131,6 +135,14 @@ class RunSession:
         else:
             log.error("rank %d failed:", self.info.rank, exc_info=err)
         self._leave(EXIT_FAILURE)
+
+    def _mark_store_fault(self, err: Exception) -> None:
+        """Rank 0, a run (or a restarted attempt) that stops for the object store: the reason in
+        ``OUT/STORE_UNAVAILABLE``, where the SLURM script looks for it to requeue the job (a
+        fresh run's folder is left alone: nothing is written there before its start)."""
+        out = Path(self.cfg.out)
+        if self.exit_code == EXIT_STORE and self.reporter and out.is_dir():
+            (out / STORE_MARKER).write_text(f"{datetime.now().isoformat(timespec='seconds')}\t{err}\n")
 
     def _leave(self, code: int) -> None:
         """Leave at once: tearing down a process group whose peer may be dead can abort the

@@ -26,7 +26,8 @@ def save_checkpoint(run: TrainRun) -> None:
     if not weights_finite(run.model, run.info.device):
         raise RunStopped(f"step {step}: the weights are NaN or Inf, so no checkpoint was written; "
                          f"{run.session.saved.describe()}. Lower --lr or add --clip-grad", EXIT_NONFINITE)
-    contents = checkpoint_contents(state=asdict(run.state), script=run.script, facts=run.facts,
+    order = run.loaders.train_sampler.state_dict(run.state.epoch, run.state.batches_done)  # how far the epoch went
+    contents = checkpoint_contents(state={**asdict(run.state), "order": order}, script=run.script, facts=run.facts,
                                    world_size=run.info.world_size, config=config_dict(run.cfg),
                                    resolved=run.resolved, model=run.model, optimizer=run.optimizer,
                                    scaler=run.scaler, device=run.info.device)

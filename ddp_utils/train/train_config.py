@@ -23,8 +23,9 @@ from ..config import (
     parse_config,
     recorded_run,
 )
-from ..data.object_store import DEFAULT_CACHE_GB, is_object_store
-from ..data.pipeline import DataPlan
+from ..data.object_store import is_object_store
+from ..data.order import ORDERS, SHARDS_IN_USE
+from ..data.pipeline import DataPlan, StoreCache
 from ..data.recipes import AUG_ON, AugmentRecipe, augment_on_device
 from ..data.sets import DATASETS, IMAGE_FILES, NATIVE_SIZE, NORMALIZATIONS
 from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
@@ -42,15 +43,18 @@ from .optimization import LR_SCHEDULES, parse_milestones
 
 C = TypeVar("C", bound="TrainConfig")
 RESUME_IF_RESTARTED = "if-restarted"
+STORE_FLAGS = ("shard_cache_dir", "shard_cache_gb", "shard_read_ahead", "shard_downloads", "store_timeout",
+               "keep_shard_cache")  # what applies to shards in an object store alone
 DATA_FLAG_USERS = {"data_dir": "cifar10, imagefolder and shards", "download": "cifar10",
                    "synthetic_samples": "synthetic", "check_data": "imagefolder and shards",
-                   "decode_on": "imagefolder and shards", "shard_cache_dir": "shards in an object store (s3://)",
-                   "shard_cache_gb": "shards in an object store (s3://)"}
+                   "decode_on": "imagefolder and shards",
+                   **{name: "shards in an object store (s3://)" for name in STORE_FLAGS}}
 
 # --help's sections, each named once; a field names its own (opt(group=...))
 DATA, MODEL, SPEED, RUN_FOLDER, DISTRIBUTED = ("data", "model and optimisation", "precision and speed",
                                               "run folder and checkpoints", "distributed")
 
+STORE_MARGIN_S = 60.0  # s: --dist-timeout beyond --store-timeout, the time a shard's download itself may take
 OUT_HELP = ("run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a fresh run refuses a folder "
             "that already holds a checkpoint")
 
@@ -68,11 +72,30 @@ class TrainConfig:
     data_dir: str = opt("./data", "where cifar10 is (or is downloaded to) / the ImageFolder root / the shards' "
                         "folder, or their s3://BUCKET/PREFIX (endpoint and credentials from the AWS_* variables)",
                         group=DATA, on_resume="free")
-    shard_cache_dir: str = opt("", "shards in an object store: the folder that holds each rank's local cache "
-                               "of them, emptied at start; '' = the system's temporary folder (TMPDIR)",
+    order: str = opt("auto", "training order: shards = each rank reads whole shards of its own, a window of 4 "
+                     "shards shuffled at a time (shards on a file system train as from a bucket, bit for bit); "
+                     "samples = one permutation of all samples shared out among the ranks (shards on a file system "
+                     "train as their image folder, bit for bit); auto = shards for --dataset shards, else samples",
+                     choices=("auto", *ORDERS), group=DATA)
+    shard_cache_dir: str = opt("", "shards in an object store: the node-local folder that holds the node's cache of "
+                               "them (shared by its ranks, emptied at start, deleted at the end unless "
+                               "--keep-shard-cache); '' = the system's temporary folder (TMPDIR)",
                                group=DATA, on_resume="free")
-    shard_cache_gb: float = opt(DEFAULT_CACHE_GB, "shards in an object store: GB of local disk each rank's cache may fill "
-                                "(the shards read least recently go first)", group=DATA, on_resume="free", above=0)
+    shard_cache_gb: float = opt(0.0, "shards in an object store: GB of local disk the node's cache may fill, shared by "
+                                f"its ranks (the shards held least recently go first); 0 = what the read-ahead needs: "
+                                f"ranks on the node x ({SHARDS_IN_USE} + --shard-read-ahead) x the largest shard; "
+                                f"more keeps shards for later epochs", group=DATA, on_resume="free", at_least=0)
+    shard_read_ahead: int = opt(8, "shards in an object store: shards each rank downloads beyond those its workers "
+                                "read now (the next epoch's first ones before this epoch ends), within its share of "
+                                "the node's cache", group=DATA, on_resume="free", at_least=0)
+    shard_downloads: int = opt(4, "shards in an object store: downloads at once per rank, a connection each (one GET "
+                               "per shard)", group=DATA, on_resume="free", above=0, at_most=32)
+    store_timeout: float = opt(300.0, "shards in an object store: seconds the store may fail to answer (unreachable, "
+                               "throttling) before every rank stops with exit 75 after a checkpoint, to be restarted; "
+                               "shorter outages are waited out. Less than --dist-timeout - 60",
+                               group=DATA, on_resume="free", above=0)
+    keep_shard_cache: bool = opt(False, "shards in an object store: keep the node's cache folder when the run ends",
+                                 group=DATA, on_resume="free")
     download: bool = opt(False, "download cifar10 into --data-dir if it is not there (once per node, by its local rank 0)",
                          group=DATA, on_resume="free")
     image_size: int = opt(0, "input side in pixels; 0 = the data set's own (32, or 224 for imagefolder)",
@@ -198,6 +221,16 @@ class TrainConfig:
             raise UsageError(f"--lr-milestones {self.lr_milestones} applies to --lr-schedule step only, not "
                              f"{self.lr_schedule}; drop it (a preset's: --lr-milestones '')")
         self.check_data_flags()
+        if self.order == "shards" and self.dataset != "shards":
+            raise UsageError(f"--order shards reads whole shards; --dataset {self.dataset} has none (drop --order, "
+                             f"or train on shards: --dataset shards)")
+        if self.order == "samples" and is_object_store(self.data_dir):
+            raise UsageError(f"--order samples would read every shard of {self.data_dir} in every batch; from an "
+                             f"object store the order is the shards' (drop --order)")
+        if is_object_store(self.data_dir) and self.store_timeout > self.dist_timeout - STORE_MARGIN_S:
+            raise UsageError(f"--store-timeout {self.store_timeout:g} leaves a rank waiting for the store longer than its "
+                             f"peers wait in a collective (--dist-timeout {self.dist_timeout:g}, less {STORE_MARGIN_S:g} "
+                             f"s); lower it, or raise --dist-timeout to {self.store_timeout + STORE_MARGIN_S:g}")
         if self.normalization == "cifar10-demo" and self.dataset != "cifar10":
             raise UsageError(f"--normalization cifar10-demo is CIFAR-10's; --dataset {self.dataset} takes "
                              f"--normalization auto")
@@ -216,8 +249,7 @@ class TrainConfig:
         unused = {"data_dir": self.dataset in ("digits", "synthetic"), "download": self.dataset != "cifar10",
                   "synthetic_samples": self.dataset != "synthetic", "check_data": self.dataset not in IMAGE_FILES,
                   "decode_on": self.dataset not in IMAGE_FILES,
-                  "shard_cache_dir": not is_object_store(self.data_dir),
-                  "shard_cache_gb": not is_object_store(self.data_dir)}
+                  **{name: not is_object_store(self.data_dir) for name in STORE_FLAGS}}
         for name, ignored in unused.items():
             if ignored and getattr(self, name) != defaults[name]:
                 raise UsageError(f"{flag_name(name)} does nothing with --dataset {self.dataset}; drop it (it "
@@ -250,11 +282,24 @@ class TrainConfig:
                         batch_size=self.batch_size, workers=resolved["workers"], normalization=self.normalization,
                         recipe=recipe, views=self.VIEWS, aug_on_device=resolved["aug_on"] == "device",
                         decode_on_device=resolved["decode_on"] == "device", bank_samples=bank_samples,
-                        listings=listings, shard_cache=self.shard_cache_folder(), shard_cache_gb=self.shard_cache_gb)
+                        order=resolved["order"], store=self.store_cache(), listings=listings)
+
+    def resolved_order(self) -> str:
+        """``--order auto``: the shards order for shards, the samples order for anything else."""
+        if self.order != "auto":
+            return self.order
+        return "shards" if self.dataset == "shards" else "samples"
+
+    def store_cache(self) -> StoreCache | None:
+        """How each node keeps shards read from an object store (None for data on a file system)."""
+        if not is_object_store(self.data_dir):
+            return None
+        return StoreCache(self.shard_cache_folder(), self.shard_cache_gb, self.shard_read_ahead, self.shard_downloads,
+                          self.store_timeout, self.keep_shard_cache)
 
     def shard_cache_folder(self) -> str:
-        """This job's folder of shard caches: one per run folder, so that a restarted or requeued
-        attempt empties what the one before it left."""
+        """This job's folder of shard caches (a node's is below it): one per run folder, so that a
+        restarted or requeued attempt empties what the one before it left."""
         run = hashlib.sha256(os.path.abspath(self.out).encode()).hexdigest()[:12]
         return os.path.join(self.shard_cache_dir or tempfile.gettempdir(), f"ddp-shards-{run}")
 

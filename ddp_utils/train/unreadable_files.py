@@ -1,4 +1,6 @@
-"""Image files that cannot be decoded: the whole of what a run does about them, in six files.
+"""Data a run cannot read: image files that cannot be decoded, and shards an object store did not
+give. The whole of what a run does about them, in six files (and ``data/shard_cache.py`` for the
+store's side).
 
 Data side (``data/image_files.py``; ``data/pipeline.py`` wraps every kind of batch of image
 files in its recorder):
@@ -24,6 +26,12 @@ Training side (here and the two scripts' ``train_one_epoch``):
    still fails to decode (:func:`refuse_unfixed_files`); once every one decodes or is gone, the
    list goes (:func:`forget_unreadable`) and the run continues exactly where the undone window
    began.
+
+A shard the object store did not give (``object_store.StoreError``: it did not answer for
+``--store-timeout`` seconds, or the shard changed) takes the same way, but stops the run as the
+store's fault (:func:`stop_for_store`): exit 75 (the session writes ``STORE_UNAVAILABLE`` in the run
+folder; the launchers start the job again, which waits for the store and resumes), or exit 2 for a
+shard that changed under the run.
 """
 from __future__ import annotations
 
@@ -32,7 +40,8 @@ from typing import TYPE_CHECKING
 
 from ..config import UsageError
 from ..data.image_files import UnreadableImage, decode_again, describe_unreadable, fix_hint
-from ..runtime.stopping import EXIT_USAGE, RunStopped
+from ..data.object_store import StoreError
+from ..runtime.stopping import EXIT_USAGE, STORE_MARKER, RunStopped
 from .step_policy import save_checkpoint
 
 if TYPE_CHECKING:
@@ -79,14 +88,18 @@ def forget_unreadable(out: str) -> None:
     """Rank 0, once every rank passed :func:`refuse_unfixed_files`: the list goes (its files
     decode now or are gone, or this is a fresh start)."""
     (Path(out) / UNREADABLE_MARKER).unlink(missing_ok=True)
+    (Path(out) / STORE_MARKER).unlink(missing_ok=True)  # an earlier attempt's: this one got past the store
 
 
 def stop_if_files_unreadable(run: TrainRun, where: str) -> None:
     """Every rank calls it (one all_gather_object) after a window that met an image file that
-    cannot be decoded, and after each evaluation or kNN pass: when any rank met one, the run
-    stops on every rank with exit code 2, naming the files, after a checkpoint of the last
-    completed step (a no-op when that step is on disk already)."""
-    files = run.loaders.unreadable.on_every_rank()
+    cannot be decoded or a shard the store did not give, and after each evaluation or kNN pass:
+    when any rank met one, the run stops on every rank, naming them, after a checkpoint of the
+    last completed step (a no-op when that step is on disk already): exit code 2 for files, the
+    store's own (:func:`stop_for_store`) for its faults."""
+    files, faults = run.loaders.unreadable.on_every_rank()
+    if faults:
+        stop_for_store(run, where, faults)
     if not files:
         return
     if run.info.is_main:
@@ -96,3 +109,16 @@ def stop_if_files_unreadable(run: TrainRun, where: str) -> None:
     save_checkpoint(run)
     raise RunStopped(f"{where}: {describe_unreadable(files)}; {fix_hint(files)}, then continue with --resume auto; "
                      f"{run.session.saved.describe()}", EXIT_USAGE)
+
+
+def stop_for_store(run: TrainRun, where: str, faults: list[StoreError]) -> None:
+    """Every rank, when a rank met a shard the store did not give: a checkpoint of the last
+    completed step, then exit 2 if a shard changed under the run (a restart reads the same
+    change), else exit 75 (worth a restart: the launchers start the job again, whose pre-flight
+    waits ``--store-timeout`` for the store)."""
+    fault = next((f for f in faults if f.exit_code == EXIT_USAGE), faults[0])
+    trained = run.state.step > 0 or run.session.saved.path is not None
+    if trained:
+        save_checkpoint(run)
+    then = "continue with --resume auto" if trained else "start the run again"
+    raise RunStopped(f"{where}: {fault}; {then}; {run.session.saved.describe()}", fault.exit_code)

@@ -1,0 +1,222 @@
+"""The order in which each rank reads its samples: training (two orders, each resumable and
+owning its state) and evaluation (each sample once).
+
+Training, epoch ``e`` of a job of ``W`` ranks, ``B`` samples a rank's batch (seed ``s``), one of:
+
+* **samples** (:class:`ResumableDistributedSampler`; image folders, in-memory data, and shards
+  with ``--order samples``): one permutation of all samples drawn from (s, e), shared out
+  among the ranks, as torch's DistributedSampler does. Shards on a file system read in this
+  order train bit for bit as their image folder.
+* **shards** (:class:`ShardAwareSampler`; ``--dataset shards``, on a file system or in an
+  object store): each rank reads whole shards of its own, in turn, so that it downloads (or
+  opens) each shard it needs once an epoch and no rank reads another's:
+
+  1. the epoch's sequence: the shards in an order drawn from (s, e), each shard's samples in
+     their stored order; every sample once;
+  2. rank ``r`` takes the ``r``-th of ``W`` equal contiguous pieces of it (the last
+     ``N mod W`` samples are left out this epoch), about ``N / W / samples-per-shard + 1`` shards;
+  3. it shuffles its piece within consecutive windows of ``SHUFFLE_SHARDS`` shards (drawn from
+     (s, e, r)), which it reads in batches of ``B`` (a last part batch is dropped).
+
+Either order is a function of (seed, epoch, W) alone, so a resume at the same shape skips the
+batches its checkpoint consumed and sees the rest exactly. Each sampler says in its
+:meth:`state_dict` how far an epoch went, as *segments* (world size, batch size, batches per
+rank), and in :meth:`continue_from` what a run of another shape does with them: the samples
+order continues near the saved position (its samples are spread over every rank); the shards
+order knows exactly which samples the earlier segments consumed and shares out what is left of
+the epoch's sequence, in its order, among the new ranks: no sample is seen twice in an epoch or
+skipped, except the tail every epoch drops (fewer than one batch per rank, plus ``N mod W``).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence, Sized
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, DistributedSampler, Sampler
+
+from .. import hashing
+from ..config import UsageError
+
+SHUFFLE_SHARDS = 4  # a rank shuffles its samples within windows of this many consecutive shards
+# Shards a rank reads at once in the shards order: its workers' samples span at most two windows,
+# and the batch before theirs is kept for a batch's delay
+SHARDS_IN_USE = 2 * SHUFFLE_SHARDS + 1
+ORDERS = ("samples", "shards")
+Key = tuple[int, int]  # (epoch, sample index), what a training sampler yields
+Segment = list[int]    # [world size, batch size, batches per rank] of one part of an epoch
+
+
+def _position(epoch: int, segments: Sequence[Segment]) -> dict[str, Any]:
+    return {"epoch": epoch, "segments": [list(map(int, segment)) for segment in segments]}
+
+
+def _check_kind(saved: dict[str, Any], kind: str) -> None:
+    """A checkpoint saved part way through an epoch of the other order cannot continue it."""
+    if saved["segments"] and saved["order"] != kind:
+        raise UsageError(f"saved part way through an epoch read in the {saved['order']} order, which this run "
+                         f"(--order {kind}) cannot continue; resume with --order {saved['order']}, or from a "
+                         f"checkpoint at an epoch's end")
+
+
+def _whole_windows(batches: int, accum_steps: int) -> int:
+    return batches - batches % accum_steps
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """The samples order (module docstring): ``DistributedSampler``'s, able to start an epoch
+    part-way, after the samples a checkpoint already consumed, yielding (epoch, index) keys.
+    ``batch_size``: a rank's batch, which a checkpoint's position counts in."""
+
+    kind = "samples"
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, batch_size: int = 1):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.skip, self.batch_size = 0, batch_size
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Key]:
+        """(epoch, index) pairs: the epoch travels with each index (``pipeline.SeededTransform``)."""
+        indices = list(super().__iter__())
+        return iter([(self.epoch, i) for i in indices[self.skip:]])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+    def state_dict(self, epoch: int, batches_done: int) -> dict[str, Any]:
+        """What a checkpoint at ``batches_done`` batches into ``epoch`` needs to continue it."""
+        return {"order": self.kind, **_position(epoch, [[self.num_replicas, self.batch_size, batches_done]]
+                                                if batches_done else [])}
+
+    def continue_from(self, saved: dict[str, Any], accum_steps: int) -> tuple[int, str]:
+        """(batches of the saved epoch this run skips, a remark when that is not exactly the
+        saved position): the same sample position at this run's shape, rounded down to a whole
+        window of ``accum_steps`` (a few samples are seen again rather than skipped)."""
+        _check_kind(saved, self.kind)
+        consumed = sum(world * batch * batches for world, batch, batches in saved["segments"])
+        exact = consumed % (self.num_replicas * self.batch_size) == 0
+        batches = _whole_windows(consumed // (self.num_replicas * self.batch_size), accum_steps)
+        if exact and batches * self.num_replicas * self.batch_size == consumed:
+            return batches, ""
+        return batches, "the epoch continues near, not exactly at, the saved position"
+
+
+def epoch_sequence(shard_of: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+    """Every sample's index once: the shards in an order drawn from (seed, epoch), each shard's
+    samples in stored order. ``shard_of``: each sample's shard number."""
+    shards = int(shard_of.max()) + 1 if len(shard_of) else 0
+    drawn = torch.randperm(shards, generator=torch.Generator().manual_seed(hashing.seed(seed, epoch))).numpy()
+    place = np.empty(shards, dtype=np.int64)
+    place[drawn] = np.arange(shards)  # where each shard comes in the epoch
+    return np.lexsort((np.arange(len(shard_of)), place[shard_of]))
+
+
+def rank_piece(remaining: np.ndarray, shard_of: np.ndarray, world_size: int, rank: int, seed: int, epoch: int
+               ) -> np.ndarray:
+    """Rank ``rank``'s share of ``remaining`` (the epoch's samples not yet consumed, in the
+    epoch's order; ``shard_of``: each sample's shard): its contiguous piece, shuffled within
+    windows of ``SHUFFLE_SHARDS`` consecutive shards."""
+    per_rank = len(remaining) // world_size
+    piece = remaining[rank * per_rank:(rank + 1) * per_rank].copy()
+    shard_starts = np.flatnonzero(np.diff(shard_of[piece], prepend=-1))  # where each shard's run begins
+    bounds = [*shard_starts[::SHUFFLE_SHARDS].tolist(), per_rank]
+    generator = torch.Generator().manual_seed(hashing.seed(seed, epoch, rank))
+    for start, end in zip(bounds, bounds[1:]):
+        piece[start:end] = piece[start:end][torch.randperm(end - start, generator=generator).numpy()]
+    return piece
+
+
+class ShardAwareSampler(Sampler[Key]):
+    """The shards order (module docstring): this rank's training samples of an epoch as (epoch,
+    index). ``shard_of``: each sample's shard number; ``batch_size``: a rank's batch."""
+
+    kind = "shards"
+
+    def __init__(self, shard_of: np.ndarray, num_replicas: int, rank: int, seed: int, batch_size: int = 1):
+        self.shard_of, self.world_size, self.rank, self.seed = shard_of, num_replicas, rank, seed
+        self.batch_size = batch_size
+        self.earlier: list[Segment] = []  # the epoch's segments at other shapes (continue_from)
+        self._earlier_epoch = -1
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Epoch ``epoch``, after ``skip`` of this rank's samples (and after the earlier segments,
+        if it is the epoch :meth:`continue_from` set up)."""
+        if epoch != self._earlier_epoch:
+            self.earlier = []
+        self.epoch, self.skip = epoch, skip
+        self.remaining = self._left_after(self.earlier)  # the epoch's samples the earlier segments did not consume
+        self.num_samples = len(self.remaining) // self.world_size
+
+    def _left_after(self, earlier: Sequence[Segment]) -> np.ndarray:
+        left = epoch_sequence(self.shard_of, self.seed, self.epoch)
+        for world_size, batch_size, batches in earlier:
+            consumed = np.concatenate([rank_piece(left, self.shard_of, world_size, r, self.seed, self.epoch)
+                                       [:batches * batch_size] for r in range(world_size)])
+            left = left[~np.isin(left, consumed)]
+        return left
+
+    def order(self) -> np.ndarray:
+        """This rank's samples of the epoch (its segment), before ``skip``."""
+        return rank_piece(self.remaining, self.shard_of, self.world_size, self.rank, self.seed, self.epoch)
+
+    def indices_of_epoch(self, epoch: int) -> np.ndarray:
+        """This rank's samples of a whole epoch ``epoch`` read from its start, in order (what a
+        read-ahead fetches for the next epoch)."""
+        return rank_piece(epoch_sequence(self.shard_of, self.seed, epoch), self.shard_of, self.world_size,
+                          self.rank, self.seed, epoch)
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter([(self.epoch, int(i)) for i in self.order()[self.skip:]])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+    def state_dict(self, epoch: int, batches_done: int) -> dict[str, Any]:
+        """What a checkpoint at ``batches_done`` batches into ``epoch`` needs to continue it: the
+        epoch's segments, this one last."""
+        if epoch != self.epoch:  # an epoch not started yet
+            return {"order": self.kind, **_position(epoch, [])}
+        now = [[self.world_size, self.batch_size, batches_done]] if batches_done else []
+        return {"order": self.kind, **_position(epoch, [*self.earlier, *now])}
+
+    def continue_from(self, saved: dict[str, Any], accum_steps: int) -> tuple[int, str]:
+        """(batches of the saved epoch this run skips, a remark when not exactly where it was
+        saved). At the saved shape: the saved batches, rounded down to a whole window of
+        ``accum_steps``; at another: none, the epoch's next segment shares out what the saved
+        segments left."""
+        _check_kind(saved, self.kind)
+        segments = [list(segment) for segment in saved["segments"]]
+        self._earlier_epoch = saved["epoch"]
+        if segments and segments[-1][:2] == [self.world_size, self.batch_size]:
+            self.earlier = segments[:-1]
+            batches = _whole_windows(segments[-1][2], accum_steps)
+            return batches, "" if batches == segments[-1][2] else \
+                "the epoch continues near, not exactly at, the saved position"
+        self.earlier = segments
+        if not segments:
+            return 0, ""
+        return 0, "the samples of the epoch that the saved run did not reach are shared out among these ranks, each once"
+
+
+class ShardedEvalSampler(Sampler[int]):
+    """Rank r takes samples r, r+W, r+2W, ... (with ``shard_of``, each sample's shard: the r-th
+    of W consecutive runs of the samples ordered by shard, so that it reads few shards): every
+    sample exactly once, no padding duplicates (``DistributedSampler`` pads, which would count
+    some validation samples twice)."""
+
+    def __init__(self, data: Sized, num_replicas: int, rank: int, shard_of: np.ndarray | None = None):
+        if shard_of is None:
+            self.indices = range(rank, len(data), num_replicas)
+        else:
+            by_shard = np.argsort(shard_of, kind="stable")
+            self.indices = by_shard[len(data) * rank // num_replicas:len(data) * (rank + 1) // num_replicas].tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)

@@ -1,0 +1,50 @@
+"""The object store's benchmarks run end to end on tiny sizes (moto's S3 server behind the far
+network on 127.0.0.1) and print their tables; their figures are not checked."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO, cli_env
+
+
+def table_rows(stdout: str, header: str) -> dict[str, list[str]]:
+    """The rows of the first table whose header starts with ``header``: {first cell: the others}."""
+    table = next(block for block in stdout.split("\n\n") if block.startswith(header))
+    rows = {}
+    for line in table.splitlines()[2:]:  # below the header and the alignment line
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows.setdefault(cells[0], cells[1:])
+    return rows
+
+
+def run_bench(name: str, timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / name), "--smoke"], cwd=REPO, env=cli_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def test_store_clients_prints_every_row_with_its_requests_per_shard():
+    proc = run_bench("store_clients.py", timeout=180)
+    rows = table_rows(proc.stdout, "| download layer")
+    project = [name for name in rows if name.startswith("project: one GET per shard")]
+    assert {"project: one GET per shard, 1 at a time", "project: one GET per shard, 4 at once"} <= set(project)
+    for name in project:
+        assert rows[name][2] == "1.00", (name, rows[name])  # requests per shard: one GET each
+    transfer = {name: float(cells[2]) for name, cells in rows.items() if name.startswith("boto3 transfer manager")}
+    assert len(transfer) == 3 and max(transfer.values()) > 1, transfer  # a HEAD first, ranged parts
+    assert "What pays" in proc.stdout and "direct network" in proc.stdout
+
+
+@pytest.mark.slow  # a 2-rank run under torchrun
+def test_far_store_trains_through_the_far_network_and_counts_one_get_per_shard():
+    proc = run_bench("far_store.py", timeout=300)
+    rows = table_rows(proc.stdout, "| run |")
+    assert set(rows) == {"far"}, rows
+    for cells in rows.values():
+        epoch, rate, _, wait, gets, heads, ranged = cells[:7]
+        assert epoch == "1" and float(rate.replace(",", "")) > 0 and re.fullmatch(r"\d+%", wait)
+        assert float(gets) >= 1 and float(heads) == float(ranged) == 0  # whole GETs, nothing else
