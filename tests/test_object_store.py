@@ -16,6 +16,7 @@ bench/far_network.py, which also counts every request the server answers):
 from __future__ import annotations
 
 import gc
+import importlib.util
 import multiprocessing
 import os
 import re
@@ -328,6 +329,14 @@ def test_the_caches_room_is_checked_in_one_line(bucket, written, tmp_path, monke
                                          rf"shards may fill [\d.]+ GB \(8 rank\(s\), largest shard "
                                          rf"{largest / 1e6:,.1f} MB\); point --shard-cache-dir at a local disk"):
         check_cache_room(cfg, indexes, ranks_on_node=8)
+
+
+def test_an_object_store_without_boto3_installed_is_one_line(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "boto3" else real(name, *a))
+    assert check_data_dir("shards", "s3://bucket/x", False) == (
+        "--data-dir s3://bucket/x: reading an object store needs boto3, which is not installed; pip install -r "
+        "requirements-shards.txt")
 
 
 def test_no_line_repeats_a_credential():

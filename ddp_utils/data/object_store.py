@@ -8,15 +8,17 @@ them, and no message repeats one (:func:`masked`).
 
 Requests a store can serve: a shard is one GET (:func:`fetch`; the index knows its size, so no
 HEAD, and no ranged parts: several shards download at once instead, ``shard_cache.ReadAhead``),
-pinned to the version the pre-flight listed (``If-Match`` on its ETag). botocore's adaptive
-retry mode retries throttling (503 SlowDown) and transient errors a few times and slows the
-client down on throttling; a fault that outlasts it is waited out here (:class:`Patience`), with
-backoff, for up to ``--store-timeout`` seconds. Then it is reported as one line:
+pinned to the version the pre-flight listed (``If-Match`` on its ETag); a transfer cut short is
+continued with a ranged GET of the rest. botocore's adaptive retry mode sends a request that met
+throttling (503 SlowDown) or a transient error once more and slows the client down on
+throttling; a fault that outlasts it is waited out here (:class:`Patience`, which logs how long),
+with backoff, for up to ``--store-timeout`` seconds. Then it is reported as one line:
 :class:`StoreUnavailable` (exit 75, worth a restart) or :class:`ShardChanged` (exit 2: the data
 changed under the run).
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import random
@@ -73,8 +75,12 @@ def endpoint() -> str:
 
 
 def check_address(address: str, named: str = "--data-dir") -> str | None:
-    """A one-line description of what is wrong with an ``s3://`` address itself, or None."""
+    """A one-line description of what is wrong with an ``s3://`` address itself, or with reading
+    it here (boto3 missing), or None."""
     bucket, _ = split_address(address)
+    if importlib.util.find_spec("boto3") is None:
+        return (f"{named} {masked(address)}: reading an object store needs boto3, which is not installed; "
+                f"pip install -r requirements-shards.txt")
     if "@" in address[len(SCHEME):].split("/", 1)[0]:
         return (f"{named} {masked(address)}: credentials do not belong in the address; set AWS_ACCESS_KEY_ID and "
                 f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) instead")
@@ -93,21 +99,21 @@ def client():
     """This process's S3 client (a forked process makes its own: clients are not fork-safe).
     Its connection pool holds a connection for each download at once (``--shard-downloads``, at most 32)."""
     with _making:
-        return _clients.get(os.getpid()) or _make_client()
+        made = _clients.get(os.getpid())
+        if made is None:
+            made = _clients[os.getpid()] = _new_client()
+        return made
 
 
-def _make_client():
-    made = _clients.get(os.getpid())
-    if made is None:
-        import boto3  # an optional requirement (requirements-shards.txt): imported only for s3:// data
-        from botocore.config import Config
+def _new_client():
+    import boto3  # an optional requirement (requirements-shards.txt): imported only for s3:// data
+    from botocore.config import Config
 
-        for name in ("boto3", "botocore", "s3transfer", "urllib3"):  # their INFO lines are not the run's
-            logging.getLogger(name).setLevel(logging.WARNING)
-        made = _clients[os.getpid()] = boto3.client("s3", config=Config(
-            retries={"max_attempts": BOTOCORE_ATTEMPTS, "mode": "adaptive"}, connect_timeout=CONNECT_TIMEOUT_S,
-            read_timeout=READ_TIMEOUT_S, max_pool_connections=32))
-    return made
+    for name in ("boto3", "botocore", "s3transfer", "urllib3"):  # their INFO lines are not the run's
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return boto3.client("s3", config=Config(retries={"max_attempts": BOTOCORE_ATTEMPTS, "mode": "adaptive"},
+                                            connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+                                            max_pool_connections=32))
 
 
 # ----------------------------------------------------------------------------- faults
