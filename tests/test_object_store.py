@@ -283,8 +283,7 @@ def test_a_read_ahead_loader_is_freed_by_its_last_reference(bucket, tmp_path):
     gc.disable()
     try:
         loader = ReadAheadLoader(_Positions(), batch_size=8, sampler=sampler, read_ahead=ahead,
-                                 shards=SplitShards(index.shard, index.refs()),
-                                 next_epoch=lambda: sampler.indices_of_epoch(sampler.epoch + 1))
+                                 shards=SplitShards(index.shard, index.refs()))  # it reads the next epoch ahead
         batches = list(loader)
         assert sorted(int(i) for batch in batches for i in batch) == list(range(len(index)))
         freed = weakref.ref(loader)

@@ -239,10 +239,8 @@ class StorePrefix:
         try:
             return self._patiently(address, lambda: client().get_object(Bucket=self.bucket, Key=self.key(name))[
                 "Body"].read())
-        except ClientError as err:
-            if failure_code(err) in ("NoSuchKey", "404"):
-                return None
-            raise UsageError(describe_failure(address, err)) from None
+        except ClientError:  # the one kind _patiently lets through: no such object
+            return None
 
     def objects(self) -> dict[str, tuple[int, str]]:
         """{name: (bytes, ETag)} of every object directly below the prefix (one listing, paged)."""

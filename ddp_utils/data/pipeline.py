@@ -49,6 +49,7 @@ from .order import SHARDS_IN_USE, Key, ResumableDistributedSampler, ShardAwareSa
 from .recipes import AugmentRecipe, eval_recipe
 from .sets import bank_subset, in_memory_tensors, load_raw_splits, num_classes_of
 from .shard_cache import NodeCache, ReadAhead, ReadAheadLoader, SplitShards
+from .shards import largest_shard
 
 if TYPE_CHECKING:
     from .files_on_device import FinishOnDevice
@@ -183,7 +184,7 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
     train_raw, val_raw = raw_splits(plan, cache)
     read_ahead = None
     if cache is not None:
-        largest = max(shard["bytes"] for split in (train_raw, val_raw) for shard in image_files_of(split).index.shards)
+        largest = largest_shard(image_files_of(train_raw).index, image_files_of(val_raw).index)
         cache.capacity = plan.store.node_bytes(largest, ranks_on_node)
         read_ahead = ReadAhead(cache, plan.store.read_ahead, plan.store.downloads, cache.capacity // ranks_on_node)
     check_shared_memory(plan_memory(plan, train_raw), ranks_on_node)
@@ -194,8 +195,7 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
                  f" (--workers {plan.workers} unused)" if plan.workers else "")
 
     def batches(raw: Dataset, sampler, kind: _Kind) -> Batches:  # image files: undecodable ones recorded
-        ahead = _Ahead(read_ahead, split_shards(raw), sampler) if read_ahead is not None else None
-        made = _batches(raw, sampler, kind, plan=plan, device=device, held=held, ahead=ahead)
+        made = _batches(raw, sampler, kind, plan=plan, device=device, held=held, read_ahead=read_ahead)
         return record_unreadable(made, raw, unreadable)
 
     sampler = training_order(plan, train_raw, world_size, rank)
@@ -252,23 +252,6 @@ def split_shards(raw: Dataset) -> SplitShards:
     return SplitShards(shards_of(raw), image_files_of(raw).index.refs())  # type: ignore[union-attr]
 
 
-@dataclass(frozen=True)
-class _Ahead:
-    """A loader's part in its rank's read-ahead: where its samples lie, and its sampler (a
-    training sampler names its next epoch's samples)."""
-
-    read_ahead: ReadAhead
-    shards: SplitShards
-    sampler: Iterable
-
-    def loader_args(self) -> dict:
-        next_epoch = None
-        if isinstance(self.sampler, ShardAwareSampler):
-            def next_epoch() -> np.ndarray:
-                return self.sampler.indices_of_epoch(self.sampler.epoch + 1)
-        return {"read_ahead": self.read_ahead, "shards": self.shards, "next_epoch": next_epoch}
-
-
 def _held_on_device(plan: DataPlan, train_raw: Dataset, val_raw: Dataset, device: torch.device) -> dict:
     """{split: (images N x C x H x W, targets N) on ``device``} of in-memory data augmented
     there; empty for the other paths."""
@@ -280,10 +263,11 @@ def _held_on_device(plan: DataPlan, train_raw: Dataset, val_raw: Dataset, device
 
 
 def _batches(raw: Dataset, sampler: Iterable, kind: _Kind, *, plan: DataPlan, device: torch.device,
-             held: dict, ahead: _Ahead | None = None) -> Batches:
+             held: dict, read_ahead: ReadAhead | None = None) -> Batches:
     """``kind`` of batch of ``raw`` in ``sampler``'s order, on the plan's path (see the module
-    docstring); ``held``: the splits :func:`_held_on_device` put there; ``ahead``: shards from an
-    object store, read ahead."""
+    docstring); ``held``: the splits :func:`_held_on_device` put there; ``read_ahead``: the rank's,
+    for shards from an object store."""
+    shards = split_shards(raw) if read_ahead is not None else None
     size = plan.image_size
     augment = DeviceAugment(BatchAugment(kind.recipe, size), kind.seed, kind.views)  # the device paths'
     if held:  # in-memory data; the kNN bank, a subset of the training split, is batched from its tensor
@@ -301,34 +285,36 @@ def _batches(raw: Dataset, sampler: Iterable, kind: _Kind, *, plan: DataPlan, de
         data = SeededTransform(read_as(raw, "encoded" if plan.decode_on_device else "decoded"), None, kind.seed,
                                with_key=True)
         loader = data_loader(data, sampler, batch_size=kind.batch_size, workers=plan.workers,
-                             pin_memory=device.type == "cuda", train=kind.train, collate=collate_files, ahead=ahead)
+                             pin_memory=device.type == "cuda", train=kind.train, collate=collate_files,
+                             read_ahead=read_ahead, shards=shards)
         return FinishOnDevice(loader, augment, device, read_as(raw, "decoded"))
     from .transforms import TwoCrops, view_transform
 
     view = view_transform(kind.recipe, plan.dataset, size)
     data = SeededTransform(raw, view if kind.views == 1 else TwoCrops(view), kind.seed)
     loader = data_loader(data, sampler, batch_size=kind.batch_size, workers=plan.workers,
-                         pin_memory=device.type == "cuda", train=kind.train, ahead=ahead)
+                         pin_memory=device.type == "cuda", train=kind.train, read_ahead=read_ahead, shards=shards)
     return loader
 
 
 def data_loader(data: Dataset, sampler: Iterable, *, batch_size: int, workers: int, pin_memory: bool, train: bool,
-                collate: Callable | None = None, ahead: _Ahead | None = None) -> DataLoader:
+                collate: Callable | None = None, read_ahead: ReadAhead | None = None,
+                shards: SplitShards | None = None) -> DataLoader:
     """``data`` in ``sampler``'s order, ``batch_size`` samples a batch, ``collate`` (default:
     torch's) making each. Training (``train``): full batches only (every micro-batch has
     batch_size samples, so the 1/window loss scale is exact) and a resident pool of workers,
     each preparing ``TRAIN_PREFETCH`` batches ahead; evaluation: every sample, its workers
     started for each pass and gone after it, ``EVAL_PREFETCH`` batches ahead each (its batches
-    are the larger). ``ahead``: shards from an object store, whose rank's read-ahead each pass
-    tells its order (``shard_cache.ReadAheadLoader``)."""
+    are the larger). ``read_ahead``: shards from an object store (``shards``: where ``data``'s
+    samples lie), whose rank's read-ahead each pass tells its order (``shard_cache.ReadAheadLoader``)."""
     prefetch = TRAIN_PREFETCH if train else EVAL_PREFETCH
     # Each iterator draws its workers' base seed from a generator of its own: from the global RNG,
     # a resumed run would shift its position.
     settings = dict(batch_size=batch_size, sampler=sampler, drop_last=train, num_workers=workers,
                     pin_memory=pin_memory, persistent_workers=train and workers > 0, collate_fn=collate,
                     prefetch_factor=prefetch if workers else None, generator=torch.Generator().manual_seed(0))
-    if ahead is not None:
-        return ReadAheadLoader(data, **settings, **ahead.loader_args())
+    if read_ahead is not None:
+        return ReadAheadLoader(data, **settings, read_ahead=read_ahead, shards=shards)
     return DataLoader(data, **settings)
 
 

@@ -49,6 +49,7 @@ from .object_store import (
     fetch,
     say_recovered,
 )
+from .order import ShardAwareSampler
 
 DOWNLOADS = "downloads.txt"
 POLL_S = 0.02          # s: how often a process waiting for a shard looks for it
@@ -430,13 +431,12 @@ class ReadAhead:
 class ReadAheadLoader(DataLoader):
     """A DataLoader over shards of an object store that tells its rank's :class:`ReadAhead` the
     order of each pass as it starts (``shards``: where its samples lie) and how far the
-    training process has received; ``next_epoch``: the shards of the sampler's next epoch
-    (training), read ahead at the end of this one."""
+    training process has received; a training sampler in the shards order also names its next
+    epoch, read ahead at the end of this one."""
 
-    def __init__(self, *args, read_ahead: ReadAhead, shards: SplitShards,
-                 next_epoch: Callable[[], np.ndarray] | None = None, **kwargs):
+    def __init__(self, *args, read_ahead: ReadAhead, shards: SplitShards, **kwargs):
         super().__init__(*args, **kwargs)
-        self.read_ahead, self.shards, self.next_epoch_positions = read_ahead, shards, next_epoch
+        self.read_ahead, self.shards = read_ahead, shards
 
     def _asked_at_once(self) -> int:
         """Batches the workers are asked for ahead of the one received (DataLoader's prefetch)."""
@@ -444,12 +444,12 @@ class ReadAheadLoader(DataLoader):
 
     def __iter__(self):
         positions = np.fromiter((key[1] if isinstance(key, tuple) else key for key in self.sampler), dtype=np.int64)
-        shards, following = self.shards, self.next_epoch_positions
+        shards, sampler = self.shards, self.sampler
         needs = needs_of(shards.of(positions), shards.refs)
         next_epoch = None
-        if following is not None:
+        if isinstance(sampler, ShardAwareSampler):
             def next_epoch() -> list[Need]:  # holds no reference to the loader: none from the read-ahead to its workers
-                return needs_of(shards.of(following()), shards.refs)
+                return needs_of(shards.of(sampler.indices_of_epoch(sampler.epoch + 1)), shards.refs)
         batch = self.batch_size or 1
         total = len(positions)
         self.read_ahead.start_pass(needs, min(total, self._asked_at_once() * batch), next_epoch)

@@ -171,6 +171,11 @@ class ShardIndex:
         return self.paths.split("\0")[i]
 
 
+def largest_shard(*indexes: ShardIndex) -> int:
+    """Bytes of the largest shard of the splits ``indexes``: what bounds a cache of whole shards."""
+    return max(shard["bytes"] for index in indexes for shard in index.shards)
+
+
 def raise_open_file_limit(wanted: int) -> int:
     """This process's limit of open files, first raised towards ``wanted`` as far as its hard
     limit allows (the soft limit is often 1,024 where the hard one is far higher)."""

@@ -73,17 +73,14 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         train, val = raw_splits(plan)
         facts, extra = script_check(train)
         samples_per_rank = training_order(plan, train, world_size, 0).num_samples
-        if cfg.dataset == "shards":
-            indexes = (image_files_of(train).index, image_files_of(val).index)
-            check_cache_room(cfg, indexes, launch.local_world_size)
+        capacity = check_cache_room(cfg, (image_files_of(train).index, image_files_of(val).index),
+                                    launch.local_world_size) if cfg.dataset == "shards" else None
         batches = require_a_batch(samples_per_rank // cfg.batch_size, len(train), world_size, cfg.batch_size)
         steps = steps_per_epoch(batches, cfg.accum_steps)
         lines.append(f"data: {cfg.dataset}, {len(train):,} training and {len(val):,} validation images; {settings}")
         store = cfg.store_cache()
-        if store is not None:
-            largest = max(shard["bytes"] for index in indexes for shard in index.shards)
-            lines.append(f"object store: each node caches up to {store.node_bytes(largest, launch.local_world_size) / 1e9:.2f}"
-                         f" GB of shards in {store.folder}-nodeN ({'kept' if store.keep else 'deleted'} at the end); "
+        if capacity is not None:
+            lines.append(f"object store: each node caches up to {capacity / 1e9:.2f} GB of shards in {store.folder}-nodeN ({'kept' if store.keep else 'deleted'} at the end); "
                          f"each rank reads {store.read_ahead} shard(s) ahead, {store.downloads} download(s) at once; "
                          f"a store that does not answer is waited for {store.timeout:g} s")
         memory = plan_memory(plan, train)

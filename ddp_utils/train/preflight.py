@@ -16,7 +16,7 @@ from ..data.pipeline import default_workers, usable_cpus, worker_start_hazard
 from ..data.recipes import augment_on_device
 from ..data.sets import IMAGE_FILES, check_data_dir, download_cifar10, list_image_files
 from ..data.shard_cache import NodeCache
-from ..data.shards import ShardIndex
+from ..data.shards import ShardIndex, largest_shard
 from ..runtime.collectives import all_gather_object, all_ranks_agree, broadcast_object
 from ..runtime.dist import DistInfo, gpu_identity, restart_count, shared_gpu_problem
 from ..runtime.faults import FaultPlan
@@ -117,15 +117,15 @@ def list_image_files_once(cfg: TrainConfig, info: DistInfo, restarted: bool = Fa
     return broadcast_object(listings)
 
 
-def check_cache_room(cfg: TrainConfig, indexes: Listings, ranks_on_node: int) -> None:
-    """Shards from an object store: bad input when each of a node's ``ranks_on_node`` ranks gets
-    less of the node's cache than the shards its workers read at once (``order.SHARDS_IN_USE``),
-    or when the cache's disk (here) has less room than the cache may fill. Other data: nothing
-    to check."""
+def check_cache_room(cfg: TrainConfig, indexes: Listings, ranks_on_node: int) -> int | None:
+    """Shards from an object store: the bytes the node's cache may fill; bad input when each of
+    a node's ``ranks_on_node`` ranks gets less of it than the shards its workers read at once
+    (``order.SHARDS_IN_USE``), or when the cache's disk (here) has less room than that. Other
+    data: None, nothing to check."""
     store = cfg.store_cache()
     if store is None:
-        return
-    largest = max(shard["bytes"] for index in indexes for shard in index.shards)
+        return None
+    largest = largest_shard(*indexes)
     capacity, needed = store.node_bytes(largest, ranks_on_node), ranks_on_node * SHARDS_IN_USE * largest
     if capacity < needed:
         raise UsageError(f"--shard-cache-gb {cfg.shard_cache_gb:g}: each of the node's {ranks_on_node} rank(s) must "
@@ -140,6 +140,7 @@ def check_cache_room(cfg: TrainConfig, indexes: Listings, ranks_on_node: int) ->
                          f"{capacity / 1e9:.2f} GB ({ranks_on_node} rank(s), largest shard {largest / 1e6:,.1f} MB); "
                          f"point --shard-cache-dir at a local disk with room, or lower --shard-read-ahead or "
                          f"--shard-cache-gb")
+    return capacity
 
 
 def empty_shard_cache_once_per_node(cfg: TrainConfig, info: DistInfo, indexes: Listings | None) -> None:

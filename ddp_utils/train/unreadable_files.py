@@ -104,11 +104,7 @@ def stop_if_files_unreadable(run: TrainRun, where: str) -> None:
         return
     if run.info.is_main:
         mark_unreadable(run.cfg.out, files)
-    if run.state.step == 0 and run.session.saved.path is None:  # nothing trained yet: nothing to keep
-        raise RunStopped(f"{where}: {describe_unreadable(files)}; {fix_hint(files)}, then start the run again", EXIT_USAGE)
-    save_checkpoint(run)
-    raise RunStopped(f"{where}: {describe_unreadable(files)}; {fix_hint(files)}, then continue with --resume auto; "
-                     f"{run.session.saved.describe()}", EXIT_USAGE)
+    stop_after_the_last_step(run, f"{where}: {describe_unreadable(files)}; {fix_hint(files)}, then", EXIT_USAGE)
 
 
 def stop_for_store(run: TrainRun, where: str, faults: list[StoreError]) -> None:
@@ -117,8 +113,13 @@ def stop_for_store(run: TrainRun, where: str, faults: list[StoreError]) -> None:
     change), else exit 75 (worth a restart: the launchers start the job again, whose pre-flight
     waits ``--store-timeout`` for the store)."""
     fault = next((f for f in faults if f.exit_code == EXIT_USAGE), faults[0])
-    trained = run.state.step > 0 or run.session.saved.path is not None
-    if trained:
-        save_checkpoint(run)
-    then = "continue with --resume auto" if trained else "start the run again"
-    raise RunStopped(f"{where}: {fault}; {then}; {run.session.saved.describe()}", fault.exit_code)
+    stop_after_the_last_step(run, f"{where}: {fault};", fault.exit_code)
+
+
+def stop_after_the_last_step(run: TrainRun, said: str, code: int) -> None:
+    """Every rank: checkpoint the last completed step (nothing when nothing was trained yet) and
+    stop with ``code``, ``said`` followed by how to go on."""
+    if run.state.step == 0 and run.session.saved.path is None:  # nothing trained yet: nothing to keep
+        raise RunStopped(f"{said} start the run again", code)
+    save_checkpoint(run)
+    raise RunStopped(f"{said} continue with --resume auto; {run.session.saved.describe()}", code)
