@@ -24,9 +24,10 @@ call per purpose and view (5 purposes x 2 views).
 A fourth is the ImageNet path's device side: both MoCo v2 views at 224 px of packed batches of
 an ImageNet-like folder (``bench/imagenet_like.py``), as ``DeviceAugment.packed`` makes them
 with the CPU as the device (the code a GPU runs, eager), against the same at commit 8719b0f
-(read from git: ``bench/at_commit.py``): CPU time per image on one thread, and the bytes its
-ops write per image (a dispatch-mode counter summing each op's outputs, in-place ones
-included): on a GPU these passes are memory-bound, so bytes written is what they cost there.
+and at 6a4b01f (a resize per image and view; read from git: ``bench/at_commit.py``): CPU time
+per image on one thread, and the bytes its ops write per image (a dispatch-mode counter summing
+each op's outputs, in-place ones included): on a GPU these passes are memory-bound, so bytes
+written is what they cost there.
 ``--packed-only`` runs this table alone.
 """
 from __future__ import annotations
@@ -115,7 +116,7 @@ class BytesWritten(TorchDispatchMode):
 
 
 def packed_views(images: int = 64, batch: int = 32, repeats: int = 3) -> dict[str, tuple[float, float]]:
-    """{"8719b0f" | "now": (CPU ms per image, MB written per image)} for both MoCo v2 views of
+    """{"8719b0f" | "6a4b01f" | "now": (CPU ms per image, MB written per image)} for both MoCo v2 views of
     packed batches of an ImageNet-like folder (see the module docstring)."""
     import tempfile
 
@@ -141,7 +142,10 @@ def packed_views(images: int = 64, batch: int = 32, repeats: int = 3) -> dict[st
         return [old_augment.apply_packed(x, places, u[:, v * ba.VIEW_COLUMNS:(v + 1) * ba.VIEW_COLUMNS])
                 for v in range(2)]
 
+    previous = module_at("6a4b01f", "ddp_utils/data/batch_augment.py")  # exact per-image resizes, subsets
+    at_6a4b01f = previous.DeviceAugment(previous.BatchAugment(recipe, 224), seed=0, views=2)
     runs = {"8719b0f": lambda: [at_8719b0f(atlas, places, index) for (atlas, places), index in batches],
+            "6a4b01f": lambda: [at_6a4b01f.packed(atlas, places, 0, index) for (atlas, places), index in batches],
             "now": lambda: [now.packed(atlas, places, 0, index) for (atlas, places), index in batches]}
     seconds = _best_seconds(list(runs.values()), repeats)
     written = []
@@ -227,13 +231,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = packed_views(repeats=args.repeats)
-    (old_ms, old_mb), (ms, mb) = rows["8719b0f"], rows["now"]
     print("ImageNet path, both MoCo v2 views at 224 px of packed batches of 32, the CPU as the device, "
           f"{args.threads} thread(s), best of {args.repeats}")
     print(f"{'':>9} {'CPU ms/img':>11} {'MB written/img':>15}")
-    print(f"{'8719b0f':>9} {old_ms:>11.2f} {old_mb:>15.1f}")
-    print(f"{'now':>9} {ms:>11.2f} {mb:>15.1f}")
-    print(f"{'ratio':>9} {old_ms / ms:>10.2f}x {old_mb / mb:>14.2f}x\n")
+    for name, (ms, mb) in rows.items():
+        print(f"{name:>9} {ms:>11.2f} {mb:>15.1f}")
+    print()
     if args.packed_only:
         return
     benchmark(tuple(args.sizes), args.batch_size, args.samples, batched=8 * args.batch_size,  # eight batches

@@ -35,9 +35,10 @@ a measurement.
   waits there for nvJPEG).
 * ``independence``: each sample's two MoCo v2 views made on the device in a packed batch of
   ``--batch-size`` images and alone (an atlas of one): the max |diff| (normalised units) and the
-  samples not bit-identical. Alone, a sample's blur, grayscale and jitter run on sub-batches of
-  other sizes (of one or none), so a kernel whose rounding follows the batch's shape shows here;
-  bit for bit on the CPU; exit 1 above 1e-5, the bound the device path promises.
+  samples not bit-identical. Alone, every kernel runs on a batch of one and the crops are
+  resampled at other atlas coordinates, so a kernel whose rounding follows the batch's shape or
+  the image's place shows here; on the CPU at most one float32 step apart (tested); exit 1 above
+  1e-5, the bound the device path promises.
 * ``breakdown``: ``FinishOnDevice.finish`` on held batches (MoCo v2 recipe, 2 views) under
   ``torch.profiler``: per batch, the time of each ``device_finish/*`` range (on CUDA the
   kernels' device time attributed to the range, on the CPU its CPU time; ``?`` where the range

@@ -209,9 +209,13 @@ def count_per_micro_step(main, args: list[str], monkeypatch_setattr, plant_kind:
     micro-step's backward and the end of the next one's (set-up before the first and the work
     after the last left out), and the counted events."""
     import ddp_utils.train.session as session
+    from ddp_utils.data import files_on_device
     from ddp_utils.data.batch_augment import PreparedAhead
 
     monkeypatch_setattr(session, "init_distributed", on_training_device(session.init_distributed))
+    # Image files on the device: each batch made on this thread when the loop asks for it, under this
+    # thread's dispatch mode (a thread of its own would escape the count; this thread does more then)
+    monkeypatch_setattr(files_on_device, "AHEAD", 0)
     counter, marks = HostSyncCounter(), []
     backward = torch.Tensor.backward
 

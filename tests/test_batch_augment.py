@@ -17,9 +17,10 @@ from torchvision import transforms as T1
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
+from bench.augment import KernelCounter
 from ddp_utils import hashing
 from ddp_utils.data import batch_augment as ba
-from ddp_utils.data.batch_augment import BatchAugment
+from ddp_utils.data.batch_augment import BatchAugment, DeviceAugment
 from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, moco_recipe
 
 # Two-sample Kolmogorov-Smirnov: P(D > c sqrt((n + m) / (n m))) <= 2 exp(-2 c^2), which is 1e-4
@@ -130,19 +131,71 @@ def test_uniforms_look_uniform_and_independent():
 
 
 def test_runs_without_reading_values_on_the_device():
-    """Images on the meta device, indices on the host: any .item(), .tolist(), nonzero or
-    boolean-mask index of a device tensor raises, so a pass here means the pipeline never
-    synchronises a CUDA stream to read a value back (who draws which step is read from the
-    host's uniforms). The batch of 64 makes every random step draw some samples and not others."""
+    """Images (and an atlas) on the meta device, indices on the host: any .item(), .tolist(),
+    nonzero or boolean-mask index of a device tensor raises, so a pass here means the pipeline
+    never synchronises a CUDA stream to read a value back. The batch of 64 makes every random
+    step draw some samples and not others."""
     images = torch.empty(64, 3, 32, 32, dtype=torch.uint8, device="meta")
     index = torch.arange(64)
     u = ba.keyed_uniforms(0, 0, index)
     for column, p in ((ba.JITTER_COLUMN, 0.8), (ba.GRAY_COLUMN, 0.2), (ba.BLUR_COLUMN, 0.5), (ba.FLIP_COLUMN, 0.5)):
-        assert 0 < len(ba.drawn(u[:, column], p)) < 64
+        assert 0 < int((u[:, column] < p).sum()) < 64
     for recipe, size in [(_moco("v2", 16, mean=(0.5,) * 3, std=(0.2,) * 3), 16),
                          (_moco("v1", 32), 32), (_pad_crop(32), 32)]:
         out = BatchAugment(recipe, size)(images, seed=0, epoch=0, index=index)
         assert out.device.type == "meta" and out.shape == (64, 3, size, size)
+    atlas, places = _meta_atlas(64)
+    for views in DeviceAugment(BatchAugment(moco_recipe("imagefolder", 224, "v2"), 224), seed=0, views=2).packed(
+            atlas, places, 0, index):
+        assert views.device.type == "meta" and views.shape == (64, 3, 224, 224)
+
+
+def _meta_atlas(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed batch of ImageNet-like sizes, its atlas on the meta device (no pixels)."""
+    from ddp_utils.data.files_on_device import placements
+
+    sizes = [(375, 500), (500, 375), (333, 500), (1200, 800), (64, 48)]
+    places, height, width = placements([sizes[i % len(sizes)] for i in range(batch)])
+    return torch.empty(height, width, 3, dtype=torch.uint8, device="meta"), torch.tensor(places)
+
+
+def test_a_batchs_views_are_a_fixed_number_of_kernels_whatever_its_size():
+    """Both MoCo v2 views of packed ImageNet-like batches of 32 to 512 images (meta device: the
+    ops a GPU would launch, without the arithmetic): the same count at every size, and no more
+    than the 1,170 of 8719b0f's augmentation (one roi_align per view, before the exact crops)."""
+    augment = DeviceAugment(BatchAugment(moco_recipe("imagefolder", 224, "v2"), 224), seed=0, views=2)
+    counts = []
+    for batch in (32, 128, 512):
+        atlas, places = _meta_atlas(batch)
+        with KernelCounter() as counter:
+            augment.packed(atlas, places, 0, torch.arange(batch))
+        counts.append(counter.kernels)
+    assert max(counts) == min(counts) <= 1170, counts
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")  # cached constants: traced through
+def test_the_packed_augmentation_is_one_graph_that_torch_compile_captures_whole():
+    """The device side of a packed batch (atlas to float, every view from its uniforms) traced
+    by torch.compile with fullgraph=True (a graph break or a data-dependent host read raises),
+    its results equal to eager bit for bit. A CUDA graph needs the same of the GPU's kernels:
+    bench/augment_capture.py probes it there."""
+    import torch._dynamo
+
+    augment = BatchAugment(moco_recipe("imagefolder", 64, "v2"), 64)
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g) for h, w in ((40, 50), (70, 30), (33, 33))]
+    from ddp_utils.data.files_on_device import pack
+
+    def views(atlas, places, u):
+        x = ba.atlas_for_resampling(atlas)
+        return [augment.apply_packed(x, places, u[:, v * ba.VIEW_COLUMNS:(v + 1) * ba.VIEW_COLUMNS]) for v in (0, 1)]
+
+    torch._dynamo.reset()
+    captured = torch.compile(views, fullgraph=True, backend="eager", dynamic=False)
+    atlas, places = pack(images)
+    u = ba.keyed_uniforms(0, 0, torch.arange(len(images)), views=2)
+    for ours, eager in zip(captured(atlas, places, u), views(atlas, places, u), strict=True):
+        assert torch.equal(ours, eager)
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -292,8 +345,7 @@ def test_colour_jitter_applies_each_samples_ops_in_its_own_order():
     factors, order = ba.jitter_draws(u, (0.4, 0.4, 0.4, 0.1))
     assert len(set(map(tuple, order.tolist()))) > 12  # many of the 24 orders occur
     applied = torch.arange(48) % 4 != 0
-    ours = ba.on_samples_(x.clone(), applied.nonzero().squeeze(1),
-                          lambda chosen, pick: ba.color_jitter_(chosen, pick(factors), pick(order)))
+    ours = ba.color_jitter_(x.clone(), factors, order, applied)
     ops = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue]
     for image, result, f, sequence, on in zip(x, ours, factors, order.tolist(), applied.tolist()):
         expected = image
@@ -305,24 +357,27 @@ def test_colour_jitter_applies_each_samples_ops_in_its_own_order():
             assert torch.equal(result, image)  # not applied: bit for bit unchanged
 
 
-@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
-def test_a_step_runs_on_the_samples_that_draw_it_only(share):
-    """on_samples_ hands the step exactly the chosen samples (and their rows of a per-sample
-    tensor) and writes its result back into them, bit for bit; the others are left as they were."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 3, 5, 5, generator=g)
-    scale = torch.rand(64, generator=g)
-    chosen = (torch.rand(64, generator=g) < share).nonzero().squeeze(1)
-    seen = []
-
-    def step(samples, pick):
-        seen.append(len(samples))
-        return samples.mul_(pick(scale)[:, None, None, None])
-
-    expected = x.clone()
-    expected[chosen] *= scale[chosen, None, None, None]
-    assert torch.equal(ba.on_samples_(x.clone(), chosen, step), expected)
-    assert seen == ([len(chosen)] if len(chosen) else [])
+@pytest.mark.parametrize("step", ["grayscale", "blur", "flip"])
+def test_a_random_step_changes_the_samples_that_draw_it_and_leaves_the_others_bit_for_bit(step):
+    """Each random step runs on the whole batch and is kept by a per-sample mask: against the
+    same recipe without the step, the samples that do not draw it are unchanged bit for bit,
+    and those that do are the step applied to that sample alone."""
+    bare = AugmentRecipe(flip=False, mean=None, std=None)
+    recipe = {"grayscale": replace(bare, gray_p=0.5), "blur": replace(bare, blur_p=0.5, blur_kernel=5),
+              "flip": replace(bare, flip=True)}[step]
+    column = {"grayscale": ba.GRAY_COLUMN, "blur": ba.BLUR_COLUMN, "flip": ba.FLIP_COLUMN}[step]
+    images, index = colour_images(64, 16), torch.arange(64)
+    u = ba.keyed_uniforms(0, 0, index)
+    drawn = u[:, column] < 0.5
+    assert 0 < int(drawn.sum()) < 64
+    before = BatchAugment(bare, 16).apply(images, u)
+    after = BatchAugment(recipe, 16).apply(images, u)
+    assert torch.equal(after[~drawn], before[~drawn])
+    lo, hi = recipe.blur_sigma
+    alone = {"grayscale": lambda x, i: ba.luma(x).expand_as(x), "flip": lambda x, i: x.flip(3),
+             "blur": lambda x, i: ba.gaussian_blur(x, lo + (hi - lo) * u[i, column + 1:column + 2], 5)}[step]
+    for i in drawn.nonzero().squeeze(1).tolist():
+        assert torch.equal(after[i:i + 1], alone(before[i:i + 1], i))
 
 
 def test_colour_jitter_matches_torchvision_distribution():

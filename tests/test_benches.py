@@ -1,5 +1,6 @@
-"""The object store's benchmarks run end to end on tiny sizes (moto's S3 server behind the far
-network on 127.0.0.1) and print their tables; their figures are not checked."""
+"""Benchmarks run end to end on tiny sizes and print their tables (the object store's: moto's S3
+server behind the far network on 127.0.0.1); their timings are not checked, only what must
+hold whatever the machine (requests per shard, op counts)."""
 from __future__ import annotations
 
 import re
@@ -20,8 +21,8 @@ def table_rows(stdout: str, header: str) -> dict[str, list[str]]:
     return rows
 
 
-def run_bench(name: str, timeout: float) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / name), "--smoke"], cwd=REPO, env=cli_env(),
+def run_bench(name: str, timeout: float, extra: list[str] | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / name), "--smoke", *(extra or [])], cwd=REPO, env=cli_env(),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
@@ -48,3 +49,23 @@ def test_far_store_trains_through_the_far_network_and_counts_one_get_per_shard()
         epoch, rate, _, wait, gets, heads, ranged = cells[:7]
         assert epoch == "1" and float(rate.replace(",", "")) > 0 and re.fullmatch(r"\d+%", wait)
         assert float(gets) >= 1 and float(heads) == float(ranged) == 0  # whole GETs, nothing else
+
+
+def test_augment_host_counts_a_fixed_number_of_ops_per_batch_now_and_more_with_each_image_before():
+    """Against 6a4b01f (one resize per image and view) where the clone has that commit; a
+    shallow clone compares today's code with itself."""
+    history = subprocess.run(["git", "cat-file", "-e", "6a4b01f^{commit}"], cwd=REPO, capture_output=True).returncode == 0
+    proc = run_bench("augment_host.py", timeout=180, extra=[] if history else ["--before", "HEAD"])
+    rows = table_rows(proc.stdout, "| images per batch")
+    before = [int(cells[0].replace(",", "")) for cells in rows.values()]
+    now = [int(cells[1].replace(",", "")) for cells in rows.values()]
+    assert len(rows) == 2 and len(set(now)) == 1, rows
+    assert before[1] > before[0] or not history, rows  # 6a4b01f: an op more per image and view
+    assert "| host: thumbnails" in proc.stdout and "| with the arithmetic" in proc.stdout
+
+
+def test_augment_capture_probe_finds_the_augmentation_whole_under_torch_compile():
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "augment_capture.py"), "--device", "cpu"], cwd=REPO,
+                          env=cli_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ok torch.compile(fullgraph=True): max |compiled - eager| 0" in proc.stdout

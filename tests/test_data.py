@@ -1,14 +1,39 @@
-"""Data sets and transforms: the embedded digits, an ImageFolder tree, synthetic tensors."""
+"""Data sets and transforms: the embedded digits, an ImageFolder tree, synthetic tensors; image files
+finished on the device by a thread of their own, the stream contract, and the device decoder's
+refusals and hardware probe (the last section)."""
 from __future__ import annotations
 
+import gc
+import multiprocessing
+import re
 import shutil
+import subprocess
+import sys
+import threading
+import traceback
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_ok, in_process, load_ckpt, run_cli, run_on_ranks, write_image_folder
+from helpers import assert_ok, cli_env, in_process, load_ckpt, run_cli, run_on_ranks, write_image_folder
 
 import train_classifier
+from ddp_utils.data import files_on_device
+from ddp_utils.data.data_stream import HELD_BATCHES, DataStream
+from ddp_utils.data.files_on_device import (
+    AHEAD,
+    NVJPEG_STATUS_ARCH_MISMATCH,
+    NVJPEG_STATUS_SUCCESS,
+    THREAD_NAME,
+    DecodeFallbacks,
+    FinishOnDevice,
+    collate_files,
+    describe_decoder,
+    nvjpeg_backend,
+    torchvision_nvjpeg,
+)
+from ddp_utils.data.object_store import StoreUnavailable
 from ddp_utils.data.pipeline import DataPlan, SeededTransform, build_data
 from ddp_utils.data.recipes import classifier_recipe, eval_recipe, moco_recipe
 from ddp_utils.data.sets import DigitsDataset, SyntheticImages, load_split
@@ -433,3 +458,370 @@ def test_auto_workers_count_the_cpus_this_process_may_use(tmp_path, monkeypatch,
         assert resolved["workers"] == per_rank
     assert describe_settings(cfg, resolved_settings(cfg, "torchrun", 2, torch.device("cpu")), "torchrun", 2).endswith(
         "7 DataLoader worker(s) per rank (--workers -1: 16 usable CPUs shared by 2 rank(s))")
+
+
+# ----------------------------------------------------------------------------- image files: batches made ahead
+# A FinishOnDevice's thread (its batches, its errors, its end), the stream contract through a stand-in
+# for CUDA, the images the device's decoder refuses and the hardware-decoder probe
+# (ddp_utils/data/files_on_device.py, ddp_utils/data/data_stream.py), the CPU as the device.
+def files_plan(folder, decode_on_device: bool, workers: int = 1, views: int = 2) -> DataPlan:
+    return DataPlan(dataset="imagefolder", data_dir=str(folder), image_size=32, synthetic_samples=0, debug=False,
+                    seed=0, batch_size=5, workers=workers, normalization="auto",
+                    recipe=moco_recipe("imagefolder", 32, "v2"), views=views, aug_on_device=True,
+                    decode_on_device=decode_on_device, bank_samples=0)
+
+
+def same_batches(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for (x1, y1), (x2, y2) in zip(a, b):
+        assert torch.equal(y1, y2)
+        for v1, v2 in zip(x1 if isinstance(x1, tuple) else [x1], x2 if isinstance(x2, tuple) else [x2]):
+            assert torch.equal(v1, v2)
+
+
+def threads_ahead() -> set[threading.Thread]:
+    """The FinishOnDevice threads running (another test's run stopped mid-epoch may leave its own
+    until the garbage collector takes the run: each test counts those it started)."""
+    return {t for t in threading.enumerate() if t.name == THREAD_NAME}
+
+
+@pytest.mark.parametrize("decode_on_device", [False, True], ids=["workers-decode", "device-decodes"])
+def test_the_threads_batches_are_the_loops_own_bit_for_bit(jpeg_folder, decode_on_device):
+    """Two epochs of training batches (each asked for early with prepare_next, as the loop does),
+    validation and the kNN bank: made by a thread of their own, then with no thread (``ahead``
+    0: each batch made on the loop's thread when asked): the same batches in the same order, bit
+    for bit; no thread is left once each pass is over."""
+    assert AHEAD >= 1
+    before = threads_ahead()
+
+    def passes(ahead: int) -> list:
+        loaders = build_data(files_plan(jpeg_folder, decode_on_device), rank=0, world_size=1, device=CPU)
+        for batches in (loaders.train, loaders.val, loaders.bank):
+            batches.batches.ahead = ahead  # the FinishOnDevice under the recorder of undecodable files
+        made = []
+        for epoch in (0, 1):
+            loaders.set_epoch(epoch)
+            it = iter(loaders.train)
+            for _ in range(len(loaders.train)):
+                it.prepare_next()
+                it.prepare_next()  # asking twice changes nothing
+                made.append(next(it))
+            it.prepare_next()
+            assert next(it, None) is None
+        made += [*loaders.val, *loaders.bank]
+        return made
+
+    threaded = passes(AHEAD)
+    assert threads_ahead() <= before
+    same_batches(threaded, passes(0))
+
+
+class Batches:
+    """A loader stand-in: ``batches`` collated batches, then ``error`` raised (if any)."""
+
+    def __init__(self, batches: list, error: BaseException | None = None):
+        self.batches, self.error, self.batch_size = batches, error, 5
+
+    def __len__(self) -> int:
+        return len(self.batches) + (self.error is not None)
+
+    def __iter__(self):
+        yield from self.batches
+        if self.error is not None:
+            raise self.error
+
+
+def collated(jpeg_folder, decode_on_device: bool, count: int) -> tuple[FinishOnDevice, list]:
+    """A FinishOnDevice of the training split and ``count`` of its loader's collated batches."""
+    finish = build_data(files_plan(jpeg_folder, decode_on_device, workers=0), rank=0, world_size=1,
+                        device=CPU).train.batches
+    finish.loader.sampler.set_epoch(0)
+    taken = []
+    for batch in finish.loader:
+        taken.append(batch)
+        if len(taken) == count:
+            return finish, taken
+    raise AssertionError("too few batches")
+
+
+def test_an_error_of_the_thread_reaches_the_loop_at_its_batch_as_it_was_raised(jpeg_folder):
+    """The loader fails (the store's fault) after two batches: the loop gets both, equal to those
+    made on its own thread, then the store's error itself (its type, its traceback through the
+    loader), then the end; the thread is gone."""
+    finish, taken = collated(jpeg_folder, decode_on_device=True, count=2)
+    expected = [finish.finish(batch) for batch in taken]
+    fault = StoreUnavailable("s3://bucket/train-00003.tar", "timed out after 300 s")
+    finish.loader = Batches(taken, fault)
+    before = threads_ahead()
+    it = iter(finish)
+    same_batches([next(it), next(it)], expected)
+    with pytest.raises(StoreUnavailable) as raised:
+        next(it)
+    assert raised.value is fault and "timed out after 300 s" in str(raised.value)
+    assert "__iter__" in [frame.name for frame in traceback.extract_tb(raised.value.__traceback__)]  # the loader's
+    assert next(it, None) is None
+    assert threads_ahead() <= before
+
+
+class WatchedLoader:
+    """A DataLoader whose iterators and worker processes can be looked at after they go."""
+
+    def __init__(self, loader):
+        self.loader, self.batch_size = loader, loader.batch_size
+        self.persistent_workers, self.num_workers = loader.persistent_workers, loader.num_workers
+        self.iterators: list[weakref.ref] = []
+        self.workers: set = set()
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        before = set(multiprocessing.active_children())
+        it = iter(self.loader)
+        self.workers |= set(multiprocessing.active_children()) - before
+        self.iterators.append(weakref.ref(it))
+        return it
+
+
+@pytest.mark.parametrize("how", ["dropped", "closed", "exhausted"])
+def test_the_thread_and_the_loaders_workers_end_with_the_iterator(jpeg_folder, how):
+    """With garbage collection off (a reference cycle would keep them): the iterator of a loader
+    whose 2 workers start with each pass (as evaluation's do), dropped after one batch (the thread
+    waiting on a full hand-over), closed after one, or read to its end: the thread has ended, the
+    loader's iterator is gone and its workers have exited when that returns."""
+    finish = build_data(files_plan(jpeg_folder, decode_on_device=False, workers=0), rank=0, world_size=1,
+                        device=CPU).train.batches
+    finish.loader.sampler.set_epoch(0)
+    finish.loader = WatchedLoader(torch.utils.data.DataLoader(
+        finish.loader.dataset, batch_size=5, sampler=finish.loader.sampler, num_workers=2, collate_fn=collate_files,
+        drop_last=True))
+    gc.collect()
+    gc.disable()
+    try:
+        before = threads_ahead()
+        it = iter(finish)
+        next(it)
+        assert len(threads_ahead() - before) == 1 and len(finish.loader.workers) == 2
+        if how == "dropped":
+            del it
+        elif how == "closed":
+            it.close()
+        else:
+            assert len(list(it)) == len(finish) - 1
+        assert threads_ahead() <= before
+        assert [ref() for ref in finish.loader.iterators] == [None]
+        assert not any(worker.is_alive() for worker in finish.loader.workers)
+    finally:
+        gc.enable()
+
+
+def test_a_process_that_exits_mid_epoch_exits(jpeg_folder):
+    """A script that takes one batch and exits, its thread waiting on a full hand-over and its
+    loader's persistent workers up: it exits at once, with its code."""
+    script = ("import sys, torch\n"
+              "from ddp_utils.data.pipeline import DataPlan, build_data\n"
+              "from ddp_utils.data.recipes import moco_recipe\n"
+              f"plan = DataPlan(dataset='imagefolder', data_dir={str(jpeg_folder)!r}, image_size=32, "
+              "synthetic_samples=0, debug=False, seed=0, batch_size=5, workers=2, normalization='auto', "
+              "recipe=moco_recipe('imagefolder', 32, 'v2'), views=2, aug_on_device=True, decode_on_device=True)\n"
+              "loaders = build_data(plan, rank=0, world_size=1, device=torch.device('cpu'))\n"
+              "loaders.set_epoch(0)\nit = iter(loaders.train)\nnext(it)\nprint('one batch')\nsys.exit(3)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=cli_env())
+    assert proc.returncode == 3 and "one batch" in proc.stdout, proc.stderr
+
+
+class Recorder:
+    """A stand-in for ``data_stream.CudaCalls``: every call, in order, with the thread that made it."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str, object]] = []
+        self.events: list[Event] = []
+        self.inside = threading.local()
+
+    def note(self, what: str, detail: object = None) -> None:
+        self.calls.append((threading.current_thread().name, what, detail))
+
+    def new_stream(self, device):
+        return Stream(self, "data")
+
+    def use(self, stream):
+        recorder = self
+
+        class Use:
+            def __enter__(self):
+                recorder.note("use", stream.name)
+                recorder.inside.stream = stream.name
+
+            def __exit__(self, *exc):
+                recorder.inside.stream = None
+                recorder.note("used", stream.name)
+        return Use()
+
+    def event(self):
+        self.events.append(Event(self, len(self.events)))
+        return self.events[-1]
+
+    def current_stream(self, device):
+        return Stream(self, "training")
+
+    def record_stream(self, tensor, stream) -> None:
+        self.note("record_stream", (tensor.data_ptr(), stream.name))
+
+
+class Stream:
+    def __init__(self, recorder: Recorder, name: str):
+        self.recorder, self.name = recorder, name
+
+    def wait_stream(self, other: Stream) -> None:
+        self.recorder.note("wait_stream", (self.name, other.name))
+
+    def wait_event(self, event: Event) -> None:
+        self.recorder.note("wait_event", (self.name, event.number))
+
+
+class Event:
+    def __init__(self, recorder: Recorder, number: int):
+        self.recorder, self.number, self.done = recorder, number, False
+
+    def record(self, stream: Stream) -> None:
+        self.recorder.note("record", (self.number, stream.name))
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.recorder.note("synchronize", self.number)
+        self.done = True
+
+
+def test_the_data_stream_waits_once_the_training_stream_waits_for_each_batch_and_records_its_tensors():
+    """The contract's calls in order: the data stream waits for the current stream when made;
+    a batch is made with the data stream current, then its event recorded; handed over, the
+    training stream waits for that event, then each device tensor is recorded on it. A pinned
+    source is held until its event completes (the oldest waited for beyond HELD_BATCHES)."""
+    recorder = Recorder()
+    stream = DataStream(CPU, recorder)
+    assert [c[1:] for c in recorder.calls] == [("wait_stream", ("data", "training"))]
+    recorder.calls.clear()
+    views, targets = (torch.zeros(2, 3), torch.ones(2, 3)), torch.arange(2)
+    source = torch.zeros(4)
+    made = stream.run(lambda: recorder.note("make", recorder.inside.stream) or (views, targets), hold=(source,))
+    held = weakref.ref(source)
+    del source
+    assert made.batch == (views, targets) and held() is not None
+    assert [c[1:] for c in recorder.calls] == [("use", "data"), ("make", "data"), ("used", "data"),
+                                              ("record", (0, "data"))]
+    recorder.calls.clear()
+    assert made.hand_over() == (views, targets)
+    assert [c[1:] for c in recorder.calls] == [("wait_event", ("training", 0))] + [
+        ("record_stream", (t.data_ptr(), "training")) for t in (*views, targets)]
+    recorder.events[0].done = True  # its copy is done: the next batch lets its source go
+    stream.run(lambda: views, hold=(torch.zeros(1),))
+    assert held() is None
+    recorder.calls.clear()
+    for _ in range(HELD_BATCHES):  # with the last one's, one more than HELD_BATCHES not done
+        stream.run(lambda: views, hold=(torch.zeros(1),))
+    assert [c[1:] for c in recorder.calls if c[1] == "synchronize"] == [("synchronize", 1)]
+
+
+def test_a_finish_on_device_makes_each_batch_on_the_data_stream_in_its_thread_and_hands_it_over_in_the_loops(
+        jpeg_folder):
+    """Through the stand-in, a FinishOnDevice's pass: each batch is augmented in the thread with
+    the data stream current and its event recorded there; the loop's thread makes the training
+    stream wait for that event before it records the batch's tensors on it; the batches are those
+    of the CPU path."""
+    finish, taken = collated(jpeg_folder, decode_on_device=True, count=3)
+    expected = [finish.finish(batch) for batch in taken]
+    recorder = Recorder()
+    augment = finish.augment
+
+    class Augment:
+        def packed(self, *args):
+            recorder.note("augment", recorder.inside.stream)
+            return augment.packed(*args)
+
+    watched = FinishOnDevice(Batches(taken), Augment(), CPU, finish.decoded, calls=recorder)
+    got = list(watched)
+    same_batches(got, expected)
+    main = threading.current_thread().name
+    assert [c for c in recorder.calls if c[1] == "augment"] == [(THREAD_NAME, "augment", "data")] * 3
+    for number, (views, targets) in enumerate(got):
+        record = recorder.calls.index((THREAD_NAME, "record", (number, "data")))
+        wait = recorder.calls.index((main, "wait_event", ("training", number)))
+        tensors = [(main, "record_stream", (t.data_ptr(), "training")) for t in (*views, targets)]
+        assert record < wait and recorder.calls[wait + 1:wait + 1 + len(tensors)] == tensors
+
+
+def test_images_the_device_refuses_are_counted_warned_once_and_said_each_epoch(jpeg_folder, tmp_path, capsys,
+                                                                               monkeypatch):
+    """A device decoder that refuses the first image of every batch: the training process
+    decodes it on the CPU (the run trains), one WARNING names the first such file, each epoch's
+    line gives the count so far; the start-up line says which decoder decodes."""
+    real = files_on_device.decode_on
+
+    def refusing(device, batch):
+        images, failed = real(device, batch)
+        images[0] = None
+        return images, sorted({0, *failed})
+
+    monkeypatch.setattr(files_on_device, "decode_on", refusing)
+    proc = in_process(train_classifier.main, ["--dataset", "imagefolder", "--data-dir", str(jpeg_folder), "--device",
+                                              "cpu", "--arch", "small_cnn", "--image-size", "32", "--workers", "1",
+                                              "--aug-on", "device", "--decode-on", "device", "--batch-size", "8",
+                                              "--epochs", "2", "--out", str(tmp_path / "run")], capsys)
+    assert_ok(proc)
+    assert "INFO data: JPEGs decoded on cpu by libjpeg-turbo (torchvision's decode_jpeg; no hardware decoder)" \
+        in proc.stdout
+    warned = [line for line in proc.stdout.splitlines() if "WARNING" in line and "decoder refused" in line]
+    assert len(warned) == 1 and "WARNING --decode-on device: the cpu decoder refused 1 image(s) of a batch" in warned[0]
+    assert str(jpeg_folder) in warned[0]
+    said = [int(n.replace(",", "")) for n in re.findall(r"epoch \d+ trained in .*; ([\d,]+) image\(s\) the cpu "
+                                                       r"decoder refused decoded on the CPU so far\)", proc.stdout)]
+    assert len(said) == 2 and 4 <= said[0] < said[1]  # 4 training batches an epoch at least, then more
+
+
+def test_the_fallback_count_is_shared_and_the_warning_said_once(caplog):
+    fallbacks = DecodeFallbacks()
+    with caplog.at_level("WARNING", logger="train"):
+        fallbacks.add(torch.device("cuda", 0), "/data/a.JPEG", 3)
+        fallbacks.add(torch.device("cuda", 0), "/data/b.JPEG")
+    assert fallbacks.count == 4
+    assert [r.getMessage() for r in caplog.records] == [
+        "--decode-on device: the cuda decoder refused 3 image(s) of a batch (/data/a.JPEG among them); the training "
+        "process decodes such images on the CPU, which is slower; each epoch's line counts them"]
+
+
+class FakeNvjpeg:
+    """libnvjpeg's two calls the probe makes, answering ``status``."""
+
+    def __init__(self, status: int):
+        self.status, self.calls = status, []
+
+    def nvjpegCreateEx(self, backend, device_allocator, pinned_allocator, flags, handle):
+        self.calls.append(("create", backend, device_allocator, pinned_allocator, flags))
+        return self.status
+
+    def nvjpegDestroy(self, handle):
+        self.calls.append(("destroy",))
+        return 0
+
+
+@pytest.mark.parametrize("status, kind", [(NVJPEG_STATUS_SUCCESS, "hardware"),
+                                          (NVJPEG_STATUS_ARCH_MISMATCH, "software"), (6, "unknown")])
+def test_the_probe_asks_nvjpeg_for_its_hardware_backend_as_torchvision_does(status, kind):
+    """torchvision's CUDAJpegDecoder creates its handle with NVJPEG_BACKEND_HARDWARE (3), no
+    allocators, default flags: success means the engine decodes, ARCH_MISMATCH software; the probe
+    makes the same call and lets a handle it got go."""
+    nvjpeg = FakeNvjpeg(status)
+    found, detail = nvjpeg_backend(CPU, nvjpeg)
+    assert found == kind and nvjpeg.calls[0] == ("create", 3, None, None, 0)
+    assert (("destroy",) in nvjpeg.calls) == (kind == "hardware")
+    assert kind != "unknown" or "returned status 6" in detail
+
+
+def test_the_probe_reads_the_libnvjpeg_torchvision_loaded():
+    nvjpeg, why = torchvision_nvjpeg()
+    if nvjpeg is None:
+        pytest.skip(f"torchvision without nvJPEG here: {why}")
+    assert "libnvjpeg" in repr(nvjpeg) and why == ""
+    assert describe_decoder(CPU).startswith("JPEGs decoded on cpu by libjpeg-turbo")

@@ -1,8 +1,11 @@
 """bench/gpu_check.sh on a machine that cannot run it: one line naming what is missing, exit 2,
-at once, nothing measured (the GPU run itself is the check's job, not the tests'). Its parts run
-on the CPU: bench/device_finish.py's decode comparison, race probe, loader and profile rows on a
-small ImageNet-like folder (their figures real, their checks able to fail), the JPEG rows'
-interval inside the first epoch, and (slow) the whole --cpu-smoke run."""
+at once, nothing measured (the GPU run itself is the check's job, not the tests'). Its plan: each
+part's limit, their sum within the budget, the decisive parts first, a budget too small for them
+refused in one line. The workers and batch it fits to a /dev/shm of a given size pass the
+project's own check. Its parts run on the CPU: bench/device_finish.py's decode comparison, race
+probe, loader and profile rows on a small ImageNet-like folder (their figures real, their checks
+able to fail), the JPEG rows' interval inside the first epoch, and (slow) the whole --cpu-smoke
+run: every part in the plan's order, its log the console's lines, the whole table at the end."""
 from __future__ import annotations
 
 import re
@@ -13,12 +16,14 @@ import pytest
 import torch
 from helpers import REPO, cli_env
 
-from bench import device_finish
+from bench import device_finish, gpu_preflight
 
 
-def gpu_check(*args: str, python: str = sys.executable, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), *args], cwd="/",
-                          env=cli_env({"PYTHON": python}), capture_output=True, text=True, timeout=timeout)
+def gpu_check(*args: str, python: str = sys.executable, timeout: float = 120,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in cli_env({"PYTHON": python}).items() if k not in ("OUT", "GPU_CHECK_BUDGET")}
+    return subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), *args], cwd="/", env={**base, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a usable GPU")
@@ -41,7 +46,150 @@ def test_a_python_without_torch_is_named(tmp_path):
 
 def test_a_wrong_argument_is_a_usage_error():
     proc = gpu_check("--cpu-smoek")
-    assert proc.returncode == 2 and proc.stderr.strip() == "usage: bash bench/gpu_check.sh [--cpu-smoke]"
+    assert proc.returncode == 2 and proc.stderr.strip() == "usage: bash bench/gpu_check.sh [--cpu-smoke] [--plan]"
+
+
+# ----------------------------------------------------------------------------- the plan
+# The stated order: the parts that decide (decode, race and its control, batch independence, graph
+# capture; the JPEG folder they read first), then the loader alone and the breakdown (after the
+# /dev/shm fit), then the throughput rows, then the smoke runs.
+ORDER = ["writing the ImageNet-like JPEG folder", "device_finish.py decode-diff", "device_finish.py race:",
+         "device_finish.py race --unprotected", "device_finish.py independence", "augment_capture.py",
+         "gpu_preflight.py --shm", "device_finish.py loader", "device_finish.py breakdown",
+         "writing the noise CIFAR-10 folder", "throughput.py: ResNet-18 32 px classifier", "throughput.py: ResNet-18 32 px MoCo",
+         "throughput.py: ResNet-50 224 px MoCo v2", "JPEG path: ResNet-50 MoCo v2, --decode-on loader",
+         "JPEG path: ResNet-50 linear probe, --decode-on loader", "JPEG path: ResNet-50 MoCo v2, --decode-on device",
+         "JPEG path: ResNet-50 linear probe, --decode-on device", "the CIFAR-10 demo recipe", "smoke: classifier",
+         "smoke: MoCo"]
+DECISIVE = 6
+KILL_AFTER, MARGIN = 5, 5  # gpu_check.sh: seconds between timeout's TERM and KILL; kept for the script
+PLAN_LINE = re.compile(r"^\s+(\d+)\. (.+?)\s+(\d+) s  (decisive|planned|if time is left)(?:  \((lane \d|before the lanes)\))?$")
+
+
+def plan_of(text: str) -> list[tuple[int, str, int, str, str]]:
+    """The plan's lines in ``text``: (number, what, limit, state, lane: "" on a GPU)."""
+    plan = []
+    for line in text.splitlines():
+        m = PLAN_LINE.match(line)
+        if m:
+            number, what, limit, state, lane = m.groups()
+            plan.append((int(number), what, int(limit), state, "" if lane in (None, "before the lanes") else lane))
+    return plan
+
+
+def check_plan(text: str, budget: int) -> dict[str, int]:
+    """The plan in ``text`` holds every part in the stated order; per lane the planned limits (+5 s
+    each, +5 s for the script, the pre-flight's included) sum to at most ``budget``, the decisive
+    parts are planned, the planned ones come first, and the printed totals are those sums."""
+    plan = plan_of(text)
+    assert [n for n, *_ in plan] == list(range(len(ORDER) + 1))
+    assert plan[0][1].startswith("pre-flight") and plan[0][3] == "decisive"
+    assert all(what.startswith(expected) for (_, what, *_), expected in zip(plan[1:], ORDER)), [p[1] for p in plan]
+    assert [state == "decisive" for _, _, _, state, _ in plan[1:]] == [True] * DECISIVE + [False] * (len(ORDER) - DECISIVE)
+    preflight = plan[0][2] + KILL_AFTER + MARGIN
+    used: dict[str, int] = {}
+    for lane in sorted({lane for *_, lane in plan[1:]}):
+        states = [state for *_, state, own in plan[1:] if own == lane]
+        planned = states.count("decisive") + states.count("planned")
+        assert "if time is left" not in states[:planned], f"{lane or 'the GPU plan'}: the planned parts come first"
+        used[lane] = preflight + sum(limit + KILL_AFTER for _, _, limit, state, own in plan[1:]
+                                     if own == lane and state != "if time is left")
+        assert used[lane] <= budget, f"{lane or 'the GPU plan'}: {used[lane]} s planned against a {budget} s budget"
+        said = f"{lane + ' ' if lane else ''}planned: {used[lane]} s of the {budget} s budget"
+        assert said in text, said
+    return used
+
+
+@pytest.mark.parametrize("mode, budget", [("", None), ("", 400), ("", 1300), ("--cpu-smoke", None), ("--cpu-smoke", 500)])
+def test_the_plan_sums_within_the_budget_in_the_stated_order(mode, budget):
+    """--plan prints the plan and runs nothing: at the default budget on a GPU the pre-flight, the
+    decisive parts and the loader's three fit 500 s and the throughput rows wait for time left;
+    a budget of every part plans every part; the CPU smoke plans per lane."""
+    env = {} if budget is None else {"GPU_CHECK_BUDGET": str(budget)}
+    proc = gpu_check(*filter(None, [mode, "--plan"]), env=env, timeout=30)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    default, budget = budget is None, budget or (900 if mode else 500)
+    used = check_plan(proc.stdout, budget)
+    states = [state for *_, state, _ in plan_of(proc.stdout)[1:]]
+    if default and not mode:  # decisive, then the /dev/shm fit, the loader and the breakdown
+        assert states.count("if time is left") == len(ORDER) - 9 and used[""] <= 500
+        decisive = int(re.search(r"the decisive parts: (\d+) s", proc.stdout).group(1))
+        every = int(re.search(r"GPU_CHECK_BUDGET=(\d+) plans every part", proc.stdout).group(1))
+        header = (REPO / "bench" / "gpu_check.sh").read_text().split("\nset -u\n")[0]
+        docs = (REPO / "docs" / "performance.md").read_text()
+        for text in (header, docs):  # what the script's header and the docs say of the plan is the plan
+            assert f"({decisive} s" in text and f"({used['']} s)" in text and f"GPU_CHECK_BUDGET={every}" in text
+    if budget == 1300 or (default and mode):
+        assert "if time is left" not in states  # the CPU smoke plans every part at its default budget
+    plan = plan_of(proc.stdout)  # the budget that plans every part: the largest lane's limits, all of them
+    every = max(plan[0][2] + KILL_AFTER + MARGIN + sum(limit + KILL_AFTER for _, _, limit, _, own in plan[1:] if own == lane)
+                for lane in {own for *_, own in plan[1:]})
+    assert ("if time is left" in states) == (budget < every)
+    assert (f"GPU_CHECK_BUDGET={every} plans every part" in proc.stdout) == (budget < every)
+
+
+def test_a_budget_smaller_than_the_decisive_parts_is_refused_in_one_line():
+    """Before the pre-flight (a missing python is not reached), with or without --plan: one line
+    naming the budget and what the pre-flight and the decisive parts need, exit 2; the smallest
+    budget it names is accepted."""
+    for args in ((), ("--plan",)):
+        proc = gpu_check(*args, python="/nowhere/python", env={"GPU_CHECK_BUDGET": "300"}, timeout=30)
+        assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
+        assert "GPU_CHECK_BUDGET=300 s is less than" in proc.stderr and "decisive parts" in proc.stderr
+    need = int(re.search(r"set GPU_CHECK_BUDGET=(\d+) or more", proc.stderr).group(1))
+    assert need > 300 and gpu_check("--plan", env={"GPU_CHECK_BUDGET": str(need)}, timeout=30).returncode == 0
+    assert gpu_check("--plan", env={"GPU_CHECK_BUDGET": str(need - 1)}, timeout=30).returncode == 2
+    bad = gpu_check("--plan", env={"GPU_CHECK_BUDGET": "9m"}, timeout=30)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "whole number" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- /dev/shm
+def shm_need(folder, batch: int, workers: int, on_device: bool) -> int:
+    """What the project's check asks of /dev/shm for a loader part of gpu_check.sh: the plan
+    device_finish.py makes (as train_moco.py does), its memory as build_data computes it."""
+    from ddp_utils.data.pipeline import plan_memory, raw_splits
+
+    args = device_finish.parse_args(["loader", "--data-dir", str(folder), "--device", "cpu", "--batch-size", str(batch),
+                                     "--image-size", "224"])
+    plan = device_finish.plan_for(args, workers, on_device)
+    memory = plan_memory(plan, raw_splits(plan)[0])
+    return 0 if memory is None else memory.per_rank
+
+
+@pytest.mark.parametrize("room", ["two workers", "one worker at half the batch", "none", "no limit"])
+def test_the_workers_and_batch_fitted_to_a_small_dev_shm_pass_its_check(jpeg_folder, monkeypatch, capsys, room):
+    """GPU_CHECK_SHM_BYTES stands in for /dev/shm's free bytes: the sizes gpu_preflight.py --shm
+    prints for it fit (both decode modes, the MoCo smoke run's loader path too), and one worker
+    more would not; when not one worker fits, the batch is halved; when nothing fits, no workers."""
+    per_worker = max(shm_need(jpeg_folder, 32, 1, on) for on in (False, True))
+    half = max(shm_need(jpeg_folder, 16, 1, on) for on in (False, True))
+    free = {"two workers": int(2.5 * per_worker / gpu_preflight.SHM_SHARE), "none": 10**6,
+            "one worker at half the batch": int((per_worker + half) / 2 / gpu_preflight.SHM_SHARE), "no limit": 10**15}[room]
+    monkeypatch.setenv("GPU_CHECK_SHM_BYTES", str(free))
+    gpu_preflight.shm_main(["--jpeg-dir", str(jpeg_folder), "--batch", "32", "--image-size", "224", "--workers", "8", "-1",
+                            "--smoke-batch", "256", "--smoke-workers", "4"])
+    words, row = capsys.readouterr().out.splitlines()
+    sizes = dict(word.split("=") for word in words.split())
+    batch, cap, smoke = int(sizes["batch"]), int(sizes["cap"]), int(sizes["smoke_workers"])
+    asked = [int(w) for w in sizes["workers"].split(",")]
+    every = device_finish.resolve_workers(-1)
+    expected_cap = {"two workers": 2, "one worker at half the batch": 1, "none": 0, "no limit": max(8, every)}[room]
+    assert (batch, cap) == ((16, 1) if room == "one worker at half the batch" else (32, expected_cap))
+    assert asked == [min(8, cap), min(every, cap)]
+    assert row.startswith("| /dev/shm |") and gpu_preflight.size(free) in row
+    room_bytes = gpu_preflight.SHM_SHARE * free
+    for on_device in (False, True):
+        assert shm_need(jpeg_folder, batch, cap, on_device) <= room_bytes
+    if cap < max(8, every):
+        assert max(shm_need(jpeg_folder, batch, cap + 1, on) for on in (False, True)) > room_bytes
+    from ddp_utils.data.host_memory import LoaderMemory, eval_batch_size
+    view = 3 * 32 * 32 * 4  # CIFAR-10 at 32 px as float32, the MoCo smoke run's --aug-on loader batches
+
+    def smoke_need(workers: int) -> int:
+        return LoaderMemory(train_batch=256 * 2 * view, eval_batch=eval_batch_size(256, False) * view,
+                            workers=workers).per_rank if workers else 0
+
+    assert smoke_need(smoke) <= room_bytes and (smoke == 4 or smoke_need(smoke + 1) > room_bytes)
 
 
 # ----------------------------------------------------------------------------- the JPEG rows' interval
@@ -206,24 +354,55 @@ def test_range_times_reads_each_range_from_the_profile():
 
 
 @pytest.mark.slow
-def test_the_cpu_smoke_runs_every_part():
-    """``--cpu-smoke`` runs every part on the CPU and passes:
-    each part's rows, the MoCo v2 throughput row on the full v2 recipe, the JPEG rows' in-epoch
-    interval, the decode comparison exact and no race on the CPU."""
-    proc = gpu_check("--cpu-smoke", timeout=400)
+def test_the_cpu_smoke_runs_every_part_in_order_into_its_log(tmp_path):
+    """``--cpu-smoke`` runs every part on the CPU and passes, one run for all of this: its log
+    ($OUT/gpu_check.log, named first and last) holds exactly the lines the console printed; its
+    plan fits the budget; each lane started its parts in the plan's order and saw each to its end;
+    the whole table comes last, its rows in the stated order: each part's rows, the MoCo v2
+    throughput row on the full v2 recipe, the JPEG rows' in-epoch interval, the decode comparison
+    exact and no race on the CPU, the graph capture equal, the loader at the workers asked."""
+    out = tmp_path / "out"
+    proc = gpu_check("--cpu-smoke", timeout=600, env={"OUT": str(out)})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "All parts passed." in proc.stdout and "FAILED" not in proc.stdout
-    rows = [cells(line) for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| part")]
+    log = out / "gpu_check.log"
+    lines = proc.stdout.splitlines()
+    assert proc.stderr == "" and log.read_text() == proc.stdout
+    assert lines[0] == lines[-1] == f"log: {log}"
+    check_plan(proc.stdout, 900)
+
+    started = re.findall(r"^\[ *\d+ s\] (\d+)/20 .* \(lane (\d)\): starts, limit \d+ s$", proc.stdout, re.M)
+    ended = re.findall(r"^\[ *\d+ s\] (\d+)/20 .* \(lane \d\): passed in \d+ s$", proc.stdout, re.M)
+    assert sorted(int(n) for n, _ in started) == sorted(int(n) for n in ended) == list(range(1, 21))
+    for lane in "12":
+        order = [int(n) for n, own in started if own == lane]
+        assert order == sorted(order) and order, f"lane {lane} ran its parts out of order: {order}"
+    assert [int(n) for n, own in started if own == "1"][:5] == [1, 2, 3, 4, 5]  # the decisive ones first
+    assert "All parts that ran passed." in proc.stdout and "FAILED" not in proc.stdout and "| not run |" not in proc.stdout
+
+    whole = proc.stdout.split("The whole table:\n", 1)[1].splitlines()
+    header = whole.index("| part | what ran | figure | detail |")
+    assert whole[header + 1] == "|---|---|---:|---|"
+    body = whole[header + 2:]
+    n_rows = next(i for i, line in enumerate(body) if not line.startswith("| "))
+    assert [line for line in body[n_rows:] if line] == ["All parts that ran passed.", f"log: {log}"]
+    rows = [cells(line) for line in body[:n_rows]]
     count: dict[str, int] = {}
     for row in rows:
         count[row[0]] = count.get(row[0], 0) + 1
-    assert count == {"throughput": 3, "CIFAR-10 demo recipe": 2, "CUDA syncs": 2, "JPEG path": 4, "device decode": 1,
-                     "race probe": 2, "loader": 4, "batch independence": 1, "device finish": 7, "smoke": 2}
+    assert count == {"device decode": 1, "race probe": 2, "batch independence": 1, "graph capture": 1, "/dev/shm": 1,
+                     "loader": 4, "device finish": 7, "throughput": 3, "JPEG path": 4, "CIFAR-10 demo recipe": 2,
+                     "CUDA syncs": 2, "smoke": 2}
+    kinds = [row[0] for i, row in enumerate(rows) if i == 0 or rows[i - 1][0] != row[0]]
+    assert kinds == ["device decode", "race probe", "batch independence", "graph capture", "/dev/shm", "loader",
+                     "device finish", "throughput", "JPEG path", "CIFAR-10 demo recipe", "CUDA syncs", "smoke",
+                     "CUDA syncs"]
+    assert all(lines.count(line) == 2 for line in body[:n_rows])  # printed as each part ended, and again at the end
     by_part = {part: [row for row in rows if row[0] == part] for part in count}
     assert ", v2, cifar10 64 px" in by_part["throughput"][2][1]
     assert all("steps 3-4 of epoch 1" in row[3] for row in by_part["JPEG path"])
     assert by_part["device decode"][0][2] == "max 0, mean 0.000"
     assert [row[2] for row in by_part["race probe"]] == ["0 of 2 differed", "0 of 2 differed"]
+    assert by_part["graph capture"][0][2] == "equal"
     assert [re.search(r"(\d+) worker", row[1]).group(1) for row in by_part["loader"]] == ["1", "2", "1", "2"]
 
 

@@ -1,8 +1,8 @@
 """The JPEG path (ImageFolder): workers decode and pack, the device crops (``--aug-on device``), or
 workers only read the bytes and the device decodes (``--decode-on device``, here with the CPU as
-the device). Packed batches crop exactly what each image alone gives; the crop boxes keep
+the device). Packed batches crop what each image alone gives, to float32 round-off; the crop boxes keep
 torchvision's distribution and are a function of (seed, epoch, index, view) alone; the pixels
-are torchvision's resized crops, bit for bit; the device
+are close to torchvision's resized crops (a bound in levels of 255); the device
 decoder gets only what it may take, the rest is decoded by the worker, never skipped; both
 decoding places give the same batches bit for bit; the loader path's blur is torchvision's."""
 from __future__ import annotations
@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
-from ddp_utils.data.batch_augment import BatchAugment, as_float_rgb, atlas_as_float, keyed_uniforms
+from ddp_utils.data.batch_augment import BatchAugment, as_float_rgb, atlas_for_resampling, keyed_uniforms
 from ddp_utils.data.files_on_device import (
     PackedImages,
     SharedBuffers,
@@ -42,23 +43,32 @@ def photos(folder: Path, count: int = 24) -> list[torch.Tensor]:
 
 def packed_float(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     atlas, places = pack(images)
-    return atlas_as_float(atlas), places
+    return atlas_for_resampling(atlas), places
+
+
+def same_to_round_off(ours: torch.Tensor, alone: torch.Tensor) -> None:
+    """A view from a batch against the same view alone: at most one float32 step apart (5e-7 at
+    the normalised range, |x| < 4) in at most 1 value of 10,000 (measured: 1 of 150,528)."""
+    difference = (ours - alone).abs()
+    assert difference.max() <= 5e-7 and (difference > 0).sum() <= difference.numel() // 10_000
 
 
 # ----------------------------------------------------------------------------- packing
-def test_pack_places_every_image_whole_and_apart():
+def test_pack_places_every_image_whole_and_apart_with_its_edge_repeated_around_it():
     g = torch.Generator().manual_seed(0)
     sizes = [(375, 500), (500, 375), (7, 1200), (1, 1), (333, 500), (900, 2100)]
     images = [torch.randint(0, 256, (3, h, w), generator=g, dtype=torch.uint8) for h, w in sizes]
     atlas, places = pack(images)
-    assert atlas.shape[2] == 3 and atlas.shape[1] >= 2100 and places.tolist()[5][:2] == [0, 0]  # the tallest first
+    assert atlas.shape[2] == 3 and atlas.shape[1] >= 2102 and places.tolist()[5][:2] == [1, 1]  # the tallest first
     for image, back in zip(images, unpack(atlas, places)):
         assert torch.equal(back, image)
     boxes = places.tolist()
-    for i, (t, left, h, w) in enumerate(boxes):  # images never overlap
-        assert t + h <= atlas.shape[0] and left + w <= atlas.shape[1]
-        for t2, left2, h2, w2 in boxes[i + 1:]:
-            assert t + h <= t2 or t2 + h2 <= t or left + w <= left2 or left2 + w2 <= left
+    for i, (t, left, h, w) in enumerate(boxes):
+        framed = atlas[t - 1:t + h + 1, left - 1:left + w + 1].permute(2, 0, 1)  # the image and its edge
+        assert torch.equal(framed, F.pad(images[i][None].float(), (1, 1, 1, 1), mode="replicate")[0].byte())
+        assert t >= 1 and left >= 1 and t + h + 1 <= atlas.shape[0] and left + w + 1 <= atlas.shape[1]
+        for t2, left2, h2, w2 in boxes[i + 1:]:  # images and their edges never overlap
+            assert t + h + 1 <= t2 - 1 or t2 + h2 + 1 <= t - 1 or left + w + 1 <= left2 - 1 or left2 + w2 + 1 <= left - 1
 
 
 def test_a_workers_buffer_is_lent_until_released_then_filled_again():
@@ -157,7 +167,8 @@ def test_an_atlas_of_imagenet_size_images_wastes_under_a_quarter_of_its_pixels()
 
 def test_a_view_cropped_from_the_atlas_is_the_view_of_the_image_alone(jpeg_folder):
     """Random crops (boxes at the image's edges included) and the evaluation view, from packed
-    batches, against the same recipe on each image alone (an atlas of one): bit for bit."""
+    batches, against the same recipe on each image alone (an atlas of one): the same to float32
+    round-off (:func:`same_to_round_off`)."""
     images = photos(jpeg_folder, 12)
     x, places = packed_float(images)
     index = torch.arange(len(images))
@@ -167,13 +178,13 @@ def test_a_view_cropped_from_the_atlas_is_the_view_of_the_image_alone(jpeg_folde
         together = augment.apply_packed(x, places, u)
         for i, image in enumerate(images):
             alone, alone_places = packed_float([image])
-            assert torch.equal(together[i:i + 1], augment.apply_packed(alone, alone_places, u[i:i + 1]))
+            same_to_round_off(together[i:i + 1], augment.apply_packed(alone, alone_places, u[i:i + 1]))
 
 
 def test_a_samples_views_do_not_depend_on_its_place_in_a_batch_of_256_imagenet_size_images():
     """Both MoCo v2 views (colour and blur included) of one image alone and last in a batch of
-    256 ImageNet-size images (an atlas about 20,000 rows tall, where float32 positions are 1/512
-    px apart): bit for bit, since each view is resized from a view of the image's own pixels."""
+    256 ImageNet-size images (an atlas about 20,000 rows tall, where float32 positions would be
+    1/512 px apart): the same to float32 round-off, since the atlas is resampled in float64."""
     g = torch.Generator().manual_seed(0)
     sizes = [(375, 500), (500, 375), (333, 500), (500, 333), (400, 400), (480, 640)]
     last = torch.randint(0, 256, (3, 375, 500), generator=g, dtype=torch.uint8)  # noise: the steepest edges
@@ -183,10 +194,10 @@ def test_a_samples_views_do_not_depend_on_its_place_in_a_batch_of_256_imagenet_s
     alone_atlas, alone_places = pack([last])
     augment = BatchAugment(moco_recipe("imagefolder", 224, "v2"), 224)
     u = keyed_uniforms(0, 3, torch.tensor([12345]), views=2)
-    batch = atlas_as_float(atlas)
+    batch = atlas_for_resampling(atlas)
     for view in (u[:, :u.shape[1] // 2], u[:, u.shape[1] // 2:]):
-        alone = augment.apply_packed(atlas_as_float(alone_atlas), alone_places, view)
-        assert torch.equal(augment.apply_packed(batch, places[-1:], view), alone)
+        alone = augment.apply_packed(atlas_for_resampling(alone_atlas), alone_places, view)
+        same_to_round_off(augment.apply_packed(batch, places[-1:], view), alone)
 
 
 # ----------------------------------------------------------------------------- boxes and pixels
@@ -206,28 +217,27 @@ def test_crop_boxes_of_images_of_different_sizes_are_those_each_size_draws_alone
     assert torch.equal(reversed_batch.flip(0), mixed)  # a function of (seed, epoch, index, view): not the batch
 
 
-def test_device_crops_are_torchvisions_resized_crops(jpeg_folder):
-    """The same boxes, resized from the atlas and by torchvision (``resized_crop`` with
+def test_device_crops_are_close_to_torchvisions_resized_crops(jpeg_folder):
+    """The same boxes, resampled from the atlas and by torchvision (``resized_crop`` with
     antialiasing, on the image as floats); the evaluation view against Resize(256) +
-    CenterCrop(224): bit for bit. Against the uint8 image (what the worker path resized before):
-    under 1.5 levels of 255."""
+    CenterCrop(224). ``roi_align`` averages bilinear samples over each output pixel's box where
+    torchvision weighs a tent twice as wide: on 256 ImageNet-like photographs the largest
+    difference was 32 levels of 255 (at sharp edges), 1 value in 1,000 beyond 11 levels, the
+    mean 0.42-0.50 levels. Bound here: at most 40 levels, 0.2% beyond 12, mean under 0.7."""
     images = photos(jpeg_folder)
     x, places = packed_float(images)
     index = torch.arange(len(images))
+    floats = [as_float_rgb(image[None])[0] for image in images]
     crop = BatchAugment(AugmentRecipe(crop_scale=(0.08, 1.0)), 224)
     boxes = crop.crop_boxes(places[:, 2], places[:, 3], seed=0, epoch=0, index=index)
     ours = crop.apply_packed(x, places, keyed_uniforms(0, 0, index))
-    floats = [as_float_rgb(image[None])[0] for image in images]
     theirs = torch.stack([TF.resized_crop(image, *box, [224, 224], antialias=True)
                           for image, box in zip(floats, boxes.tolist())])
-    assert torch.equal(ours, theirs)
     evaluation = BatchAugment(AugmentRecipe(), 224).apply_packed(x, places, keyed_uniforms(0, 0, index))
-    assert torch.equal(evaluation, torch.stack([TF.center_crop(TF.resize(image, 256, antialias=True), 224)
-                                                for image in floats]))
-    uint8 = torch.stack([TF.resized_crop(image, *box, [224, 224], antialias=True).float() / 255
-                         for image, box in zip(images, boxes.tolist())])
-    difference = (ours - uint8).abs()  # torchvision resizes uint8 in fixed point, rounded to 255 levels
-    assert difference.max() < 1.5 / 255 and difference.mean() < 0.5 / 255
+    resized = torch.stack([TF.center_crop(TF.resize(image, 256, antialias=True), 224) for image in floats])
+    for a, b in ((ours, theirs), (evaluation, resized)):
+        levels = (a - b).abs() * 255
+        assert levels.max() <= 40 and (levels > 12).float().mean() <= 0.002 and levels.mean() < 0.7
 
 
 # ----------------------------------------------------------------------------- decoding

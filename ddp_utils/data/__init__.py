@@ -24,14 +24,16 @@
    * in-memory data augmented on the device: ``pipeline.DeviceBatches`` gathers each batch from
      the split held there and hands it to ``batch_augment``;
    * image files augmented on the device: ``files_on_device`` (opt-in, chosen by ``pipeline``):
-     workers pack each batch (or its files' bytes) into shared memory, the training process
-     decodes there if asked and hands the packed batch to ``batch_augment``;
+     workers pack each batch (or its files' bytes) into shared memory; in the training process a
+     thread of its own decodes there if asked and hands the packed batch to ``batch_augment``,
+     ahead of the training loop;
    * the loader path, the reference: ``transforms``, torchvision's per-sample views in the
      workers.
 
 6. ``batch_augment``: every view of a batch at once on the device (crop, colour, blur, flip,
    normalisation), keyed by (seed, epoch, index) through ``ddp_utils.hashing``; the next batch
-   prepared early for the training loop.
+   prepared early for the training loop. ``data_stream``: on CUDA both device paths make their
+   batches on a stream of their own and hand them to the training stream (who waits for whom).
 
 Beside the batches: ``host_memory`` bounds the shared and pinned memory the workers fill (checked
 before a run starts); ``preview`` draws the augmentation for TensorBoard.

@@ -6,19 +6,20 @@ The per-sample torchvision pipeline (``transforms.view_transform``) makes one Py
 per image in DataLoader workers, which caps throughput on small images long before a GPU is busy;
 here each step runs once per batch, the same code on CPU and CUDA. The steps and their order are
 the per-sample pipeline's: crop, colour (torchvision's definitions and ColorJitter's per-sample
-random op order), flip, normalisation; they agree with torchvision to float rounding. Crops of
-images of different sizes (packed in an atlas) are resized by torchvision's own resize, one call
-per sample (:func:`resize_from_atlas`); crops of a batch of one size by one ``roi_align``, close
-to it (:func:`_resample_boxes`).
+random op order), flip, normalisation; the colour steps agree with torchvision to float rounding.
+Crops are resized by one ``roi_align`` per view (:func:`crop_from_atlas`, :func:`_resample_boxes`),
+an average of bilinear samples close to torchvision's antialiased resize (the bound is tested).
+
+A view is a fixed number of kernels whatever the batch: every random step (jitter, grayscale,
+blur, flip) runs on every sample and a per-sample mask (``torch.where``) keeps it where drawn, so
+the host never reads a draw and the kernels can be captured (CUDA graph, ``torch.compile``).
 
 Randomness is counter based (``ddp_utils.hashing``, :func:`keyed_uniforms`): each draw is a
-hash of (seed, epoch, sample index, column), so a sample gets the same pixels whatever batch,
-rank or position it lands in (tested bit for bit on CPU). A view takes :data:`VIEW_COLUMNS` columns, a fixed slice per
-purpose (crop, jitter, ...), and all views of a batch are drawn in one call, on the host, from
-the samples' indices: which samples a random step applies to (jitter, grayscale, blur, flip) is
-read there, so each such step runs on those samples only (gathered, changed, written back) and
-nothing is ever read back from the device. The per-sample parameters (crop boxes, factors,
-sigmas) are computed on the device from a copy of the same uniforms.
+hash of (seed, epoch, sample index, column), so a sample gets the same draws whatever batch,
+rank or position it lands in. A view takes :data:`VIEW_COLUMNS` columns, a fixed slice per
+purpose (crop, jitter, ...); all views of a batch are drawn in one call on the host from the
+samples' indices and copied to the device once, where every per-sample parameter (crop boxes,
+factors, sigmas, masks) is computed.
 """
 from __future__ import annotations
 
@@ -115,42 +116,37 @@ def resized_crop_boxes(u: Tensor, height: int | Tensor, width: int | Tensor, sca
     return torch.stack([top, left, h, w], 1)
 
 
-def centre_view(height: int, width: int, out: int, resize: int) -> tuple[int, int, int, int]:
-    """(resized height, resized width, top, left) of torchvision's Resize(``resize``) (the short
-    side to ``resize``, the long one truncated) then CenterCrop(``out``) (offsets rounded half to
-    even, as Python's round), for an image of ``height`` x ``width``."""
-    short, long = min(height, width), max(height, width)
-    new_long = int(resize * long / short)
-    new_h, new_w = (resize, new_long) if height <= width else (new_long, resize)
-    return new_h, new_w, int(round((new_h - out) / 2)), int(round((new_w - out) / 2))
+def centre_boxes(height: Tensor, width: Tensor, out: int, resize: int) -> Tensor:
+    """B x 4 float64 boxes (top, left, h, w, in input pixels, fractional) of torchvision's
+    Resize(``resize``) (the short side to ``resize``, the long one truncated) then
+    CenterCrop(``out``) (offsets rounded half to even) for images of per-sample sizes (int64
+    tensors, B): the part of each image those keep, so that resampling the box to out x out
+    samples where the resized image's pixels lie."""
+    h, w = height.double(), width.double()
+    short, long = torch.minimum(h, w), torch.maximum(h, w)
+    new_long = torch.floor(resize * long / short)
+    new_h = torch.where(h <= w, torch.full_like(h, resize), new_long)
+    new_w = torch.where(h <= w, new_long, torch.full_like(w, resize))
+    scale_h, scale_w = h / new_h, w / new_w  # input pixels per resized pixel
+    top = torch.round((new_h - out) / 2) * scale_h
+    left = torch.round((new_w - out) / 2) * scale_w
+    return torch.stack([top, left, out * scale_h, out * scale_w], 1)
 
 
-def resize_from_atlas(atlas: Tensor, places: list, boxes: list | None, out: int, resize: int) -> Tensor:
-    """B x 3 x out x out from a float atlas (1 x 3 x H x W; ``places`` B host (top, left, h, w)):
-    each sample's crop ``boxes[b]`` (top, left, h, w in its image) resized to out x out, or
-    without boxes the evaluation view (:func:`centre_view`), by torchvision's own antialiased
-    bilinear resize on a view of the sample's pixels: torchvision's result, wherever the sample
-    lies. One call per sample (crops differ in size): host work that grows with the batch."""
-    x = atlas.new_empty(len(places), 3, out, out)
-    for b, (top, left, height, width) in enumerate(places):
-        image = atlas[:, :, top:top + height, left:left + width]
-        if boxes is not None:
-            box_top, box_left, box_h, box_w = boxes[b]
-            crop = image[:, :, box_top:box_top + box_h, box_left:box_left + box_w]
-            _resize_aa(crop, out, out, x[b:b + 1])
-        else:
-            new_h, new_w, crop_top, crop_left = centre_view(height, width, out, resize)
-            resized = _resize_aa(image, new_h, new_w)
-            x[b:b + 1] = resized[:, :, crop_top:crop_top + out, crop_left:crop_left + out]
-    return x
+def crop_from_atlas(atlas: Tensor, places: Tensor, boxes: Tensor, out: int) -> Tensor:
+    """B x 3 x out x out float32: each sample's box (``boxes`` B x 4, top, left, h, w in its
+    image's pixels) of a float64 atlas (1 x 3 x H x W, :func:`atlas_for_resampling`; ``places``
+    B x 4 on its device: where each image lies) resampled by one ``roi_align``.
 
-
-def _resize_aa(x: Tensor, height: int, width: int, out: Tensor | None = None) -> Tensor:
-    """``F.interpolate(x, (height, width), mode="bilinear", antialias=True)`` (torchvision's
-    resize of tensors), written into ``out`` where given."""
-    if out is None:
-        return F.interpolate(x, size=(height, width), mode="bilinear", antialias=True)
-    return torch.ops.aten._upsample_bilinear2d_aa.out(x, [height, width], False, None, None, out=out)
+    Each output pixel reads only its sample's image and the one-pixel edge ``files_on_device.pack``
+    replicates around it, so a sample's view does not depend on its neighbours. The sampling
+    positions are absolute atlas coordinates; in float64 their rounding with the image's place
+    moves a view by at most float32 round-off (tested against the image alone)."""
+    boxes = boxes.to(atlas.dtype)
+    top = places[:, 0].to(atlas.dtype) + boxes[:, 0]
+    left = places[:, 1].to(atlas.dtype) + boxes[:, 1]
+    rois = torch.stack([torch.zeros_like(top), left, top, left + boxes[:, 3], top + boxes[:, 2]], 1)
+    return torch.ops.torchvision.roi_align(atlas, rois, 1.0, out, out, 0, True).to(torch.float32)
 
 
 def _pad_crop_boxes(u: Tensor, height: int, width: int, pad: int, out: int) -> Tensor:
@@ -177,15 +173,17 @@ def _resample_boxes(x: Tensor, boxes: Tensor, out: int) -> Tensor:
     top, left, h, w = boxes.to(x.dtype).unbind(1)  # B each
     batch = torch.arange(len(x), device=x.device, dtype=x.dtype)
     rois = torch.stack([batch, left, top, left + w, top + h], 1)  # B x 5: (b, x1, y1, x2, y2)
-    return roi_align()(x, rois, 1.0, out, out, 0, True)  # scale 1, adaptive sampling, aligned
+    return torch.ops.torchvision.roi_align(x, rois, 1.0, out, out, 0, True)  # scale 1, adaptive sampling, aligned
 
 
 @functools.lru_cache(maxsize=None)
 def roi_align() -> Callable:
     """torchvision's ``roi_align`` kernel, ``(input, rois, spatial_scale, out_h, out_w,
-    sampling_ratio, aligned)``. Where torchvision's Python package is not imported yet, only its
-    compiled library is loaded: ``import torchvision`` imports torch._dynamo, about 2 s per
-    process, for this one operator (the same kernel either way)."""
+    sampling_ratio, aligned)``, loaded: :class:`BatchAugment` calls this when made, so that
+    its views then find ``torch.ops.torchvision.roi_align`` (and a traced view loads nothing).
+    Where torchvision's Python package is not imported yet, only its compiled library is
+    loaded: ``import torchvision`` imports torch._dynamo, about 2 s per process, for this one
+    operator (the same kernel either way)."""
     if not hasattr(torch.ops.torchvision, "roi_align") and "torchvision" not in sys.modules:
         spec = importlib.util.find_spec("torchvision")
         libraries = sorted(Path(spec.origin).parent.glob("_C*.so")) if spec and spec.origin else []
@@ -284,9 +282,10 @@ def jitter_draws(u: Tensor, strengths: tuple[float, float, float, float]) -> tup
     return torch.stack(columns, 1), u[:, 4:8].argsort(1)
 
 
-def color_jitter_(x: Tensor, factors: Tensor, order: Tensor, hue: bool = True) -> Tensor:
-    """ColorJitter on every sample, in place, each with its own factors and op order (0-3 = B,
-    C, S, H).
+def color_jitter_(x: Tensor, factors: Tensor, order: Tensor, applied: Tensor | None = None,
+                  hue: bool = True) -> Tensor:
+    """ColorJitter on the samples ``applied`` (B bool; None: every sample), in place, each with
+    its own factors and op order (0-3 = B, C, S, H); the other samples come back bit for bit.
 
     The costly hue op runs once for the whole batch; the three blend ops run in three slots
     before it and three after, each sample using the slots on its side of its hue position and
@@ -298,10 +297,13 @@ def color_jitter_(x: Tensor, factors: Tensor, order: Tensor, hue: bool = True) -
     for before in (True, False) if hue else (True,):
         for slot in range(3):
             active = (slot < hue_at) if before else (slot >= hue_at)  # B
+            if applied is not None:
+                active = active & applied
             factor = torch.where(active, factors[:, :3].gather(1, rest[:, slot:slot + 1]).squeeze(1), 1.0)
             x = blend_step_(x, rest[:, slot], factor)
         if before and hue:
-            x = shift_hue(x, factors[:, 3], out=x)
+            shifted = shift_hue(x, factors[:, 3])
+            x = shifted if applied is None else torch.where(_per_sample(applied), shifted, x, out=x)
     return x
 
 
@@ -316,37 +318,33 @@ def gaussian_blur(x: Tensor, sigma: Tensor, size: int) -> Tensor:
     taps = torch.softmax(-0.5 * (offsets / sigma[:, None]) ** 2, dim=1)  # B x size, as torchvision
     taps = taps.repeat_interleave(c, 0)  # (B * C) x size: one group per sample and channel
     padded = F.pad(x, (pad, pad, pad, pad), mode="reflect").view(1, b * c, h + 2 * pad, w + 2 * pad)
-    # On CUDA, PyTorch's own depthwise kernel, not cuDNN's: cuDNN would follow the fast path's
-    # TF32 switch, and with benchmark on it would autotune anew for each number of blurred
-    # samples, which changes from batch to batch.
-    with torch.backends.cudnn.flags(enabled=False):
-        rows = F.conv2d(padded, taps.view(b * c, 1, 1, size), groups=b * c)  # 1 x BC x (H + 2p) x W
-        return F.conv2d(rows, taps.view(b * c, 1, size, 1), groups=b * c).view(b, c, h, w)
+    rows = _depthwise(padded, taps.view(b * c, 1, 1, size))  # 1 x BC x (H + 2p) x W
+    return _depthwise(rows, taps.view(b * c, 1, size, 1)).view(b, c, h, w)
 
 
-def on_samples_(x: Tensor, chosen: Tensor, step: Callable[[Tensor, Callable[[Tensor], Tensor]], Tensor]) -> Tensor:
-    """``x`` with the samples ``chosen`` (host int64 indices) replaced by ``step(those samples,
-    pick)``, where ``pick(t)`` takes the same rows of a per-sample tensor ``t``; the others are
-    neither read nor written. ``step`` may change its input in place."""
-    if len(chosen) == 0:
-        return x
-    if len(chosen) == len(x):  # every sample: no gather, no scatter
-        out = step(x, lambda t: t)
-        return out if out is x else x.copy_(out)
-    at = to_device(chosen, x.device)
-    return x.index_copy_(0, at, step(x.index_select(0, at), lambda t: t.index_select(0, at)))
-
-
-def drawn(u: Tensor, p: float) -> Tensor:
-    """The host indices of the samples whose uniform ``u`` (B, on the host) draws a step of probability ``p``."""
-    return (u < p).nonzero().squeeze(1)
+def _depthwise(x: Tensor, weight: Tensor) -> Tensor:
+    """A depthwise convolution (one group per channel), on CUDA by PyTorch's own kernel, not
+    cuDNN's, which would follow cuDNN's TF32 switch (on by default) and choose its algorithm by
+    the batch's shape. The switch is Python state, set around the call as it is issued (a CUDA
+    graph captures the kernel chosen); torch.compile cannot trace it and leaves it out."""
+    if x.device.type == "cuda" and not torch.compiler.is_compiling():
+        with torch.backends.cudnn.flags(enabled=False):
+            return F.conv2d(x, weight, groups=x.shape[1])
+    return F.conv2d(x, weight, groups=x.shape[1])
 
 
 def to_device(host: Tensor, device: torch.device) -> Tensor:
-    """A small host tensor on ``device`` without a host wait (pinned first on CUDA)."""
-    if device.type == "cuda" and not host.is_pinned():
-        host = host.pin_memory()
+    """A small host tensor on ``device`` without a host wait: on CUDA copied from pinned memory,
+    made contiguous first (a strided pinned tensor is copied through a pageable temporary)."""
+    if host.device.type == "cpu" and device.type == "cuda" and not host.is_pinned():
+        host = host.contiguous().pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def _where_drawn(drawn: Tensor, changed: Tensor, x: Tensor) -> Tensor:
+    """``changed`` for the samples ``drawn`` (B bool), ``x`` for the others, written into
+    ``changed`` (a buffer of the step's own)."""
+    return torch.where(_per_sample(drawn), changed, x, out=changed)
 
 
 @functools.lru_cache(maxsize=None)
@@ -361,14 +359,17 @@ class BatchAugment:
     float (0-1), C 1 or 3; ``index`` the samples' data-set indices (B, int64, on the host);
     ``view`` numbers independent views of a sample (MoCo: query 0, key 1). Returns a new
     B x 3 x out x out float32 batch on the images' device; ``images`` is never modified.
-    ``apply(images, u)`` takes the view's uniforms (B x VIEW_COLUMNS, on the host, from
-    :func:`keyed_uniforms`) instead.
+    ``apply(images, u)`` takes the view's uniforms (B x VIEW_COLUMNS, from :func:`keyed_uniforms`,
+    on the host or the device) instead.
 
-    The steps are named for a profiler (``device_finish/crop``, ``/colour``, ``/blur``,
-    ``/normalize``, the flip counted with the normalisation)."""
+    A view is a fixed sequence of kernels, whatever the batch's size and draws: no value is read
+    back to the host and no shape depends on a draw. The steps are named for a profiler
+    (``device_finish/crop``, ``/colour``, ``/blur``, ``/normalize``, the flip counted with the
+    normalisation)."""
 
     def __init__(self, recipe: AugmentRecipe, out_size: int):
         self.recipe, self.out_size = recipe, out_size
+        roi_align()  # the crops' kernel, loaded now rather than inside a traced view
 
     def __call__(self, images: Tensor, seed: int, epoch: int, index: Tensor, view: int = 0) -> Tensor:
         return self.apply(images, keyed_uniforms(seed, epoch, index, first_view=view))
@@ -380,25 +381,27 @@ class BatchAugment:
             x = self._geometry(as_float_rgb(images), draw)
             return x.clone() if x is images else x  # the steps after it work in place, on a buffer of our own
 
-        return self._view(crop, u, images.device, layout)
+        return self._view(crop, to_device(u, images.device), layout)
 
     def apply_packed(self, atlas: Tensor, places: Tensor, u: Tensor,
                      layout: torch.memory_format = torch.contiguous_format) -> Tensor:
-        """:meth:`apply` for images of different sizes packed in one atlas (1 x 3 x H x W float
-        in [0, 1], from :func:`atlas_as_float`; ``places`` B x 4 on the host: top, left, height,
-        width, as ``files_on_device.pack`` made them): each sample's crop drawn for its own size
-        and resized from its place (:func:`resize_from_atlas`). A recipe without a crop gives the
-        evaluation view."""
-        r = self.recipe
+        """:meth:`apply` for images of different sizes packed in one atlas (1 x 3 x H x W float64
+        in [0, 1], from :func:`atlas_for_resampling`; ``places`` B x 4 int64: top, left, height,
+        width, as ``files_on_device.pack`` made them, on the host or the atlas's device): each
+        sample's crop drawn for its own size and resampled from its place
+        (:func:`crop_from_atlas`). A recipe without a crop gives the evaluation view."""
+        r, places = self.recipe, to_device(places, atlas.device)
 
         def crop(draw: Draw) -> Tensor:
-            boxes = None
-            if r.crop_scale is not None:  # drawn on the host: the loop of resize_from_atlas reads them there
-                boxes = resized_crop_boxes(u[:, CROP_COLUMN:CROP_COLUMN + 2 * _ATTEMPTS + 2], places[:, 2],
-                                           places[:, 3], r.crop_scale, r.crop_ratio).tolist()
-            return resize_from_atlas(atlas, places.tolist(), boxes, self.out_size, round(self.out_size * EVAL_RESIZE))
+            height, width = places[:, 2], places[:, 3]
+            if r.crop_scale is not None:
+                boxes = resized_crop_boxes(draw(CROP_COLUMN, 2 * _ATTEMPTS + 2), height, width, r.crop_scale,
+                                           r.crop_ratio)
+            else:
+                boxes = centre_boxes(height, width, self.out_size, round(self.out_size * EVAL_RESIZE))
+            return crop_from_atlas(atlas, places, boxes, self.out_size)
 
-        return self._view(crop, u, atlas.device, layout)
+        return self._view(crop, to_device(u, atlas.device), layout)
 
     def crop_boxes(self, height: int, width: int, seed: int, epoch: int, index: Tensor, view: int = 0) -> Tensor:
         """B x 4 int64 (top, left, height, width) of each sample's crop in input pixels; a pad
@@ -424,49 +427,47 @@ class BatchAugment:
             return _crop_windows(x, boxes, r.pad_crop, self.out_size)
         return _resample_boxes(x, boxes, self.out_size)
 
-    def _view(self, crop: Callable[[Draw], Tensor], u: Tensor, device: torch.device,
-              layout: torch.memory_format) -> Tensor:
+    def _view(self, crop: Callable[[Draw], Tensor], u: Tensor, layout: torch.memory_format) -> Tensor:
         """One view: ``crop(draw)`` (the geometry: B x 3 x out x out float32 in [0, 1], a buffer
         the steps below may change in place), then jitter, grayscale and blur in the recipe's
-        order, flip and normalisation. ``u``: the view's uniforms on the host, where who draws
-        which step is read; a copy on ``device`` gives the per-sample parameters."""
-        r, on_device = self.recipe, to_device(u, device)
-        draw = _drawer(on_device)
+        order, flip and normalisation. ``u``: the view's uniforms (B x VIEW_COLUMNS) on the
+        device; each random step runs on every sample and is kept where its draw says."""
+        r, draw = self.recipe, _drawer(u)
+
+        def chosen(column: int, p: float) -> Tensor:
+            return draw(column, 1)[:, 0] < p  # B bool: the samples that draw the step
+
         with record_function("device_finish/crop"):
             x = crop(draw)
         with record_function("device_finish/colour"):
             if r.gray_before_jitter:
-                x = self._gray_(x, u)
+                x = self._gray_(x, chosen)
             if r.jitter is not None and r.jitter_p > 0:
-                def jitter_(chosen: Tensor, pick) -> Tensor:
-                    factors, order = jitter_draws(pick(draw(JITTER_COLUMN + 1, 8)), r.jitter)
-                    return color_jitter_(chosen, factors, order, hue=r.jitter[3] > 0)
-                x = on_samples_(x, drawn(u[:, JITTER_COLUMN], r.jitter_p), jitter_)
+                factors, order = jitter_draws(draw(JITTER_COLUMN + 1, 8), r.jitter)
+                x = color_jitter_(x, factors, order, chosen(JITTER_COLUMN, r.jitter_p), hue=r.jitter[3] > 0)
             if not r.gray_before_jitter:
-                x = self._gray_(x, u)
+                x = self._gray_(x, chosen)
         if r.blur_p > 0:
             with record_function("device_finish/blur"):
                 lo, hi = r.blur_sigma
                 sigma = lo + (hi - lo) * draw(BLUR_COLUMN + 1, 1)[:, 0]
-                x = on_samples_(x, drawn(u[:, BLUR_COLUMN], r.blur_p),
-                                lambda chosen, pick: gaussian_blur(chosen, pick(sigma), r.blur_kernel))
+                x = _where_drawn(chosen(BLUR_COLUMN, r.blur_p), gaussian_blur(x, sigma, r.blur_kernel), x)
         with record_function("device_finish/normalize"):
             if r.flip:
-                x = on_samples_(x, drawn(u[:, FLIP_COLUMN], 0.5), lambda chosen, pick: chosen.flip(3))
+                x = _where_drawn(chosen(FLIP_COLUMN, 0.5), x.flip(3), x)
             return normalize(x, r.mean, r.std, layout)
 
-    def _gray_(self, x: Tensor, u: Tensor) -> Tensor:
+    def _gray_(self, x: Tensor, chosen: Callable[[int, float], Tensor]) -> Tensor:
         if self.recipe.gray_p <= 0:
             return x
-        return on_samples_(x, drawn(u[:, GRAY_COLUMN], self.recipe.gray_p),
-                           lambda chosen, pick: luma(chosen).expand_as(chosen))
+        return torch.where(_per_sample(chosen(GRAY_COLUMN, self.recipe.gray_p)), luma(x), x, out=x)
 
 
 class DeviceAugment:
     """The batched augmentation of ``views`` views of a batch, keyed by (seed, epoch, index),
     written in the network's memory format; ``index`` is on the host, where every view's
-    uniforms are drawn in one call (:func:`keyed_uniforms`). Returns one batch, or a tuple of
-    ``views`` batches."""
+    uniforms are drawn in one call (:func:`keyed_uniforms`) and copied to the device once.
+    Returns one batch, or a tuple of ``views`` batches."""
 
     def __init__(self, augment: BatchAugment, seed: int, views: int = 1):
         self.augment, self.seed, self.views = augment, seed, views
@@ -476,27 +477,30 @@ class DeviceAugment:
         """The views of ``images``: one batch (every view is drawn from it) or, when DataLoader
         workers already cropped each view, a tuple with one batch per view."""
         sources = images if isinstance(images, (tuple, list)) else [images] * self.views
-        layout = memory_format(sources[0].device)
-        return self._views(epoch, index, lambda view, u: self.augment.apply(sources[view], u, layout))
+        device = sources[0].device
+        layout = memory_format(device)
+        return self._views(epoch, index, device, lambda view, u: self.augment.apply(sources[view], u, layout))
 
     def packed(self, atlas: torch.Tensor, places: torch.Tensor, epoch: int, index: torch.Tensor):
         """The views of images of different sizes packed in one atlas (H x W x 3 uint8, on the
         device; ``places`` B x 4, on the host): each cropped from its place
         (:meth:`BatchAugment.apply_packed`).
 
-        The atlas is made float in one buffer kept for the next batch (on the CPU a fresh one
+        The atlas is made float64 in one buffer kept for the next batch (on the CPU a fresh one
         would cost a page fault per 4 KiB; on CUDA it is what the caching allocator would keep
-        for it): 12 bytes per atlas pixel, the largest atlas of the run."""
-        if self._atlas.device != atlas.device or self._atlas.numel() < atlas.numel():
+        for it): 24 bytes per atlas pixel, the largest atlas of the run."""
+        if self._atlas.device != atlas.device or self._atlas.numel() < 3 * atlas.shape[0] * atlas.shape[1]:
             self._atlas = torch.empty(0)  # the old one freed first
-            self._atlas = atlas.new_empty(atlas.numel(), dtype=torch.float32)
-        x = atlas_as_float(atlas, out=self._atlas)  # 1 x 3 x H x W, made once for every view
-        layout = memory_format(atlas.device)
-        return self._views(epoch, index, lambda view, u: self.augment.apply_packed(x, places, u, layout))
+            self._atlas = atlas.new_empty(atlas.numel(), dtype=torch.float64)
+        x = atlas_for_resampling(atlas, out=self._atlas)  # 1 x 3 x H x W, made once for every view
+        device, layout = atlas.device, memory_format(atlas.device)
+        places = to_device(places, device)
+        return self._views(epoch, index, device, lambda view, u: self.augment.apply_packed(x, places, u, layout))
 
-    def _views(self, epoch: int, index: torch.Tensor, make: Callable[[int, Tensor], Tensor]):
-        """``make(view, u)`` for each view, ``u`` its B x VIEW_COLUMNS slice of one call's uniforms."""
-        u = keyed_uniforms(self.seed, epoch, index, self.views)
+    def _views(self, epoch: int, index: torch.Tensor, device: torch.device, make: Callable[[int, Tensor], Tensor]):
+        """``make(view, u)`` for each view, ``u`` its B x VIEW_COLUMNS slice of one call's
+        uniforms, copied to ``device`` in one piece."""
+        u = to_device(keyed_uniforms(self.seed, epoch, index, self.views), device)
         views = [make(v, u[:, v * VIEW_COLUMNS:(v + 1) * VIEW_COLUMNS]) for v in range(self.views)]
         return views[0] if self.views == 1 else tuple(views)
 
@@ -533,14 +537,15 @@ def normalize(x: Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] 
     return torch.addcmul(shift, x, scale, out=torch.empty_like(x, memory_format=layout))  # one pass
 
 
-def atlas_as_float(atlas: Tensor, out: Tensor | None = None) -> Tensor:
-    """1 x 3 x H x W float32 in [0, 1] (scaled as :func:`as_float_rgb`) of an H x W x 3 uint8
-    atlas (``files_on_device.pack``), the input of :meth:`BatchAugment.apply_packed`, written into ``out``
-    (1-D float32, at least 3 H W long) where given."""
+def atlas_for_resampling(atlas: Tensor, out: Tensor | None = None) -> Tensor:
+    """1 x 3 x H x W float64 in [0, 1] (uint8 / 255) of an H x W x 3 uint8 atlas
+    (``files_on_device.pack``), the input of :meth:`BatchAugment.apply_packed`, written into
+    ``out`` (1-D float64, at least 3 H W long) where given. Float64, so that where an image lies
+    in the atlas changes its views by no more than float32 round-off (:func:`crop_from_atlas`)."""
     height, width, _ = atlas.shape
-    planar = atlas.new_empty(3 * height * width, dtype=torch.float32) if out is None else out[:3 * height * width]
+    planar = atlas.new_empty(3 * height * width, dtype=torch.float64) if out is None else out[:3 * height * width]
     planar = planar.view(1, 3, height, width).copy_(atlas.permute(2, 0, 1)[None])  # planar: rows read contiguously
-    return planar.mul_(1.0 / 255)
+    return planar.div_(255)
 
 
 def as_float_rgb(images: Tensor) -> Tensor:

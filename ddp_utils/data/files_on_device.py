@@ -8,24 +8,36 @@ One batch, in the order it passes here:
    images into one atlas in a shared-memory buffer the worker reuses (:func:`pack`,
    :class:`PackedImages`, :class:`SharedBuffers`), a file's bytes into one
    :class:`EncodedBatch`;
-2. the training process (:class:`FinishOnDevice`) copies the atlas to the device, or decodes the
-   encoded batch there (:func:`decode_on`: nvJPEG on CUDA, through torchvision) and packs it;
-3. ``batch_augment.DeviceAugment.packed`` cuts every view's crop from the atlas and augments
-   the views as batches, keyed by (seed, epoch, index).
+2. in the training process, a thread of :class:`FinishOnDevice`'s (:class:`BatchesAhead`) takes the
+   batch from the loader while the training loop computes, copies the atlas to the device, or
+   decodes the encoded batch there (:func:`decode_on`: nvJPEG on CUDA, through torchvision; an
+   image it refuses is decoded on the CPU and counted, :class:`DecodeFallbacks`) and packs it;
+3. in that thread, ``batch_augment.DeviceAugment.packed`` cuts every view's crop from the atlas
+   and augments the views as batches, keyed by (seed, epoch, index); the finished batch waits
+   (at most :data:`AHEAD` of them) until the loop takes it. On CUDA steps 2 and 3 run on the
+   device's data stream, and the batch is handed to the training stream as the loop takes it
+   (``data_stream``: the training stream waits for the batch's event, its tensors are recorded
+   on the training stream).
 
 The atlas (H x W x 3 uint8: channels last, the decoders' own layout, so that each image goes in
 with one contiguous copy per row) holds each image (3 x h x w) in rows; ``places`` (B x 4: top,
 left, height, width) say where each image lies, and each view is read from a view of its
-image's own pixels (``batch_augment.resize_from_atlas``), never the gaps between them. The same
+image's own pixels and its repeated edge (``batch_augment.crop_from_atlas``), never another image's. The same
 :func:`pack` runs in a worker (CPU decoding) and on the training device (GPU decoding).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import functools
+import logging
 import mmap
 import os
 import sys
+import threading
+import traceback
+import weakref
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -35,10 +47,12 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from .batch_augment import DeviceAugment, PreparedAhead
+from .data_stream import CudaCalls, DataStream, HandedOut, Made
 from .host_memory import KEPT_PER_WORKER
-from .image_files import jpeg_decoder
+from .image_files import jpeg_decoder, sample_path
 
 ATLAS_WIDTH = 2048  # px: rows of the atlas are at least this wide (wider for a wider image)
+EDGE = 1  # px: each image's edge repeated around it in the atlas (what the resampling may read beyond a crop)
 
 
 # ----------------------------------------------------------------------------- 1. in the worker
@@ -55,30 +69,38 @@ def collate_files(samples: list) -> list:
 def placements(sizes: list[tuple[int, int]], width: int | None = None) -> tuple[list[tuple[int, int, int, int]],
                                                                               int, int]:
     """Where each (h, w) image goes: ([(top, left, h, w), ...] in the order of ``sizes``, atlas
-    height, atlas width). Rows (shelves) are filled tallest image first, so that images of one
-    row have similar heights: a row is as tall as its tallest."""
-    width = max(width or ATLAS_WIDTH, max(w for _, w in sizes))
+    height, atlas width), each image with a one-pixel edge around it (its :data:`EDGE`, outside
+    its place). Rows (shelves) are filled tallest image first, so that images of one row have
+    similar heights: a row is as tall as its tallest."""
+    width = max(width or ATLAS_WIDTH, max(w for _, w in sizes) + 2 * EDGE)
     places: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * len(sizes)
     x, y, row = 0, 0, 0
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i][0]):  # stable: ties keep their order
         h, w = sizes[i]
-        if x + w > width:
+        if x + w + 2 * EDGE > width:
             x, y, row = 0, y + row, 0
-        places[i] = (y, x, h, w)
-        x, row = x + w, max(row, h)
+        places[i] = (y + EDGE, x + EDGE, h, w)
+        x, row = x + w + 2 * EDGE, max(row, h + 2 * EDGE)
     return places, y + row, width
 
 
 def pack(images: list[Tensor], buffer: Callable[[int], Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """(atlas H x W x 3 uint8, places B x 4 int64 on the host) of ``images`` (each 3 x h x w
     uint8, any memory layout, all on one device); the atlas is made by ``buffer(numel)`` (1-D
-    uint8) where given, else anew where the images are. Nothing reads between the images, so
+    uint8) where given, else anew where the images are. Each image's edge pixels are repeated
+    once around it (the resampling reads up to one pixel beyond a crop; so it reads the image's
+    own edge, as torchvision's resize does); nothing reads between the images, so the rest of
     the atlas is not initialised."""
     places, height, width = placements([(im.shape[1], im.shape[2]) for im in images])
     numel = height * width * 3
     atlas = (images[0].new_empty(numel) if buffer is None else buffer(numel)).view(height, width, 3)
     for (top, left, h, w), image in zip(places, images):
         atlas[top:top + h, left:left + w] = image.permute(1, 2, 0)
+        rows = atlas[top:top + h]
+        rows[:, left - 1] = rows[:, left]
+        rows[:, left + w] = rows[:, left + w - 1]
+        atlas[top - 1, left - 1:left + w + 1] = atlas[top, left - 1:left + w + 1]
+        atlas[top + h, left - 1:left + w + 1] = atlas[top + h - 1, left - 1:left + w + 1]
     return atlas, torch.tensor(places, dtype=torch.int64)
 
 
@@ -231,29 +253,70 @@ class EncodedBatch(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- 2. in the training process
+AHEAD = 2  # batches a FinishOnDevice's thread has ready for the training loop, at most (0: no thread)
+CLOSE_WAIT_S = 10.0  # s a dropped or closed iterator waits for its thread to end (a batch in the making)
+THREAD_NAME = "device-batches-ahead"
+log = logging.getLogger("train")
+
+
 class FinishOnDevice:
     """Finishes on the device what DataLoader workers started (``loader``: batches of
     :func:`collate_files`): every view cropped, resized, coloured, blurred, flipped and
     normalised as a batch by ``augment`` (the evaluation view with an evaluation recipe, which
     has no crop). An image the device cannot decode is read as the loader path reads it, from
-    ``decoded`` (the loader's raw data set, read as "decoded"), target included."""
+    ``decoded`` (the loader's raw data set, read as "decoded"), target included, and counted in
+    ``fallbacks``.
 
-    def __init__(self, loader: DataLoader, augment: DeviceAugment, device: torch.device, decoded: Dataset):
+    Iterated, a thread of its own (:class:`BatchesAhead`) takes each batch from the loader,
+    copies it to the device or decodes it there, and augments it while the training loop
+    computes; at most ``ahead`` made batches wait for the loop (``ahead`` 0: no thread, each batch
+    made on the loop's thread when it is asked for, ``PreparedAhead``'s way). On CUDA that work
+    runs on the device's data stream, and each batch is handed to the training stream when the
+    loop takes it (``data_stream``: who waits for whom). ``calls``: ``data_stream.DataStream``'s."""
+
+    def __init__(self, loader: DataLoader, augment: DeviceAugment, device: torch.device, decoded: Dataset,
+                 fallbacks: DecodeFallbacks | None = None, ahead: int | None = None, calls: CudaCalls | None = None):
         self.loader, self.augment, self.device, self.decoded = loader, augment, device, decoded
         self.batch_size = loader.batch_size
+        self.fallbacks = DecodeFallbacks() if fallbacks is None else fallbacks
+        self.ahead = AHEAD if ahead is None else ahead
+        self.stream = DataStream(device, calls)
+        self._making = threading.Lock()  # one batch at a time: the augmentation keeps buffers between batches
+        self._producer: _Producer | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
 
-    def __iter__(self) -> PreparedAhead:
-        return PreparedAhead(self._batches())
+    def __iter__(self) -> BatchesAhead | HandedOut:
+        if self.ahead <= 0:
+            return HandedOut(PreparedAhead(self._made()))
+        if self._producer is not None and _one_iterator(self.loader):
+            # the loader's one iterator (persistent workers) is reset below: the last pass's thread
+            # must be off it first
+            self._producer.close(wait=None)
+        producer = _Producer(iter(self.loader), self.make, self.ahead, _this_device(self.device))
+        self._producer = producer
+        return BatchesAhead(producer)
 
-    def _batches(self):
+    def _made(self):
         for batch in self.loader:
-            yield self.finish(batch)
+            yield self.make(batch)
 
     def finish(self, batch: list) -> tuple:
-        """(views, targets) of one collated batch (:func:`collate_files`)."""
+        """(views, targets) of one collated batch (:func:`collate_files`), for the caller's
+        (the training) stream: :meth:`make` then ``hand_over``."""
+        return self.make(batch).hand_over()
+
+    def make(self, batch: list) -> Made:
+        """One collated batch's (views, targets), made on the data stream and not yet handed to
+        the training stream; the batch's host memory (pinned by the loader on CUDA) is held until
+        its copy is done."""
+        images = batch[0]
+        source = images.data if isinstance(images, EncodedBatch) else images.atlas
+        with self._making:
+            return self.stream.run(lambda: self._finish_here(batch), hold=(source,))
+
+    def _finish_here(self, batch: list) -> tuple:
         images, targets, epochs, index = batch
         if isinstance(images, EncodedBatch):  # decoded and packed on the device
             with record_function("device_finish/decode"):
@@ -261,15 +324,173 @@ class FinishOnDevice:
                 for i in failed:  # what the device cannot decode: the CPU's decode, as a worker's
                     image, targets[i] = self.decoded[int(index[i])]
                     decoded[i] = image.to(self.device)
+                fallen_back = [i for i in failed if targets[i] >= 0]  # not the placeholders: those are unreadable
+                if fallen_back:
+                    self.fallbacks.add(self.device, sample_path(self.decoded, int(index[fallen_back[0]])),
+                                       len(fallen_back))
                 atlas, places = pack(decoded)
         else:
             atlas, places = images.atlas, images.places
             with record_function("device_finish/copy"):
-                atlas = atlas.to(self.device, non_blocking=True)
+                atlas = atlas.contiguous().to(self.device, non_blocking=True)  # contiguous: pack's always is
         views = self.augment.packed(atlas, places, int(epochs[0]), index)
         if isinstance(images, PackedImages):
             images.release()  # copied out (or pinned already): its worker may fill the buffer again
         return views, targets
+
+
+class DecodeFallbacks:
+    """Images the device's decoder refused (``--decode-on device``), which the training process
+    then decoded on the CPU, counted on this rank: a WARNING when the first comes, the count in
+    each epoch's line (``train.run``). A file the CPU cannot decode either is not one of them: it
+    is the run's unreadable file (``image_files.RecordingUnreadable``), named there."""
+
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def add(self, device: torch.device, first: str, count: int = 1) -> None:
+        """``count`` more refused, the first of them the file ``first``."""
+        with self._lock:
+            said, self.count = self.count > 0, self.count + count
+        if not said:
+            log.warning("--decode-on device: the %s decoder refused %d image(s) of a batch (%s%s); the training "
+                        "process decodes such images on the CPU, which is slower; each epoch's line counts them",
+                        device.type, count, first, " among them" if count > 1 else "")
+
+
+class BatchesAhead:
+    """A :class:`FinishOnDevice`'s batches, made by a thread of its own (named
+    :data:`THREAD_NAME`) while the training loop computes: ``next()`` hands the loop the next one
+    (waiting for it if the thread has none ready), on CUDA to the training stream then. An error
+    of the thread (of the loader, its workers, the store, the decoder) is raised by the
+    ``next()`` of the batch it stopped at, as it was raised there (type and traceback).
+    The thread ends when the batches do, when :meth:`close` is called or when this iterator is
+    dropped (no reference cycle holds it: the thread holds no reference to it): then the loader's
+    iterator goes too, and with it its workers unless they are persistent, as when a loop drops a
+    DataLoader's iterator. ``prepare_next()`` is a no-op: the thread makes the next batch already."""
+
+    def __init__(self, producer: _Producer):
+        self._producer = producer
+        self._close = weakref.finalize(self, producer.close)
+
+    def __iter__(self) -> BatchesAhead:
+        return self
+
+    def __next__(self):
+        item = self._producer.handover.get()
+        if isinstance(item, Made):
+            return item.hand_over()
+        self.close()
+        if isinstance(item, _Failed):
+            raise item.error
+        raise StopIteration
+
+    def prepare_next(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """Stop the thread and wait for it (:data:`CLOSE_WAIT_S` at most); batches made and not
+        handed out are dropped."""
+        self._close()
+
+
+class _Failed(NamedTuple):
+    error: BaseException
+
+
+_END = object()  # the thread's last hand-over when the loader's batches are all made
+
+
+class _HandOver:
+    """Made batches on their way from the thread to the loop, ``depth`` at most: ``put`` waits
+    while that many wait; :meth:`close` drops them and wakes both sides."""
+
+    def __init__(self, depth: int):
+        self.depth, self.closed = depth, False
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()  # re-entrant: a finalizer may close it inside put()
+
+    def put(self, item) -> bool:
+        """False when closed: ``item`` is not taken."""
+        with self._cond:
+            while len(self._items) >= self.depth and not self.closed:
+                self._cond.wait()
+            if self.closed:
+                return False
+            self._items.append(item)
+            self._cond.notify_all()
+            return True
+
+    def get(self):
+        """The next item; :data:`_END` once closed."""
+        with self._cond:
+            while not self._items and not self.closed:
+                self._cond.wait()
+            if not self._items:
+                return _END
+            item = self._items.popleft()
+            self._cond.notify_all()
+            return item
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._items.clear()
+            self._cond.notify_all()
+
+
+class _Producer:
+    """The thread of a :class:`BatchesAhead` and its hand-over; held by the iterator and by
+    :class:`FinishOnDevice`, never holding either."""
+
+    def __init__(self, batches, make: Callable[[list], Made], depth: int, device: torch.device):
+        self.handover = _HandOver(depth)
+        self.thread = threading.Thread(target=_make_ahead, args=([batches], make, self.handover, device),
+                                       name=THREAD_NAME, daemon=True)
+        self.thread.start()
+
+    def close(self, wait: float | None = CLOSE_WAIT_S) -> None:
+        self.handover.close()
+        if self.thread is not threading.current_thread():
+            self.thread.join(wait)
+
+
+def _make_ahead(source: list, make: Callable[[list], Made], handover: _HandOver, device: torch.device) -> None:
+    """The thread's work: each batch of the loader's iterator (``source[0]``) made and handed
+    over, in order, then :data:`_END`; an error handed over in its place. The iterator is let go
+    when the thread ends (``source`` emptied; the error's frames cleared of their locals), so
+    nothing of it outlives the thread."""
+    batch = None
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this thread's current device: the loop's
+        for batch in source[0]:
+            if handover.closed or not handover.put(make(batch)):
+                break
+            batch = None
+        else:
+            handover.put(_END)
+    except BaseException as err:  # noqa: BLE001 - raised again by the loop's next(), at this batch
+        traceback.clear_frames(err.__traceback__)
+        handover.put(_Failed(err))
+    finally:
+        if batch is not None and isinstance(batch[0], PackedImages):
+            batch[0].release()  # taken and not handed over: nothing reads it
+        batch = None
+        source.clear()
+
+
+def _one_iterator(loader) -> bool:
+    """Whether ``loader`` hands every pass the same iterator (a DataLoader's persistent workers)."""
+    return bool(getattr(loader, "persistent_workers", False)) and getattr(loader, "num_workers", 0) > 0
+
+
+def _this_device(device: torch.device) -> torch.device:
+    """``device`` with its index (the loop's current device where it has none)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def decode_on(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor | None], list[int]]:
@@ -282,8 +503,8 @@ def decode_on(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor | 
     device refuses alone are returned as failed (the caller decodes them on the CPU: PIL reads
     some files that libjpeg-turbo refuses).
 
-    On CUDA the images are ready for the caller's (the training) stream when this returns, and
-    safe to free there: see :func:`_decode_on_cuda`."""
+    On CUDA the images are ready for the caller's current stream when this returns (in
+    :class:`FinishOnDevice`, the data stream), and safe to free there: see :func:`_decode_on_cuda`."""
     if device.type != "cuda":
         return _decode_all(device, batch)
     return _decode_on_cuda(device, batch)
@@ -295,15 +516,17 @@ def _decode_on_cuda(device: torch.device, batch: EncodedBatch) -> tuple[list[Ten
     torchvision's batched decoder allocates its outputs on the current stream and writes them
     from a private stream (nvJPEG's hardware engine does not follow stream order either). On the
     training stream, an output could take a block that autograd has just freed while queued
-    backward kernels still read it, and the decoder would overwrite it under them. On a stream
-    of its own, the caching allocator hands the decoder only blocks freed on that stream, which
-    no other stream's queued kernel can still be using:
+    backward kernels still read it, and the decoder would overwrite it under them; on the data
+    stream, one the last batch's augmentation still reads. On a stream of its own, the caching
+    allocator hands the decoder only blocks freed on that stream, which no other stream's queued
+    kernel can still be using:
 
-    * the decode stream never waits for the training stream (its inputs are host memory);
-    * the decoder makes the decode stream wait for its private stream, the training stream then
-      waits for the decode stream (``wait_stream``), so that it reads whole images;
+    * the decode stream never waits for the current stream (its inputs are host memory);
+    * the decoder makes the decode stream wait for its private stream, the current stream (the
+      data stream in :class:`FinishOnDevice`) then waits for the decode stream (``wait_stream``),
+      so that it reads whole images;
     * ``record_stream`` keeps each output's block out of the decode stream's pool until the
-      training stream's kernels that read it (packing) are done."""
+      current stream's kernels that read it (packing) are done."""
     consumer = torch.cuda.current_stream(device)
     stream = _decode_stream(device)
     with torch.cuda.stream(stream):
@@ -346,3 +569,72 @@ def _decode_one(device: torch.device, data: Tensor) -> Tensor | None:
         return decode_jpeg(data, mode=rgb, device=device)
     except RuntimeError:
         return None
+
+
+# ----------------------------------------------------------------------------- the device's decoder
+NVJPEG_BACKEND_HARDWARE = 3  # nvjpeg.h: nvjpegBackend_t
+NVJPEG_STATUS_SUCCESS, NVJPEG_STATUS_ARCH_MISMATCH = 0, 7  # nvjpeg.h: nvjpegStatus_t
+
+
+def describe_decoder(device: torch.device) -> str:
+    """What decodes the JPEGs that ``--decode-on device`` gives ``device``, for the start-up line:
+    on CUDA whether nvJPEG has the GPU's hardware JPEG decoder (:func:`nvjpeg_backend`)."""
+    if device.type != "cuda":
+        return f"JPEGs decoded on {device} by libjpeg-turbo (torchvision's decode_jpeg; no hardware decoder)"
+    kind, detail = nvjpeg_backend(device)
+    if kind == "hardware":
+        return (f"JPEGs decoded on {device} by nvJPEG's hardware decoder (torchvision's batched decode_jpeg; "
+                f"a JPEG the engine does not take goes to nvJPEG's CUDA decoder)")
+    if kind == "software":
+        return f"JPEGs decoded on {device} by nvJPEG in software (CUDA kernels): {detail}"
+    return f"JPEGs decoded on {device} by nvJPEG, hardware decoder unknown ({detail})"
+
+
+def nvjpeg_backend(device: torch.device, nvjpeg=None) -> tuple[str, str]:
+    """("hardware" | "software" | "unknown", why) for torchvision's batched decoder on ``device``.
+
+    torchvision's ``decode_jpegs_cuda`` says nothing of it in Python: its ``CUDAJpegDecoder``
+    (made once per process, torchvision 0.19 on) calls ``nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE,
+    ...)``; NVJPEG_STATUS_ARCH_MISMATCH (a GPU without the engine: V100, consumer cards) makes it
+    fall back to ``NVJPEG_BACKEND_DEFAULT`` and decode every image in software; success sends each
+    JPEG that ``nvjpegDecodeBatchedSupported`` accepts to the engine (A100, H100, H200), the rest to
+    software; any other status fails every batched decode. This makes the same call, on the same
+    library (the libnvjpeg that torchvision's image library loaded: :func:`torchvision_nvjpeg`, or
+    ``nvjpeg``, a stand-in), and lets the handle go."""
+    if nvjpeg is None:
+        nvjpeg, why = torchvision_nvjpeg()
+        if nvjpeg is None:
+            return "unknown", why
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        status = nvjpeg.nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, None, None, 0, ctypes.byref(handle))
+        if status == NVJPEG_STATUS_SUCCESS:
+            nvjpeg.nvjpegDestroy(handle)
+            return "hardware", "nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE) succeeded"
+    if status == NVJPEG_STATUS_ARCH_MISMATCH:
+        return "software", "this GPU has no hardware JPEG decoder (nvjpegCreateEx: NVJPEG_STATUS_ARCH_MISMATCH)"
+    return "unknown", f"nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE) returned status {status}"
+
+
+def torchvision_nvjpeg() -> tuple[ctypes.CDLL | None, str]:
+    """(the libnvjpeg that torchvision's image library loaded, its calls typed; "") or (None, why
+    not): found among this process's mappings (Linux), once torchvision's image library is in."""
+    jpeg_decoder()  # imports torchvision.io, which loads its image library and the libnvjpeg it links
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split(None, 5)[5].strip() for line in maps
+                            if "libnvjpeg" in line and len(line.split(None, 5)) == 6})
+    except OSError as err:
+        return None, f"cannot list the libraries loaded ({err.strerror})"
+    if not paths:
+        return None, "torchvision's image library loaded no libnvjpeg"
+    try:
+        nvjpeg = ctypes.CDLL(paths[0])
+    except OSError as err:
+        return None, f"cannot open {paths[0]} ({err})"
+    nvjpeg.nvjpegCreateEx.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
+                                      ctypes.POINTER(ctypes.c_void_p)]
+    nvjpeg.nvjpegCreateEx.restype = ctypes.c_int
+    nvjpeg.nvjpegDestroy.argtypes = [ctypes.c_void_p]
+    nvjpeg.nvjpegDestroy.restype = ctypes.c_int
+    return nvjpeg, ""

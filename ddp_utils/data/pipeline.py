@@ -9,8 +9,9 @@ bank alike, the evaluation ones with ``recipes.eval_recipe``), on one of three p
   on the device, batched and augmented there as a whole (:class:`DeviceBatches`), no workers;
   an evaluation split stored at another size than the network's goes the loader path's way;
 * image files with ``aug_on_device``: DataLoader workers decode each file (or, with
-  ``decode_on_device``, only read its bytes) and pack the batch; the training process crops,
-  resizes and augments every view as a batch (the opt-in module ``files_on_device``);
+  ``decode_on_device``, only read its bytes) and pack the batch; in the training process a thread
+  of its own crops, resizes and augments every view as a batch, ahead of the training loop (the
+  opt-in module ``files_on_device``);
 * the loader path (the reference): workers run torchvision's per-sample transforms
   (``transforms.view_transform``).
 
@@ -36,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 from .. import hashing
 from ..config import UsageError
 from .batch_augment import BatchAugment, DeviceAugment, PreparedAhead, to_device
+from .data_stream import DataStream, HandedOut
 from .host_memory import EVAL_PREFETCH, TRAIN_PREFETCH, check_shared_memory, eval_batch_size, loader_memory
 from .image_files import (
     FolderListing,
@@ -52,7 +54,7 @@ from .shard_cache import NodeCache, ReadAhead, ReadAheadLoader, SplitShards
 from .shards import largest_shard
 
 if TYPE_CHECKING:
-    from .files_on_device import FinishOnDevice
+    from .files_on_device import DecodeFallbacks, FinishOnDevice
 
 Batches: TypeAlias = "DataLoader | RecordingUnreadable | DeviceBatches | FinishOnDevice"  # one path's batches
 log = logging.getLogger("train")
@@ -116,6 +118,7 @@ class Loaders:
     num_classes: int
     unreadable: UnreadableFiles = field(default_factory=UnreadableFiles)  # what this rank could not read
     read_ahead: ReadAhead | None = None  # shards from an object store: this rank's downloads
+    decode_fallbacks: DecodeFallbacks | None = None  # image files on the device: what its decoder refused
 
     def close(self) -> None:
         """Shards from an object store: stop downloading, let this rank's holds go, and (the
@@ -193,9 +196,17 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
     if held and rank == 0:
         log.info("data: the training split held on %s, batches made there%s", device,
                  f" (--workers {plan.workers} unused)" if plan.workers else "")
+    fallbacks = None
+    if plan.aug_on_device and not held and image_files_of(train_raw) is not None:  # files_on_device's path
+        from .files_on_device import DecodeFallbacks, describe_decoder
+
+        fallbacks = DecodeFallbacks()
+        if plan.decode_on_device and rank == 0:
+            log.info("data: %s", describe_decoder(device))
 
     def batches(raw: Dataset, sampler, kind: _Kind) -> Batches:  # image files: undecodable ones recorded
-        made = _batches(raw, sampler, kind, plan=plan, device=device, held=held, read_ahead=read_ahead)
+        made = _batches(raw, sampler, kind, plan=plan, device=device, held=held, read_ahead=read_ahead,
+                        fallbacks=fallbacks)
         return record_unreadable(made, raw, unreadable)
 
     sampler = training_order(plan, train_raw, world_size, rank)
@@ -212,7 +223,7 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
     if plan.bank_samples is not None:
         bank = eval_batches(bank_subset(train_raw, plan.bank_samples, plan.seed) if plan.bank_samples else train_raw)
     return Loaders(plan, train, eval_batches(val_raw), bank, sampler, train_raw, num_classes_of(train_raw),
-                   unreadable, read_ahead)
+                   unreadable, read_ahead, fallbacks)
 
 
 def raw_splits(plan: DataPlan, shard_cache: NodeCache | None = None) -> tuple[Dataset, Dataset]:
@@ -263,10 +274,11 @@ def _held_on_device(plan: DataPlan, train_raw: Dataset, val_raw: Dataset, device
 
 
 def _batches(raw: Dataset, sampler: Iterable, kind: _Kind, *, plan: DataPlan, device: torch.device,
-             held: dict, read_ahead: ReadAhead | None = None) -> Batches:
+             held: dict, read_ahead: ReadAhead | None = None, fallbacks: DecodeFallbacks | None = None) -> Batches:
     """``kind`` of batch of ``raw`` in ``sampler``'s order, on the plan's path (see the module
     docstring); ``held``: the splits :func:`_held_on_device` put there; ``read_ahead``: the rank's,
-    for shards from an object store."""
+    for shards from an object store; ``fallbacks``: the rank's count of images the device's
+    decoder refused (image files on the device)."""
     shards = split_shards(raw) if read_ahead is not None else None
     size = plan.image_size
     augment = DeviceAugment(BatchAugment(kind.recipe, size), kind.seed, kind.views)  # the device paths'
@@ -287,7 +299,7 @@ def _batches(raw: Dataset, sampler: Iterable, kind: _Kind, *, plan: DataPlan, de
         loader = data_loader(data, sampler, batch_size=kind.batch_size, workers=plan.workers,
                              pin_memory=device.type == "cuda", train=kind.train, collate=collate_files,
                              read_ahead=read_ahead, shards=shards)
-        return FinishOnDevice(loader, augment, device, read_as(raw, "decoded"))
+        return FinishOnDevice(loader, augment, device, read_as(raw, "decoded"), fallbacks)
     from .transforms import TwoCrops, view_transform
 
     view = view_transform(kind.recipe, plan.dataset, size)
@@ -380,27 +392,38 @@ class DeviceBatches:
     """Batches of an in-memory split held once, as one tensor, on the training device: gathered
     by index in ``sampler``'s order (training: the DataLoader path's order, sharding and resume
     skip; evaluation: a shard's indices, the last batch short) and augmented as a whole; no
-    workers, no per-sample Python, no image copies."""
+    workers, no per-sample Python, no image copies.
+
+    On CUDA each batch (its indices' copy, the gather, the augmentation) is made on the device's
+    data stream, when ``prepare_next()`` or ``next()`` asks for it, and handed to the training
+    stream when ``next()`` hands it out (``data_stream``: who waits for whom). ``calls``:
+    ``data_stream.DataStream``'s."""
 
     def __init__(self, images: torch.Tensor, targets: torch.Tensor, sampler: Iterable[Key | int], batch_size: int,
-                 augment: DeviceAugment, drop_last: bool = True):
+                 augment: DeviceAugment, drop_last: bool = True, calls=None):
         self.images, self.targets = images, targets    # N x C x H x W (uint8 or float), N
         self.sampler, self.batch_size, self.augment, self.drop_last = sampler, batch_size, augment, drop_last
+        self.stream = DataStream(images.device, calls)  # waits here for the images' copy to the device
 
     def __len__(self) -> int:
         samples = len(self.sampler)  # type: ignore[arg-type]
         return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
 
-    def __iter__(self) -> PreparedAhead:
-        return PreparedAhead(self._batches())
+    def __iter__(self) -> HandedOut:
+        return HandedOut(PreparedAhead(self._batches()))
 
     def _batches(self):
         keys = [key if isinstance(key, tuple) else (0, key) for key in self.sampler]  # evaluation: epoch 0
+        device = self.images.device
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             chunk = keys[start:start + self.batch_size]
             index = torch.tensor([i for _, i in chunk])  # B, on the host: the augmentation draws there
-            on_device = to_device(index, self.images.device)
-            yield self.augment(self.images[on_device], chunk[0][0], index), self.targets[on_device]
+            host = index.pin_memory() if device.type == "cuda" else index  # held until its copy is done
+
+            def make(chunk=chunk, index=index, host=host):
+                on_device = to_device(host, device)
+                return self.augment(self.images[on_device], chunk[0][0], index), self.targets[on_device]
+            yield self.stream.run(make, hold=(host,))
 
 
 def padded_for_crop(images: torch.Tensor, augment: BatchAugment, chunk: int = 1024) -> torch.Tensor:

@@ -157,8 +157,12 @@ class TrainRun:
         seconds = max(time.perf_counter() - started, 1e-9)
         images = (state.batches_done - first_batch) * self.cfg.batch_size * self.info.world_size
         waited = (self.batches.data_wait.seconds - waited_before) / seconds
-        log.info("epoch %d trained in %.1f s (%s%s img/s, waited for data %.0f%% of it)", state.epoch_number,
-                 seconds, "resumed part way, " if first_batch else "", f"{images / seconds:,.0f}", 100 * waited)
+        fallbacks = self.loaders.decode_fallbacks  # --decode-on device: images its decoder refused, so far
+        refused = (f"; {fallbacks.count:,} image(s) the {self.info.device.type} decoder refused decoded on the CPU "
+                   f"so far" if fallbacks is not None and fallbacks.count else "")
+        log.info("epoch %d trained in %.1f s (%s%s img/s, waited for data %.0f%% of it%s)", state.epoch_number,
+                 seconds, "resumed part way, " if first_batch else "", f"{images / seconds:,.0f}", 100 * waited,
+                 refused)
         advice = input_advice(self.cfg, self.resolved)
         if waited > INPUT_BOUND and advice and not first_batch and not self.said_input_bound and self.info.is_main:
             self.said_input_bound = True
