@@ -10,7 +10,9 @@ the device:
 
 - ``torch.compile(fullgraph=True, backend="eager")``, on the CPU whatever ``--device`` (on
   CUDA the blur's switch away from cuDNN is Python state that a trace leaves out): a graph
-  break or a data-dependent host read raises; its views must equal eager's bit for bit.
+  break or a data-dependent host read raises; its views must be eager's to float32 round-off
+  (:data:`ROUND_OFF`: bit for bit on torch 2.14, 6e-7 to 1.4e-6 apart on 2.11, whose trace rewrites an
+  op or two).
 - on CUDA, a CUDA graph captured once (after a warm-up on a side stream, as capture requires),
   then replayed on other images and other draws copied into its static inputs: its views must
   equal eager's on those inputs bit for bit. A host read during capture (``.item()``, a
@@ -37,6 +39,7 @@ from ddp_utils.data import batch_augment as ba  # noqa: E402
 from ddp_utils.data.files_on_device import pack  # noqa: E402
 from ddp_utils.data.recipes import moco_recipe  # noqa: E402
 
+ROUND_OFF = 1e-5  # compiled against eager views: a few float32 steps of normalised values (std ~0.22)
 SIZES = [(375, 500), (500, 375), (333, 500), (500, 333), (400, 400), (480, 640)]
 
 
@@ -77,8 +80,9 @@ def check_compile(views, atlas, places, u) -> bool:
         print(f"FAILED torch.compile(fullgraph=True): {type(err).__name__}: {str(err).splitlines()[0]}")
         return False
     difference = largest_difference(captured, views(atlas, places, u))
-    print(f"{'ok' if difference == 0 else 'FAILED'} torch.compile(fullgraph=True): max |compiled - eager| {difference:.3g}")
-    return difference == 0
+    ok = difference <= ROUND_OFF
+    print(f"{'ok' if ok else 'FAILED'} torch.compile(fullgraph=True): max |compiled - eager| {difference:.3g}")
+    return ok
 
 
 def host_ms(fn, repeats: int) -> float:

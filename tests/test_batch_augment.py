@@ -27,6 +27,7 @@ from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, moco_recipe
 # at c = sqrt(ln(2e4) / 2) = 2.23 (conservative for the discrete distributions compared here).
 KS_C = math.sqrt(math.log(2e4) / 2)
 BINOMIAL_SDS = 5  # |count - n p| <= 5 sd: a correct rate fails with probability 6e-7
+COMPILED_ROUND_OFF = 1e-5  # compiled against eager views: a few float32 steps of normalised values (std ~0.22)
 
 
 @pytest.fixture(autouse=True)
@@ -177,7 +178,8 @@ def test_a_batchs_views_are_a_fixed_number_of_kernels_whatever_its_size():
 def test_the_packed_augmentation_is_one_graph_that_torch_compile_captures_whole():
     """The device side of a packed batch (atlas to float, every view from its uniforms) traced
     by torch.compile with fullgraph=True (a graph break or a data-dependent host read raises),
-    its results equal to eager bit for bit. A CUDA graph needs the same of the GPU's kernels:
+    its results eager's to float32 round-off (bit for bit on torch 2.14; 1.4e-6 apart on 2.11,
+    whose trace rewrites an op or two). A CUDA graph needs the same of the GPU's kernels:
     bench/augment_capture.py probes it there."""
     import torch._dynamo
 
@@ -195,7 +197,7 @@ def test_the_packed_augmentation_is_one_graph_that_torch_compile_captures_whole(
     atlas, places = pack(images)
     u = ba.keyed_uniforms(0, 0, torch.arange(len(images)), views=2)
     for ours, eager in zip(captured(atlas, places, u), views(atlas, places, u), strict=True):
-        assert torch.equal(ours, eager)
+        assert (ours - eager).abs().max() <= COMPILED_ROUND_OFF
 
 
 # ----------------------------------------------------------------------------- the pipeline
