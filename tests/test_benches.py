@@ -51,6 +51,7 @@ def test_far_store_trains_through_the_far_network_and_counts_one_get_per_shard()
         assert float(gets) >= 1 and float(heads) == float(ranged) == 0  # whole GETs, nothing else
 
 
+@pytest.mark.slow  # two augmentation modules at full size; the fixed count itself is a fast test of test_batch_augment
 def test_augment_host_counts_a_fixed_number_of_ops_per_batch_now_and_more_with_each_image_before():
     """Against 6a4b01f (one resize per image and view) where the clone has that commit; a
     shallow clone compares today's code with itself."""
@@ -64,6 +65,7 @@ def test_augment_host_counts_a_fixed_number_of_ops_per_batch_now_and_more_with_e
     assert "| host: thumbnails" in proc.stdout and "| with the arithmetic" in proc.stdout
 
 
+@pytest.mark.slow  # a torch.compile trace in its own process; test_batch_augment traces the same in the fast tier
 def test_augment_capture_probe_finds_the_augmentation_whole_under_torch_compile():
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "augment_capture.py"), "--device", "cpu"], cwd=REPO,
                           env=cli_env(), capture_output=True, text=True, timeout=180)
