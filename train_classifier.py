@@ -229,13 +229,14 @@ def build_ema(cfg: ClassifierConfig, model: nn.Module, info: DistInfo) -> Weight
 
 def restore_ema(ema: WeightsEMA, resume: Resume | None, info: DistInfo) -> None:
     """The checkpoint's EMA, bit for bit; a checkpoint without one (a run that had no --model-ema,
-    resumed with --allow-changes) starts it from the resumed weights at its first update."""
+    resumed with --allow-changes) starts it from the resumed weights (a copy until its first update)."""
     if resume is None:
         return
     saved = resume.checkpoint.get("model_ema")
     if saved is None:
         if info.is_main:
             log.warning("%s holds no EMA of the weights: the EMA starts from the resumed weights", resume.path)
+        ema.module.load_state_dict(resume.checkpoint["model"])  # n_averaged stays 0: the next update copies
         return
     try:
         ema.load_state_dict(saved)

@@ -12,7 +12,9 @@ trained on and the loss of each micro-step, and the reference trains a fresh cop
 initial network on exactly those batches. After every step: the loss, every weight and
 buffer, every EMA tensor and the LR and weight decay of every parameter group. A negative
 control (norm layers decayed like the rest; no EMA reset in the warm-up) must fail the same
-comparison."""
+comparison. Then the pieces at larger sizes: the schedule over 30 epochs, the groups on a
+ResNet-18, each optimizer, the EMA's update, the EMA on 2 ranks, an EMA added on resume. (The
+EMA restored bit for bit on a mid-epoch resume on 2 ranks: tests/test_training.py.)"""
 from __future__ import annotations
 
 import math
@@ -20,7 +22,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import run_on_ranks
+from helpers import in_process, load_ckpt, run_on_ranks
 from torch import nn
 from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
 from torch.optim.swa_utils import AveragedModel
@@ -362,3 +364,18 @@ def test_the_ema_is_identical_on_two_ranks_after_every_update(tmp_path):
     differs = [name for name, a in rank0["own"].items() if not torch.equal(a, rank1["own"][name])]
     assert differs and all("running" in name for name in differs), differs
     assert any(not torch.equal(a, rank1["model"][name]) for name, a in rank0["model"].items() if "running" in name)
+
+
+def test_an_ema_added_on_resume_starts_from_the_resumed_weights(tmp_path, capsys):
+    """A checkpoint of a run without --model-ema resumed with it (--allow-changes): the EMA is the
+    checkpoint's weights, to be copied again at its first update, not the network's initial ones."""
+    tiny = RUN[:RUN.index("--weight-decay")] + ["--max-steps", "2"]
+    out = tmp_path / "run"
+    assert train_classifier.main(tiny + ["--out", str(out)]) == 0
+    before = load_ckpt(out / "checkpoint_last.pt")
+    proc = in_process(train_classifier.main, tiny + ["--max-steps", "3", "--model-ema", "--resume", "auto",
+                                                     "--allow-changes", "--out", str(out)], capsys)
+    assert proc.returncode == 0 and "holds no EMA of the weights: the EMA starts from the resumed weights" in proc.stdout
+    after = load_ckpt(out / "checkpoint_last.pt")
+    assert after["step"] == 3 and int(after["model_ema"]["n_averaged"]) == 0  # step 3 is not an update's
+    assert all(torch.equal(after["model_ema"][f"module.{k}"], v) for k, v in before["model"].items())
