@@ -26,6 +26,10 @@ Without --linear-probe the whole pretrained network is fine-tuned.
 
 --batch-size is per rank and per micro-step: the global batch of one optimizer step is
 world_size x --accum-steps x --batch-size, logged at start. --lr is not rescaled for you.
+
+torchvision's recipe (references/classification/train.py), flag for flag: --label-smoothing, --optimizer,
+--nesterov, --norm-weight-decay, --bias-weight-decay, --lr-schedule cosine-annealing with --lr-warmup-epochs,
+--lr-warmup-method and --lr-warmup-decay, --model-ema, --model-ema-steps, --model-ema-decay (docs/recipe.md).
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddp_utils.config import UsageError, opt
+from ddp_utils.config import UsageError, flag_name, opt
 from ddp_utils.data.pipeline import build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import classifier_recipe
@@ -56,9 +60,11 @@ from ddp_utils.runtime.collectives import (
 from ddp_utils.runtime.dist import DistInfo, LaunchEnv, to_device, unwrap
 from ddp_utils.train.accumulation import autocast, no_sync, set_lr, unscale_and_clip
 from ddp_utils.train.check import check_only
+from ddp_utils.train.checkpoint import Resume, mismatch_detail
+from ddp_utils.train.ema import WeightsEMA, ema_decay
 from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.network import place_model, wrap_network
-from ddp_utils.train.optimization import build_optimization
+from ddp_utils.train.optimization import OPTIMIZERS, build_optimization, parameter_groups
 from ddp_utils.train.preflight import preflight
 from ddp_utils.train.pretrained import (
     load_pretrained_backbone,
@@ -77,17 +83,24 @@ from ddp_utils.train.step_policy import (
     start_training,
     stop_for_signal,
 )
-from ddp_utils.train.train_config import OUT_HELP, RUN_FOLDER, TrainConfig, parse_args
+from ddp_utils.train.train_config import MODEL, OUT_HELP, RUN_FOLDER, TrainConfig, parse_args
 from ddp_utils.train.unreadable_files import stop_if_files_unreadable
 
 log = logging.getLogger("train")
 SCRIPT = "train_classifier.py"
-PRETRAINED = "pretrained backbone"  # --help's section of this script's own flags
+PRETRAINED = "pretrained backbone"  # --help's sections of this script's own flags
+RECIPE = "torchvision's recipe: loss, optimizer, weight average"
+UNSET = -1.0  # --norm-weight-decay, --bias-weight-decay: torchvision's None (no group of their own)
+
+
+def _after(sections: tuple[str, ...], section: str, new: str) -> tuple[str, ...]:
+    at = sections.index(section) + 1
+    return (*sections[:at], new, *sections[at:])
 
 
 @dataclass
 class ClassifierConfig(TrainConfig):
-    SECTIONS: ClassVar[tuple[str, ...]] = (*TrainConfig.SECTIONS, PRETRAINED)
+    SECTIONS: ClassVar[tuple[str, ...]] = (*_after(TrainConfig.SECTIONS, MODEL, RECIPE), PRETRAINED)
 
     out: str = opt("runs/classifier", OUT_HELP, group=RUN_FOLDER, on_resume="invocation")
     pretrained: str = opt("", "initialise the backbone from a train_moco.py checkpoint, its run folder "
@@ -101,11 +114,67 @@ class ClassifierConfig(TrainConfig):
                          "parameter-free BatchNorm before the classifier (MAE's probe; LRs near 0.1 "
                          "then work); off = MoCo's protocol (LR about 30)",
                          group=PRETRAINED, on_resume="fixed")
+    label_smoothing: float = opt(0.0, "label smoothing S of the training loss (nn.CrossEntropyLoss(label_smoothing=S)): "
+                                 "each target is 1 - S on its class plus S spread evenly over all classes; train/loss "
+                                 "includes it, the validation loss (val/loss) stays plain cross-entropy, comparable "
+                                 "between runs (torchvision's evaluation loss includes it)",
+                                 group=RECIPE, at_least=0, below=1)
+    optimizer: str = opt("sgd", "sgd (--momentum, --nesterov), adamw (PyTorch's defaults: betas 0.9, 0.999, eps "
+                         "1e-8; --weight-decay decoupled) or rmsprop (torchvision's: alpha 0.9, eps 0.0316, "
+                         "--momentum)", choices=OPTIMIZERS, group=RECIPE, on_resume="fixed")
+    nesterov: bool = opt(False, "--optimizer sgd: Nesterov momentum (torchvision's --opt sgd_nesterov)", group=RECIPE)
+    norm_weight_decay: float = opt(UNSET, "weight decay of the normalisation layers' parameters (BatchNorm, "
+                                   "GroupNorm, LayerNorm, InstanceNorm, LocalResponseNorm; their biases too unless "
+                                   "--bias-weight-decay is set), a parameter group of their own; -1 = unset: "
+                                   "--weight-decay's, one group (torchvision's default; its recipes use 0)",
+                                   group=RECIPE, at_least=UNSET)
+    bias_weight_decay: float = opt(UNSET, "weight decay of every parameter named bias (normalisation layers' "
+                                   "included), a parameter group of their own; -1 = unset: as the layer's other "
+                                   "parameters", group=RECIPE, at_least=UNSET)
+    model_ema: bool = opt(False, "keep an exponential moving average (EMA) of the weights and buffers, torchvision's "
+                          "--model-ema: updated after every --model-ema-steps-th optimizer step of each epoch, on "
+                          "every rank alike; during the LR warm-up each update copies the weights; checkpointed "
+                          "beside the model and evaluated after each epoch (its own log line, val_ema/* in "
+                          "TensorBoard)", group=RECIPE)
+    model_ema_steps: int = opt(32, "with --model-ema: optimizer steps between its updates (torchvision counts "
+                               "iterations, each an optimizer step), counted from each epoch's first",
+                               group=RECIPE, above=0)
+    model_ema_decay: float = opt(0.99998, "with --model-ema: D, adjusted as torchvision does: each update keeps "
+                                 "1 - min(1, (1 - D) x global batch x --model-ema-steps / --epochs) of the average, "
+                                 "the global batch being world size x --accum-steps x --batch-size (torchvision's "
+                                 "world size x its per-GPU batch)", group=RECIPE, above=0, below=1)
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
         super().validate(launch, cuda_devices)
         if self.probe_bn and not self.linear_probe:
             raise UsageError("--probe-bn only applies with --linear-probe")
+        self.check_recipe_flags()
+
+    def check_recipe_flags(self) -> None:
+        """The optimizer's flags that it would ignore, the EMA's without --model-ema, and a weight
+        decay below 0 other than -1 (unset), are refused."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in ("norm_weight_decay", "bias_weight_decay"):
+            value = getattr(self, name)
+            if value < 0 and value != UNSET:
+                raise UsageError(f"{flag_name(name)} {value:g}: give a weight decay >= 0, or -1 to leave it unset")
+        if self.nesterov and self.optimizer != "sgd":
+            raise UsageError(f"--nesterov is SGD's; --optimizer {self.optimizer} has no such option (drop it)")
+        if self.nesterov and self.momentum == 0:
+            raise UsageError("--nesterov needs momentum: give --momentum above 0")
+        if self.optimizer == "adamw" and self.momentum != defaults["momentum"]:
+            raise UsageError(f"--momentum does nothing with --optimizer adamw (its betas are PyTorch's 0.9, 0.999); "
+                             f"drop --momentum {self.momentum:g}")
+        if not self.model_ema:
+            for name in ("model_ema_steps", "model_ema_decay"):
+                if getattr(self, name) != defaults[name]:
+                    raise UsageError(f"{flag_name(name)} does nothing without --model-ema; add it, or drop "
+                                     f"{flag_name(name)}")
+
+    def weight_decay_of(self, name: str) -> float | None:
+        """--norm-weight-decay or --bias-weight-decay (``name``) as torchvision's: None when unset."""
+        value = getattr(self, name)
+        return None if value == UNSET else value
 
     def required_paths(self) -> dict[str, str]:
         return {"--pretrained": self.pretrained} if self.pretrained else {}
@@ -122,6 +191,10 @@ def with_pretrained_size(cfg: ClassifierConfig) -> ClassifierConfig:
 @dataclass(kw_only=True)
 class ClassifierRun(TrainRun):
     frozen_backbone: dict | None = None  # --linear-probe: the backbone's tensors at the start
+    ema: WeightsEMA | None = None        # --model-ema: the average of the weights
+
+    def checkpoint_extras(self) -> dict:
+        return {"model_ema": self.ema.state_dict()} if self.ema is not None else {}
 
 
 # ----------------------------------------------------------------------------- building
@@ -140,6 +213,40 @@ def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn
     if cfg.linear_probe:
         model = LinearProbe(model, num_classes, feature_norm=cfg.probe_bn)
     return place_model(model, info.device)
+
+
+def build_ema(cfg: ClassifierConfig, model: nn.Module, info: DistInfo) -> WeightsEMA:
+    """--model-ema: the EMA of ``model``'s weights, its decay adjusted as torchvision does
+    (``ddp_utils/train/ema.py``)."""
+    global_batch = info.world_size * cfg.accum_steps * cfg.batch_size
+    decay = ema_decay(cfg.model_ema_decay, global_batch, cfg.model_ema_steps, cfg.epochs)
+    if info.is_main:
+        log.info("EMA of the weights: decay %.6g per update after every %d optimizer step(s) (--model-ema-decay %g for "
+                 "a global batch of %d over %d epochs)", decay, cfg.model_ema_steps, cfg.model_ema_decay, global_batch,
+                 cfg.epochs)
+    return WeightsEMA(model, decay, cfg.model_ema_steps, cfg.lr_warmup_epochs, cfg.warmup_steps)
+
+
+def restore_ema(ema: WeightsEMA, resume: Resume | None, info: DistInfo) -> None:
+    """The checkpoint's EMA, bit for bit; a checkpoint without one (a run that had no --model-ema,
+    resumed with --allow-changes) starts it from the resumed weights (a copy until its first update)."""
+    if resume is None:
+        return
+    saved = resume.checkpoint.get("model_ema")
+    if saved is None:
+        if info.is_main:
+            log.warning("%s holds no EMA of the weights: the EMA starts from the resumed weights", resume.path)
+        ema.module.load_state_dict(resume.checkpoint["model"])  # n_averaged stays 0: the next update copies
+        return
+    try:
+        ema.load_state_dict(saved)
+    except (RuntimeError, KeyError) as err:
+        raise UsageError(f"--resume {resume.path}: its EMA does not fit this model ({mismatch_detail(err)})") from None
+
+
+def training_criterion(cfg: ClassifierConfig) -> nn.Module:
+    """The training loss: cross-entropy, with --label-smoothing (evaluation's stays plain)."""
+    return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
 
 def backbone_remarks(cfg: ClassifierConfig, trained: int | None) -> list[str]:
@@ -172,20 +279,24 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
                                                    ranks_on_node=info.local_world_size))
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         model = build_network(cfg, info, loaders.num_classes)
+        ema = build_ema(cfg, model, info) if cfg.model_ema else None
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer, lr_schedule, scaler, total_steps = build_optimization(cfg, trainable, loaders.batches_per_epoch,
-                                                                         info.device)
+        groups = parameter_groups(model, cfg.weight_decay, cfg.weight_decay_of("norm_weight_decay"),
+                                  cfg.weight_decay_of("bias_weight_decay"))  # frozen parameters left out
+        optimizer, lr_schedule, scaler, total_steps = build_optimization(cfg, groups, loaders.batches_per_epoch,
+                                                                         info.device, cfg.optimizer, cfg.nesterov)
         facts = {"num_classes": loaders.num_classes}  # a checkpoint must match them
         state = state_to_start_from(resume, cfg, SCRIPT, facts, model=model, optimizer=optimizer, scaler=scaler,
                                     sampler=loaders.train_sampler, data=resolved.get("data_fingerprint"), info=info)
+        if ema is not None:
+            restore_ema(ema, resume, info)
     stop_if_complete(cfg, state, resume)  # a finished run resumed: its last metrics, exit 0
     network = wrap_network(model, info, cfg.compile)  # DDP: rank 0's weights on every rank
     tb = open_run_folder(cfg, session, resume, state.step, resolved, preview)  # nothing was written before
     return ClassifierRun(
         cfg=cfg, info=info, session=session, loaders=loaders, model=model, network=network, optimizer=optimizer,
         lr_schedule=lr_schedule, scaler=scaler, total_steps=total_steps, state=state, tb=tb, script=SCRIPT, resolved=resolved,
-        facts=facts, frozen_backbone=model.backbone_snapshot() if cfg.linear_probe else None)
+        facts=facts, frozen_backbone=model.backbone_snapshot() if cfg.linear_probe else None, ema=ema)
 
 
 # ----------------------------------------------------------------------------- training
@@ -193,7 +304,7 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
     """Train on the rest of this epoch, one optimizer step per window of --accum-steps
     micro-batches; return early at --max-steps or a stop signal."""
     cfg, info = run.cfg, run.info
-    criterion = nn.CrossEntropyLoss()
+    criterion = training_criterion(cfg)
     run.network.train()
     for micro, (images, targets) in run.batches.this_epoch():
         images, targets = to_device(images, info.device), targets.to(info.device, non_blocking=True)
@@ -228,6 +339,9 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
         # step); freed in one process.
         run.optimizer.zero_grad(set_to_none=not info.is_distributed)
         run.state.step += 1
+        if run.ema is not None and not verdict.nonfinite_ranks:  # --model-ema, by optimizer steps of the epoch
+            run.ema.after_step(run.model, run.state.step - 1, run.state.epoch,
+                               (run.state.batches_done - 1) // cfg.accum_steps, info.is_distributed)
         if cfg.debug:
             check_gradients_cleared(run.model)
         # After the step: the epoch's end, the log, a skipped step counted, a stop, a checkpoint.
@@ -297,6 +411,11 @@ def fit(run: ClassifierRun) -> dict[str, float]:
         run.tb.scalars(state.step, val__loss=metrics["loss"], val__acc1=metrics["acc1"], val__acc5=metrics["acc5"])
         log.info("epoch %d step %d: val loss %.4f, val acc1 %.2f%%, acc5 %.2f%% (%d images)", state.epoch_number,
                  state.step, metrics["loss"], metrics["acc1"], metrics["acc5"], metrics["count"])
+        if run.ema is not None:  # --model-ema: the average, scored on the same images
+            ema = evaluate(run.ema.module, run.loaders.val, run.info, cfg.amp)
+            run.tb.scalars(state.step, val_ema__loss=ema["loss"], val_ema__acc1=ema["acc1"], val_ema__acc5=ema["acc5"])
+            log.info("epoch %d step %d: ema val loss %.4f, ema acc1 %.2f%%, acc5 %.2f%% (%d images)",
+                     state.epoch_number, state.step, ema["loss"], ema["acc1"], ema["acc5"], ema["count"])
     if run.frozen_backbone is not None:
         if not tensors_equal(run.frozen_backbone, run.model.backbone_snapshot()):
             raise RuntimeError("the frozen backbone changed during the linear probe")
@@ -305,6 +424,9 @@ def fit(run: ClassifierRun) -> dict[str, float]:
     if run.info.is_distributed:
         digest = check_replicas_identical(dict(unwrap(run.model).named_parameters()))
         log.info("weights identical on all %d ranks (sha256 %s)", run.info.world_size, digest[:16])
+        if run.ema is not None:  # its parameters and buffers, BatchNorm statistics included
+            digest = check_replicas_identical(run.ema.state_dict())
+            log.info("EMA of the weights identical on all %d ranks (sha256 %s)", run.info.world_size, digest[:16])
     if metrics:
         log.info("final val acc1 %.2f%%, acc5 %.2f%% at step %d", metrics["acc1"], metrics["acc5"], state.step)
     return metrics

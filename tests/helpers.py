@@ -27,9 +27,10 @@ TINY_DIGITS = ["--device", "cpu", "--dataset", "digits", "--arch", "small_cnn", 
                "--batch-size", "16", "--accum-steps", "2", "--log-every", "1"]
 # 2 ranks x 16 x A=2: 22 optimizer steps per epoch of digits (719 images per rank)
 STEPS_PER_EPOCH = 22
-# The classifier: a cosine-epoch schedule with warm-up (its LR changes at the epoch boundary)
+# The classifier: a cosine-epoch schedule with warm-up (its LR changes at the epoch boundary) and an
+# EMA of the weights (updated every 3 optimizer steps, copying them during the warm-up)
 CLASSIFIER_REF = TINY_DIGITS + ["--lr", "0.05", "--lr-schedule", "cosine-epoch", "--warmup-steps", "3",
-                                "--epochs", "2"]
+                                "--epochs", "2", "--model-ema", "--model-ema-steps", "3", "--model-ema-decay", "0.999"]
 # MoCo: the momentum schedule on, 30 steps (across the first epoch's end)
 MOCO_REF = TINY_DIGITS + ["--moco-k", "200", "--moco-m-cos", "--epochs", "2", "--knn-every", "0",
                           "--max-steps", "30"]
@@ -59,10 +60,14 @@ class Reference:
 
 
 def assert_same_state(a: dict, b: dict) -> None:
-    """Two checkpoints hold the same run state: weights, buffers, optimizer, bit for bit."""
+    """Two checkpoints hold the same run state: weights, buffers, optimizer and the classifier's EMA
+    of the weights (--model-ema), bit for bit."""
     assert (a["step"], a["epoch"], a["batches_done"]) == (b["step"], b["epoch"], b["batches_done"])
     for name, value in a["model"].items():
         assert torch.equal(value, b["model"][name]), name
+    assert ("model_ema" in a) == ("model_ema" in b)
+    for name, value in a.get("model_ema", {}).items():
+        assert torch.equal(value, b["model_ema"][name]), f"EMA {name}"
     assert a["optimizer"]["param_groups"][0]["lr"] == b["optimizer"]["param_groups"][0]["lr"]
     for key, state in a["optimizer"]["state"].items():
         assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])

@@ -131,6 +131,29 @@ CASES = [
     ("classifier", ["--pretrained", "{no_train}"], "a folder without checkpoints; give a run's --out folder or a "
                                                    "checkpoint_*.pt file"),
     ("classifier", ["--probe-bn"], "--probe-bn only applies with --linear-probe"),
+    ("classifier", ["--label-smoothing", "1"], "--label-smoothing must be in [0, 1), got 1.0"),
+    ("classifier", ["--norm-weight-decay", "-0.5"], "--norm-weight-decay -0.5: give a weight decay >= 0, or -1 to "
+                                                    "leave it unset"),
+    ("classifier", ["--optimizer", "adam"], "argument --optimizer: invalid choice: 'adam'"),
+    ("classifier", ["--optimizer", "rmsprop", "--nesterov"], "--nesterov is SGD's; --optimizer rmsprop has no such"),
+    ("classifier", ["--nesterov", "--momentum", "0"], "--nesterov needs momentum: give --momentum above 0"),
+    ("classifier", ["--optimizer", "adamw", "--momentum", "0.8"], "--momentum does nothing with --optimizer adamw"),
+    ("classifier", ["--model-ema-steps", "8"], "--model-ema-steps does nothing without --model-ema"),
+    ("classifier", ["--model-ema", "--model-ema-steps", "0"], "--model-ema-steps must be positive, got 0"),
+    ("classifier", ["--model-ema", "--model-ema-decay", "1"], "--model-ema-decay must be in (0, 1), got 1.0"),
+    ("classifier", ["--lr-warmup-epochs", "5"], "--lr-warmup-epochs applies to --lr-schedule cosine-annealing or "
+                                                "constant (torchvision's warm-up per epoch), not cosine"),
+    ("classifier", ["--lr-schedule", "cosine-annealing", "--lr-warmup-epochs", "5", "--warmup-steps", "100"],
+     "give one warm-up: --warmup-steps (in optimizer steps) or --lr-warmup-epochs"),
+    ("classifier", ["--lr-schedule", "cosine-annealing", "--lr-warmup-epochs", "10", "--epochs", "10"],
+     "--lr-warmup-epochs 10 must be less than --epochs 10"),
+    ("classifier", ["--lr-warmup-decay", "0.1"], "--lr-warmup-decay does nothing without --lr-warmup-epochs"),
+    ("classifier", ["--resume", "{cls}", "--arch", "lenet", "--image-size", "16", "--batch-size", "16",
+                    "--bias-weight-decay", "0", "--allow-changes"],
+     "its optimizer holds the parameter groups all, this run's other, bias: give --norm-weight-decay and "
+     "--bias-weight-decay as its run did"),
+    ("classifier", ["--resume", "{cls}", "--arch", "lenet", "--image-size", "16", "--batch-size", "16",
+                    "--optimizer", "adamw"], "--optimizer: checkpoint sgd, now adamw"),
     ("classifier", ["--pretrained", "/nonexistent/backbone.pt"], "--pretrained /nonexistent/backbone.pt: no such file"),
     ("classifier", ["--pretrained", "{moco}", "--arch", "lenet"], "a small_cnn backbone, but this run has --arch lenet"),
     ("classifier", ["--pretrained", "{corrupt}"], "truncated or not a PyTorch checkpoint"),
@@ -263,16 +286,22 @@ def test_a_bad_fault_plan_is_a_usage_error(tmp_path, capsys, monkeypatch):
 # Where 0 or -1 is a legal value (0 = off / auto / plain SGD; -1 workers = auto; any seed).
 ZERO_OK = {"image_size", "workers", "max_steps", "momentum", "weight_decay", "warmup_steps", "clip_grad",
            "seed", "ckpt_every", "skip_nonfinite", "knn_every", "knn_bank_samples", "moco_m", "shard_cache_gb",
-           "shard_read_ahead"}
-NEGATIVE_OK = {"seed", "workers"}
+           "shard_read_ahead", "lr_warmup_epochs", "label_smoothing", "norm_weight_decay", "bias_weight_decay"}
+NEGATIVE_OK = {"seed", "workers", "norm_weight_decay", "bias_weight_decay"}  # -1: unset
 IN_A_BUCKET = ["--dataset", "shards", "--data-dir", "s3://bucket/x"]  # where the object store's flags apply
 
 
+# what the flags that refine another need to apply at all
+NEEDS = {"lr_warmup_decay": ["--lr-schedule", "cosine-annealing", "--lr-warmup-epochs", "1"],
+         "model_ema_steps": ["--model-ema"], "model_ema_decay": ["--model-ema"]}
+
+
 def applying(name: str) -> list[str]:
-    """The flags a field's own flag needs to apply at all (the object store's: a bucket)."""
+    """The flags a field's own flag needs to apply at all (the object store's: a bucket; a
+    warm-up's start factor: the warm-up; the EMA's settings: the EMA)."""
     from ddp_utils.train.train_config import STORE_FLAGS
 
-    return IN_A_BUCKET if name in STORE_FLAGS else []
+    return IN_A_BUCKET if name in STORE_FLAGS else NEEDS.get(name, [])
 
 
 def _numeric_cases():

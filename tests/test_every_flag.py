@@ -57,6 +57,12 @@ SHARED = {
     "lr_schedule": (["--lr-schedule", "constant"], "weights"),
     "lr_milestones": (["--lr-milestones", "1"], "weights", SHORT_EPOCHS + ["--lr-schedule", "step", "--lr-milestones", "2"]),
     "warmup_steps": (["--warmup-steps", "5"], "weights"),
+    "lr_warmup_epochs": (["--lr-warmup-epochs", "1"], "weights", ["--lr-schedule", "cosine-annealing"]),
+    # linear and constant differ from the warm-up's second epoch on
+    "lr_warmup_method": (["--lr-warmup-method", "constant"], "weights",
+                         SHORT_EPOCHS + ["--epochs", "3", "--lr-schedule", "cosine-annealing", "--lr-warmup-epochs", "2"]),
+    "lr_warmup_decay": (["--lr-warmup-decay", "0.5"], "weights",
+                        ["--lr-schedule", "cosine-annealing", "--lr-warmup-epochs", "1"]),
     "clip_grad": (["--clip-grad", "0.01"], "weights"),
     "amp": (["--amp", "bf16"], "weights"),
     "tf32": (["--no-tf32"], "elsewhere: tests/test_training.py::test_backend_switches_for_cuda_and_their_restore"),
@@ -85,6 +91,15 @@ ONLY = {
         "pretrained": (["--pretrained", "{moco_run}"], "weights", ["--arch", "small_cnn"]),
         "linear_probe": (["--linear-probe"], "weights"),
         "probe_bn": (["--probe-bn"], "weights", ["--linear-probe"]),
+        "label_smoothing": (["--label-smoothing", "0.1"], "weights"),
+        "optimizer": (["--optimizer", "adamw"], "weights"),
+        "nesterov": (["--nesterov"], "weights"),
+        "norm_weight_decay": (["--norm-weight-decay", "0"], "weights", ["--arch", "small_cnn"]),  # lenet has no norm
+        "bias_weight_decay": (["--bias-weight-decay", "0"], "weights"),
+        # the EMA's weights count as weights: the checkpoint's model_ema beside its model
+        "model_ema": (["--model-ema"], "weights"),
+        "model_ema_steps": (["--model-ema-steps", "1"], "weights", ["--model-ema"]),
+        "model_ema_decay": (["--model-ema-decay", "0.9"], "weights", ["--model-ema", "--model-ema-steps", "1"]),
     },
     "moco": {
         "preset": (["--preset", "v1"], "weights"),
@@ -117,7 +132,7 @@ _TIMES = re.compile(r"^\d\d:\d\d:\d\d |\d+(\.\d+)? s\b|[\d,]+ img/s|eta \S+|sha2
 
 # What a resume may do with each flag and each flag's --help section, declared with its field
 # (opt(group=..., on_resume=...)): pinned here, so that a change to them is a change of this file.
-FIXED = {"classifier": ("arch", "linear_probe", "probe_bn"), "moco": ("arch", "moco_dim", "moco_k", "mlp")}
+FIXED = {"classifier": ("arch", "linear_probe", "probe_bn", "optimizer"), "moco": ("arch", "moco_dim", "moco_k", "mlp")}
 FREE = ("epochs", "max_steps", "data_dir", "shard_cache_dir", "shard_cache_gb", "shard_read_ahead", "shard_downloads",
         "store_timeout", "keep_shard_cache", "download", "aug_on", "decode_on", "workers", "amp", "tf32",
         "deterministic", "compile", "device", "dist_timeout", "ckpt_every", "keep_checkpoints", "skip_nonfinite",
@@ -131,14 +146,18 @@ SECTIONS = {
              "store_timeout", "keep_shard_cache", "download", "image_size", "synthetic_samples", "augment",
              "normalization", "aug_on", "decode_on", "workers"],
     "model and optimisation": ["arch", "batch_size", "accum_steps", "epochs", "max_steps", "lr", "momentum",
-                               "weight_decay", "lr_schedule", "lr_milestones", "warmup_steps", "clip_grad", "seed"],
+                               "weight_decay", "lr_schedule", "lr_milestones", "warmup_steps", "lr_warmup_epochs",
+                               "lr_warmup_method", "lr_warmup_decay", "clip_grad", "seed"],
     "precision and speed": ["amp", "tf32", "deterministic", "compile"],
     "run folder and checkpoints": ["out", "resume", "overwrite", "allow_changes", "check", "check_data", "ckpt_every",
                                    "keep_checkpoints", "skip_nonfinite", "log_every", "debug"],
     "distributed": ["device", "dist_timeout"],
 }
 SECTIONS_OF = {
-    "classifier": {**SECTIONS, "pretrained backbone": ["pretrained", "linear_probe", "probe_bn"]},
+    "classifier": {**SECTIONS, "pretrained backbone": ["pretrained", "linear_probe", "probe_bn"],
+                   "torchvision's recipe: loss, optimizer, weight average": [
+                       "label_smoothing", "optimizer", "nesterov", "norm_weight_decay", "bias_weight_decay", "model_ema",
+                       "model_ema_steps", "model_ema_decay"]},
     "moco": {**SECTIONS, "MoCo": ["moco_dim", "moco_k", "moco_m", "moco_m_cos", "moco_t", "symmetric", "mlp", "aug",
                                   "crop_min", "shuffle_bn", "bn_splits", "sync_bn", "export_backbone"],
              "kNN monitor": ["knn_k", "knn_t", "knn_features", "knn_every", "knn_bank_samples"]},
@@ -174,7 +193,8 @@ def _run(script: str, extra: list[str], root: Path, files: dict[str, Path], caps
         out = Path(argv[argv.index("--out") + 1])
     state = load_ckpt(out / "checkpoint_last.pt") if (out / "checkpoint_last.pt").exists() else None
     return {"code": proc.returncode, "stderr": proc.stderr,
-            "weights": {k: v for k, v in state["model"].items()} if state else None,
+            "weights": {**state["model"], **{f"ema.{k}": v for k, v in state.get("model_ema", {}).items()}}
+            if state else None,
             "files": sorted(str(p.relative_to(root)) for p in root.rglob("*") if "tb" not in p.parts),
             "log": [_TIMES.sub("", line) for line in proc.stdout.splitlines()],
             "knn": [v for _, v in read_scalars(out / "tb").get("knn/acc1", [])] if (out / "tb").exists() else []}

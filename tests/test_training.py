@@ -67,13 +67,27 @@ def test_reference_run_counts_its_place_in_the_epoch(classifier_reference):
         ckpt = load_ckpt(classifier_reference.checkpoint(step))
         epoch, batches = divmod(2 * step, 2 * STEPS_PER_EPOCH)
         assert (ckpt["step"], ckpt["epoch"], ckpt["batches_done"]) == (step, epoch, batches)
-    assert classifier_reference.stdout.count("(359 images)") == 2
+    assert classifier_reference.stdout.count("(359 images)") == 4  # the model and its EMA, each epoch
+    assert classifier_reference.stdout.count("ema val loss") == 2
+
+
+def test_the_ema_is_updated_every_3_steps_identical_on_both_ranks(classifier_reference):
+    """--model-ema on 2 ranks with A = 2: updated after optimizer steps 1, 4, 7, ... of each epoch
+    (micro-steps not counted), a copy of the weights while the LR warms up (steps 1-3), then an
+    average; the end-of-run check finds it identical on both ranks, BatchNorm statistics included."""
+    assert "EMA of the weights identical on all 2 ranks" in classifier_reference.stdout
+    for step, averaged in ((1, 0), (2, 0), (3, 0), (4, 1), (6, 1), (7, 2), (22, 7), (23, 8)):
+        assert int(load_ckpt(classifier_reference.checkpoint(step))["model_ema"]["n_averaged"]) == averaged, step
+    four = load_ckpt(classifier_reference.checkpoint(4))
+    assert all(torch.equal(four["model_ema"][f"module.{k}"], v) for k, v in four["model"].items())  # a copy
+    final = classifier_reference.final
+    assert not torch.equal(final["model_ema"]["module.fc.weight"], final["model"]["fc.weight"])
 
 
 def test_resume_mid_epoch_ends_exactly_as_the_uninterrupted_run(classifier_reference, tmp_path):
     """Step 5's checkpoint (mid epoch 1) resumed on 2 ranks to the end of epoch 2: weights,
-    BatchNorm buffers, momentum buffers, LR and step equal the reference's, and TensorBoard
-    continues the step axis."""
+    BatchNorm buffers, momentum buffers, the EMA of the weights, LR and step equal the reference's,
+    and TensorBoard continues the step axis."""
     part = resume_folder(classifier_reference.checkpoint(5), tmp_path / "part")
     proc = run_ranks("train_classifier.py", CLASSIFIER_REF + ["--resume", "auto", "--out", str(part)], tmp_path)
     assert_ok(proc)

@@ -85,6 +85,22 @@ def broadcast_(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
 
 
 @torch.no_grad()
+def broadcast_coalesced_(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Overwrite each of ``tensors`` with rank ``src``'s values, in place: one broadcast per dtype
+    and device (a flat copy of them all), not one per tensor."""
+    if not is_dist():
+        return
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for group in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        dist.broadcast(flat, src=src)
+        for tensor, part in zip(group, flat.split([t.numel() for t in group])):
+            tensor.copy_(part.view_as(tensor))
+
+
+@torch.no_grad()
 def sync_buffers_from_rank0(module: torch.nn.Module) -> None:
     """Give every rank rank 0's buffers (BatchNorm statistics): after the last training forward
     each rank holds its own, and evaluation should score one model, the one rank 0 saves."""

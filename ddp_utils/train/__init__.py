@@ -6,7 +6,8 @@
 - ``preflight``: the checks every rank passes before anything is built, and what the "auto"
   data flags resolve to; ``check``: the same checks as ``--check``, printing the run;
 - ``network``: the network on its device (DDP, compile, the GPU fast path); ``optimization``:
-  SGD, the scaler, the LR of every step;
+  the optimizer and its parameter groups, the scaler, the LR of every step; ``ema``: the
+  classifier's moving average of the weights;
 - ``resume`` (which checkpoint, does it fit, where the run starts), ``checkpoint`` (the file),
   ``run_folder`` (``--out`` and its records), ``pretrained`` (backbones for the classifier);
 - ``run``: the record of one run and where it stands; ``accumulation``: the pieces of one

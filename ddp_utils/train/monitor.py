@@ -52,7 +52,7 @@ def last_accuracies(log_dir: str | Path) -> str:
     logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its INFO chatter about event files
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     events.Reload()
-    found = [(tag, events.Scalars(tag)[-1]) for tag in ("val/acc1", "val/acc5", "knn/acc1")
+    found = [(tag, events.Scalars(tag)[-1]) for tag in ("val/acc1", "val/acc5", "val_ema/acc1", "knn/acc1")
              if tag in events.Tags()["scalars"]]
     return ", ".join(f"{tag} {point.value:.2f}% at step {point.step}" for tag, point in found)
 

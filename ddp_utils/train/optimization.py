@@ -1,8 +1,11 @@
-"""The optimisation of a run: SGD, the fp16 scaler and the learning rate of every optimizer step.
+"""The optimisation of a run: the optimizer (SGD by default; AdamW, RMSprop) over its parameter
+groups, the fp16 scaler and the learning rate of every optimizer step.
 
 LR schedules are pure functions of the optimizer step (not micro-steps, not epochs):
 ``LRSchedule(...)(step)`` is the LR of the step taken after ``step`` others (applied or skipped).
-Nothing of it lives in a checkpoint: a resumed run's LR follows from its step and its own flags."""
+Nothing of it lives in a checkpoint: a resumed run's LR follows from its step and its own flags.
+A schedule torchvision steps once per epoch (``cosine-annealing``, the epoch warm-up) is the same
+function with the epoch ``step // steps_per_epoch`` in it: constant within an epoch."""
 from __future__ import annotations
 
 import math
@@ -10,10 +13,18 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
+from torch import nn
 
 from .accumulation import grad_scaler, steps_per_epoch
 
-LR_SCHEDULES = ("cosine", "step", "constant", "cosine-epoch")
+LR_SCHEDULES = ("cosine", "step", "constant", "cosine-epoch", "cosine-annealing")
+EPOCH_WARMUP_SCHEDULES = ("cosine-annealing", "constant")  # what --lr-warmup-epochs warms up
+WARMUP_METHODS = ("linear", "constant")
+OPTIMIZERS = ("sgd", "adamw", "rmsprop")
+# torchvision's references/classification: the layers whose parameters --norm-weight-decay covers
+NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+               nn.LocalResponseNorm)
+RMSPROP_EPS, RMSPROP_ALPHA = 0.0316, 0.9  # torchvision's RMSprop (its EfficientNet and MobileNetV3 recipes)
 
 
 def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -31,6 +42,23 @@ def warmup_step_factor(step: int, warmup_steps: int, milestones: Sequence[int], 
     return gamma ** sum(step >= m for m in milestones)
 
 
+def epoch_warmup_factor(epoch: int, warmup_epochs: int, method: str, decay: float) -> float:
+    """LR multiplier of epoch ``epoch`` (0-based) of torchvision's warm-up (``--lr-warmup-epochs``),
+    as its LinearLR / ConstantLR stepped once per epoch give it: linear from ``decay`` towards 1
+    (``decay + (1 - decay) e / warmup_epochs``), or ``decay`` throughout (constant)."""
+    if method == "constant":
+        return decay
+    return decay + (1.0 - decay) * min(epoch, warmup_epochs) / warmup_epochs
+
+
+def cosine_annealing_factor(epoch: int, warmup_epochs: int, epochs: int) -> float:
+    """LR multiplier of epoch ``epoch`` (0-based) under torchvision's CosineAnnealingLR (eta_min 0),
+    started after ``warmup_epochs`` and stepped once per epoch: ``0.5 (1 + cos(pi t / T))`` with
+    t = epoch - warmup_epochs, T = epochs - warmup_epochs; the last epoch trains above 0."""
+    span = max(1, epochs - warmup_epochs)
+    return 0.5 * (1.0 + math.cos(math.pi * min(max(0, epoch - warmup_epochs), span) / span))
+
+
 def epoch_cosine_factor(epoch: int, epochs: int) -> float:
     """LR multiplier of the MoCo authors' CIFAR-10 demo: ``0.5 * (1 + cos(pi * epoch / epochs))``
     for the whole of epoch ``epoch``, counted from 1 (the demo's loop runs epochs 1..epochs), so
@@ -44,20 +72,34 @@ class LRSchedule:
     ``cosine`` decays to 0 at ``total_steps``; ``step`` is x0.1 at each of ``milestones`` (steps);
     ``constant``; ``cosine-epoch`` takes one value per epoch of ``steps_per_epoch`` steps,
     ``peak * epoch_cosine_factor(e, epochs)``, which its warm-up multiplies (the LR rises to the
-    epoch's value instead of dropping from the peak; without warm-up it is the demo's schedule)."""
+    epoch's value instead of dropping from the peak; without warm-up it is the demo's schedule);
+    ``cosine-annealing`` is torchvision's CosineAnnealingLR stepped once per epoch, over the epochs
+    after ``warmup_epochs`` (:func:`cosine_annealing_factor`).
+
+    ``warmup_epochs`` (``constant`` and ``cosine-annealing``): torchvision's warm-up, counted in
+    epochs, a LinearLR or ConstantLR that a SequentialLR hands over to the main schedule: epoch
+    e < warmup_epochs runs at ``peak * epoch_warmup_factor(e, ...)``, then the main schedule
+    starts. Each epoch's LR is constant, as with torchvision's scheduler stepped after each epoch."""
 
     peak: float
     kind: str = "cosine"
     total_steps: int = 0
     warmup_steps: int = 0
     milestones: tuple[int, ...] = ()
-    steps_per_epoch: int = 0  # cosine-epoch only
+    steps_per_epoch: int = 0  # cosine-epoch, cosine-annealing and warmup_epochs
+    warmup_epochs: int = 0
+    warmup_method: str = "linear"
+    warmup_decay: float = 0.01
 
     def __post_init__(self):
         if self.kind not in LR_SCHEDULES:
             raise ValueError(f"unknown LR schedule {self.kind!r}; one of {', '.join(LR_SCHEDULES)}")
-        if self.kind == "cosine-epoch" and self.steps_per_epoch < 1:
-            raise ValueError("the cosine-epoch schedule needs steps_per_epoch >= 1")
+        if (self.kind in ("cosine-epoch", "cosine-annealing") or self.warmup_epochs) and self.steps_per_epoch < 1:
+            raise ValueError(f"the {self.kind} schedule needs steps_per_epoch >= 1")
+        if self.warmup_epochs and self.kind not in EPOCH_WARMUP_SCHEDULES:
+            raise ValueError(f"a warm-up in epochs applies to {' and '.join(EPOCH_WARMUP_SCHEDULES)}, not {self.kind}")
+        if self.warmup_method not in WARMUP_METHODS:
+            raise ValueError(f"unknown warm-up method {self.warmup_method!r}; one of {', '.join(WARMUP_METHODS)}")
         object.__setattr__(self, "milestones", tuple(self.milestones))  # a list is fine too
 
     @property
@@ -67,6 +109,12 @@ class LRSchedule:
 
     def factor(self, step: int) -> float:
         """The multiplier of ``peak`` at optimizer step ``step`` (0-based)."""
+        if self.warmup_epochs and step // self.steps_per_epoch < self.warmup_epochs:
+            return epoch_warmup_factor(step // self.steps_per_epoch, self.warmup_epochs, self.warmup_method,
+                                       self.warmup_decay)
+        if self.kind == "cosine-annealing":
+            value = cosine_annealing_factor(step // self.steps_per_epoch, self.warmup_epochs, self.epochs)
+            return value * (step + 1) / self.warmup_steps if step < self.warmup_steps else value
         if self.kind == "cosine":
             return warmup_cosine_factor(step, self.warmup_steps, self.total_steps)
         if self.kind == "cosine-epoch":
@@ -104,10 +152,57 @@ def cosine_to_one(base: float, step: int, total_steps: int) -> float:
     return 1.0 - (1.0 - base) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def sgd(params, lr: float, momentum: float, weight_decay: float, device: torch.device) -> torch.optim.SGD:
+def sgd(params, lr: float, momentum: float, weight_decay: float, device: torch.device,
+        nesterov: bool = False) -> torch.optim.SGD:
     """Fused SGD on CUDA, the multi-tensor (foreach) one elsewhere: the same update rule."""
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **fast)
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, **fast)
+
+
+def build_optimizer(kind: str, params, lr: float, momentum: float, weight_decay: float, device: torch.device,
+                    nesterov: bool = False) -> torch.optim.Optimizer:
+    """The optimizer torchvision's references/classification/train.py builds for ``--opt``: SGD
+    (``nesterov``), AdamW (its defaults: betas 0.9, 0.999, eps 1e-8; ``momentum`` unused) or
+    RMSprop (``alpha`` 0.9, ``eps`` 0.0316, ``momentum``); ``weight_decay`` is each group's
+    default (SGD and RMSprop: L2 added to the gradient; AdamW: decoupled). Fused on CUDA where
+    PyTorch has a fused kernel (SGD, AdamW), the multi-tensor (foreach) one otherwise."""
+    if kind == "sgd":
+        return sgd(params, lr, momentum, weight_decay, device, nesterov)
+    fused = device.type == "cuda"
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
+                                 **({"fused": True} if fused else {"foreach": True}))
+    if kind == "rmsprop":
+        return torch.optim.RMSprop(params, lr=lr, momentum=momentum, weight_decay=weight_decay, eps=RMSPROP_EPS,
+                                   alpha=RMSPROP_ALPHA, foreach=True)
+    raise ValueError(f"unknown optimizer {kind!r}; one of {', '.join(OPTIMIZERS)}")
+
+
+def parameter_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float | None = None,
+                     bias_weight_decay: float | None = None) -> list[dict]:
+    """The optimizer's parameter groups, by torchvision's rule (references/classification/utils.py,
+    ``set_weight_decay``): with ``norm_weight_decay`` the parameters of normalisation layers
+    (NORM_LAYERS) get it; with ``bias_weight_decay`` every parameter named ``bias`` gets it, a
+    norm layer's bias included (the name is asked first). Frozen parameters are left out; each
+    group keeps the modules' order (a module's own parameters, then its children's); empty groups
+    are dropped. Neither given: today's one group of every trainable parameter, its decay the
+    optimizer's default. Each other group is named (``"group": "other"``, ``"norm"``, ``"bias"``),
+    so that a resume can tell a checkpoint of other groups (``resume.check_parameter_groups``)."""
+    if norm_weight_decay is None and bias_weight_decay is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    groups: dict[str, list[nn.Parameter]] = {"other": [], "norm": [], "bias": []}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                continue
+            if bias_weight_decay is not None and name == "bias":
+                groups["bias"].append(param)
+            elif norm_weight_decay is not None and isinstance(module, NORM_LAYERS):
+                groups["norm"].append(param)
+            else:
+                groups["other"].append(param)
+    decay = {"other": weight_decay, "norm": norm_weight_decay, "bias": bias_weight_decay}
+    return [{"params": params, "weight_decay": decay[name], "group": name} for name, params in groups.items() if params]
 
 
 class OptimizationFlags(Protocol):
@@ -120,17 +215,23 @@ class OptimizationFlags(Protocol):
     accum_steps: int
     lr_schedule: str
     warmup_steps: int
+    lr_warmup_epochs: int
+    lr_warmup_method: str
+    lr_warmup_decay: float
     amp: str
 
     def milestone_steps(self, steps_per_epoch: int) -> list[int]: ...
 
 
-def build_optimization(cfg: OptimizationFlags, params, batches_per_epoch: int, device: torch.device):
-    """SGD over ``params``, the LR of every optimizer step over all --epochs, the fp16 scaler
-    (disabled for other precisions) and the number of optimizer steps in all."""
-    optimizer = sgd(params, cfg.lr, cfg.momentum, cfg.weight_decay, device)
+def build_optimization(cfg: OptimizationFlags, params, batches_per_epoch: int, device: torch.device,
+                       optimizer: str = "sgd", nesterov: bool = False):
+    """The optimizer (:func:`build_optimizer`; SGD unless told) over ``params`` (tensors, or the
+    groups of :func:`parameter_groups`), the LR of every optimizer step over all --epochs, the
+    fp16 scaler (disabled for other precisions) and the number of optimizer steps in all."""
+    built = build_optimizer(optimizer, params, cfg.lr, cfg.momentum, cfg.weight_decay, device, nesterov)
     epoch_steps = steps_per_epoch(batches_per_epoch, cfg.accum_steps)
     total_steps = cfg.epochs * epoch_steps
     lr_schedule = LRSchedule(cfg.lr, cfg.lr_schedule, total_steps, cfg.warmup_steps,
-                             tuple(cfg.milestone_steps(epoch_steps)), epoch_steps)
-    return optimizer, lr_schedule, grad_scaler(cfg.amp, device), total_steps
+                             tuple(cfg.milestone_steps(epoch_steps)), epoch_steps, cfg.lr_warmup_epochs,
+                             cfg.lr_warmup_method, cfg.lr_warmup_decay)
+    return built, lr_schedule, grad_scaler(cfg.amp, device), total_steps

@@ -150,6 +150,7 @@ def state_to_start_from(resume: Resume | None, cfg: TrainConfig, script: str, fa
         return RunState()
     check_resume_fits(resume, cfg, script, facts, info.world_size, info.is_main, data)
     ckpt, path = resume.checkpoint, resume.path
+    check_parameter_groups(ckpt["optimizer"], optimizer, path)
     try:
         unwrap(model).load_state_dict(ckpt["model"])
         load_optimizer_for_this_device(optimizer, ckpt["optimizer"])
@@ -194,6 +195,19 @@ def stop_if_complete(cfg: TrainConfig, state: RunState, resume: Resume | None) -
     raise RunStopped(f"{resume.path} is complete ({state.describe()}, --epochs {cfg.epochs}"
                      f"{f', --max-steps {cfg.max_steps}' if cfg.max_steps else ''}): nothing to train"
                      f"{f'; last logged: {last}' if last else ''}. Raise --epochs to train longer", EXIT_OK)
+
+
+def check_parameter_groups(saved: dict[str, Any], optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Refuse a checkpoint whose optimizer holds other parameter groups than this run's (see
+    ``optimization.parameter_groups``): its state is kept per group and position, so loaded into
+    other groups it would land on other parameters."""
+    def names(groups: list[dict]) -> list[str]:
+        return [group.get("group", "all") for group in groups]
+
+    if names(saved["param_groups"]) != names(optimizer.param_groups):
+        raise UsageError(f"--resume {path}: its optimizer holds the parameter groups {', '.join(names(saved['param_groups']))}, "
+                         f"this run's {', '.join(names(optimizer.param_groups))}: give --norm-weight-decay and "
+                         f"--bias-weight-decay as its run did (set, or -1), or start a new run in another --out")
 
 
 def load_optimizer_for_this_device(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:

@@ -170,6 +170,11 @@ class TrainRun:
                         100 * waited, state.epoch_number, advice)
         state.next_epoch()
 
+    def checkpoint_extras(self) -> dict[str, Any]:
+        """What a script keeps in its checkpoints beside the common entries (the classifier: its
+        EMA of the weights); a resume reads it back in the script's ``setup``."""
+        return {}
+
     def finished(self) -> bool:
         """All epochs done, --max-steps reached, or stopped by a preemption signal."""
         return self.preempted or is_complete(self.cfg, self.state)

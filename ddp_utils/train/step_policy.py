@@ -31,6 +31,7 @@ def save_checkpoint(run: TrainRun) -> None:
                                    world_size=run.info.world_size, config=config_dict(run.cfg),
                                    resolved=run.resolved, model=run.model, optimizer=run.optimizer,
                                    scaler=run.scaler, device=run.info.device)
+    contents.update(run.checkpoint_extras())
     path = write_checkpoint(contents, run.cfg.out, run.cfg.keep_checkpoints)
     run.session.saved.step, run.session.saved.path = step, path
     log.info("saved checkpoint %s (%s)", path, run.state.describe())

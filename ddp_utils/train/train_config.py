@@ -39,7 +39,7 @@ from ..runtime.dist import (
 )
 from ..runtime.stopping import EXIT_USAGE
 from .accumulation import AMP_MODES, resolve_amp
-from .optimization import LR_SCHEDULES, parse_milestones
+from .optimization import EPOCH_WARMUP_SCHEDULES, LR_SCHEDULES, WARMUP_METHODS, parse_milestones
 
 C = TypeVar("C", bound="TrainConfig")
 RESUME_IF_RESTARTED = "if-restarted"
@@ -131,16 +131,31 @@ class TrainConfig:
                          "still spans --epochs", group=MODEL, on_resume="free", at_least=0)
     lr: float = opt(0.1, "peak learning rate for the global batch (no automatic scaling)",
                     group=MODEL, above=0)
-    momentum: float = opt(0.9, "SGD momentum", group=MODEL, at_least=0, below=1)
-    weight_decay: float = opt(5e-4, "SGD weight decay (L2), applied to every parameter",
+    momentum: float = opt(0.9, "SGD momentum (train_classifier.py: RMSprop's too)", group=MODEL, at_least=0,
+                          below=1)
+    weight_decay: float = opt(5e-4, "weight decay: SGD's L2 added to the gradient (train_classifier.py: RMSprop's "
+                              "likewise, AdamW's decoupled), on every parameter unless train_classifier.py's "
+                              "--norm-weight-decay or --bias-weight-decay give some their own",
                               group=MODEL, at_least=0)
     lr_schedule: str = opt("cosine", "after warm-up: cosine decay to 0 over --epochs, step (x0.1 at each "
-                           "--lr-milestones epoch), constant, or cosine-epoch (the MoCo CIFAR-10 demo's: "
+                           "--lr-milestones epoch), constant, cosine-epoch (the MoCo CIFAR-10 demo's: "
                            "lr x 0.5(1 + cos(pi e / epochs)) through epoch e = 1..epochs; a warm-up scales "
-                           "it)", choices=LR_SCHEDULES, group=MODEL)
+                           "it) or cosine-annealing (torchvision's CosineAnnealingLR stepped after each epoch: "
+                           "lr x 0.5(1 + cos(pi t / T)) through epoch t = 0..T-1 after --lr-warmup-epochs, "
+                           "T = --epochs - --lr-warmup-epochs; the last epoch above 0)",
+                           choices=LR_SCHEDULES, group=MODEL)
     lr_milestones: str = opt("", "comma-separated epochs where the step schedule multiplies the LR by 0.1; "
                              "N%% = N percent of --epochs", group=MODEL)
-    warmup_steps: int = opt(0, "linear LR warm-up, in optimizer steps", group=MODEL, at_least=0)
+    warmup_steps: int = opt(0, "linear LR warm-up, in optimizer steps: step s (from 0) runs at "
+                            "lr x (s + 1) / N", group=MODEL, at_least=0)
+    lr_warmup_epochs: int = opt(0, "torchvision's LR warm-up, in epochs N (--lr-schedule cosine-annealing or "
+                                "constant; instead of --warmup-steps): each epoch e < N (from 0) runs at one LR, "
+                                "lr x (d + (1 - d) e / N) with d = --lr-warmup-decay (--lr-warmup-method constant: "
+                                "lr x d), then the schedule starts", group=MODEL, at_least=0)
+    lr_warmup_method: str = opt("linear", "with --lr-warmup-epochs: linear (torchvision's LinearLR) or constant "
+                                "(its ConstantLR)", choices=WARMUP_METHODS, group=MODEL)
+    lr_warmup_decay: float = opt(0.01, "with --lr-warmup-epochs: the LR factor the warm-up starts at (torchvision's "
+                                 "--lr-warmup-decay)", group=MODEL, above=0, at_most=1)
     clip_grad: float = opt(0.0, "clip the global gradient L2 norm to this value; 0 = off",
                            group=MODEL, at_least=0)
     amp: str = opt("auto", "mixed precision: auto = bf16 on CUDA and fp32 on CPU; bf16, fp16 (with a "
@@ -220,6 +235,7 @@ class TrainConfig:
         if self.lr_schedule != "step" and milestones:
             raise UsageError(f"--lr-milestones {self.lr_milestones} applies to --lr-schedule step only, not "
                              f"{self.lr_schedule}; drop it (a preset's: --lr-milestones '')")
+        self.check_warmup_flags()
         self.check_data_flags()
         if self.order == "shards" and self.dataset != "shards":
             raise UsageError(f"--order shards reads whole shards; --dataset {self.dataset} has none (drop --order, "
@@ -242,6 +258,27 @@ class TrainConfig:
             raise UsageError(f"--decode-on device needs --aug-on device (the loader path decodes and augments each "
                              f"image in the workers; --aug-on {self.aug_on} means the loader on {device.type}); add "
                              f"--aug-on device or drop --decode-on")
+
+    def check_warmup_flags(self) -> None:
+        """One warm-up, in steps or in epochs, on a schedule that takes it; its method and start
+        factor only with it."""
+        if not self.lr_warmup_epochs:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name in ("lr_warmup_method", "lr_warmup_decay"):
+                if getattr(self, name) != defaults[name]:
+                    raise UsageError(f"{flag_name(name)} does nothing without --lr-warmup-epochs; add it, or drop "
+                                     f"{flag_name(name)}")
+            return
+        if self.lr_schedule not in EPOCH_WARMUP_SCHEDULES:
+            raise UsageError(f"--lr-warmup-epochs applies to --lr-schedule {' or '.join(EPOCH_WARMUP_SCHEDULES)} "
+                             f"(torchvision's warm-up per epoch), not {self.lr_schedule}; with it warm up in steps: "
+                             f"--warmup-steps N")
+        if self.warmup_steps:
+            raise UsageError("give one warm-up: --warmup-steps (in optimizer steps) or --lr-warmup-epochs "
+                             "(torchvision's, in epochs), not both")
+        if self.lr_warmup_epochs >= self.epochs:
+            raise UsageError(f"--lr-warmup-epochs {self.lr_warmup_epochs} must be less than --epochs {self.epochs}: "
+                             f"the schedule runs after the warm-up")
 
     def check_data_flags(self) -> None:
         """Data flags that the chosen data set would silently ignore are refused."""

@@ -1,0 +1,381 @@
+"""train_classifier.py's torchvision recipe, step for step against torchvision's reference
+semantics (pytorch/vision, references/classification: train.py and utils.py), written anew here in
+plain torch: ``set_weight_decay``'s parameter groups, ``CrossEntropyLoss(label_smoothing=)``, a
+LinearLR or ConstantLR warm-up handed to a CosineAnnealingLR by a SequentialLR stepped once per
+epoch, and the ExponentialMovingAverage (an AveragedModel) with its decay adjustment, its update
+every ``model_ema_steps`` iterations of an epoch and its reset during the warm-up epochs.
+
+The project's side is the real script: ``train_classifier.main`` in this process, one rank,
+asked for a checkpoint after every optimizer step (``--ckpt-every 1``), whose contents are kept in
+memory instead of written; a forward pre-hook and the training criterion record the batches it
+trained on and the loss of each micro-step, and the reference trains a fresh copy of the same
+initial network on exactly those batches. After every step: the loss, every weight and
+buffer, every EMA tensor and the LR and weight decay of every parameter group. A negative
+control (norm layers decayed like the rest; no EMA reset in the warm-up) must fail the same
+comparison. Then the pieces at larger sizes: the schedule over 30 epochs, the groups on a
+ResNet-18, each optimizer, the EMA's update, the EMA on 2 ranks, an EMA added on resume. (The
+EMA restored bit for bit on a mid-epoch resume on 2 ranks: tests/test_training.py.)"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from helpers import in_process, load_ckpt, run_on_ranks
+from torch import nn
+from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
+from torch.optim.swa_utils import AveragedModel
+
+import train_classifier
+from ddp_utils.models.backbones import build_model
+from ddp_utils.train.ema import WeightsEMA, ema_decay
+from ddp_utils.train.optimization import LRSchedule, build_optimizer, parameter_groups
+
+TOLERANCE = 1e-6  # float32 round-off: rtol 0, atol this (most steps agree bit for bit)
+BATCH, SAMPLES, EPOCHS, WARMUP_EPOCHS, EMA_STEPS, EMA_DECAY = 16, 96, 3, 1, 2, 0.999
+LR, MOMENTUM, WEIGHT_DECAY, NORM_DECAY, BIAS_DECAY, SMOOTHING = 0.1, 0.9, 0.01, 0.0, 0.002, 0.1
+RUN = ["--device", "cpu", "--dataset", "synthetic", "--synthetic-samples", str(SAMPLES), "--image-size", "8",
+       "--arch", "small_cnn", "--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--lr", str(LR),
+       "--weight-decay", str(WEIGHT_DECAY), "--norm-weight-decay", str(NORM_DECAY), "--bias-weight-decay",
+       str(BIAS_DECAY), "--label-smoothing", str(SMOOTHING), "--lr-schedule", "cosine-annealing",
+       "--lr-warmup-epochs", str(WARMUP_EPOCHS), "--model-ema", "--model-ema-steps", str(EMA_STEPS),
+       "--model-ema-decay", str(EMA_DECAY), "--ckpt-every", "1", "--keep-checkpoints", "100", "--log-every", "100"]
+
+
+# ----------------------------------------------------------------------------- torchvision's semantics, anew
+NORM_CLASSES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+                nn.LocalResponseNorm)
+
+
+def set_weight_decay(model: nn.Module, weight_decay: float, norm_weight_decay: float | None = None,
+                     custom_keys_weight_decay: list[tuple[str, float]] | None = None) -> list[dict]:
+    """torchvision's rule: walk the modules (own parameters, then each child's, with a dotted
+    prefix); a custom key matches a parameter's own name (or its full name when the key has a
+    dot) and wins; else a norm layer's parameter goes to "norm" when its decay is given; else
+    "other". Groups in the order other, norm, custom keys; empty ones dropped."""
+    keys = [key for key, _ in custom_keys_weight_decay or []]
+    found: dict[str, list] = {"other": [], "norm": [], **{key: [] for key in keys}}
+    decay = {"other": weight_decay, "norm": norm_weight_decay, **dict(custom_keys_weight_decay or [])}
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                continue
+            key = next((k for k in keys if k == (f"{prefix}.{name}" if prefix and "." in k else name)), None)
+            if key is not None:
+                found[key].append(param)
+            elif norm_weight_decay is not None and isinstance(module, NORM_CLASSES):
+                found["norm"].append(param)
+            else:
+                found["other"].append(param)
+        for child_name, child in module.named_children():
+            walk(child, f"{prefix}.{child_name}" if prefix else child_name)
+
+    walk(model, "")
+    return [{"params": params, "weight_decay": decay[key]} for key, params in found.items() if params]
+
+
+class ExponentialMovingAverage(AveragedModel):
+    """torchvision's: ``decay * averaged + (1 - decay) * current`` over parameters and buffers."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        def ema_avg(averaged, current, num_averaged):
+            return decay * averaged + (1 - decay) * current
+
+        super().__init__(model, torch.device("cpu"), ema_avg, use_buffers=True)
+
+
+def reference_schedule(optimizer, epochs: int, warmup_epochs: int, method: str = "linear", decay: float = 0.01):
+    """train.py's: CosineAnnealingLR(T_max = epochs - warmup), after a LinearLR / ConstantLR warm-up."""
+    main = CosineAnnealingLR(optimizer, T_max=epochs - warmup_epochs, eta_min=0.0)
+    if not warmup_epochs:
+        return main
+    warm = (LinearLR(optimizer, start_factor=decay, total_iters=warmup_epochs) if method == "linear" else
+            ConstantLR(optimizer, factor=decay, total_iters=warmup_epochs))
+    return SequentialLR(optimizer, schedulers=[warm, main], milestones=[warmup_epochs])
+
+
+def train_reference(model: nn.Module, epochs: list[list[tuple]], optimizer: str = "sgd", accum: int = 1,
+                    norm_decay: float | None = NORM_DECAY, reset_in_warmup: bool = True) -> list[dict]:
+    """torchvision's train_one_epoch and epoch loop on ``epochs`` (each a list of (images, targets)
+    micro-batches), one iteration per window of ``accum`` micro-batches (the project's accumulation:
+    each micro-batch's loss / accum back-propagated at once); a record after every optimizer step."""
+    criterion = nn.CrossEntropyLoss(label_smoothing=SMOOTHING)
+    params = set_weight_decay(model, WEIGHT_DECAY, norm_decay, [("bias", BIAS_DECAY)])
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, nesterov=False)
+    else:
+        opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SequentialLR's own step(0) of the main schedule at the milestone
+        scheduler = reference_schedule(opt, EPOCHS, WARMUP_EPOCHS)
+    adjust = 1 * (accum * BATCH) * EMA_STEPS / EPOCHS  # world_size x per-GPU batch of one iteration
+    alpha = min(1.0, (1.0 - EMA_DECAY) * adjust)
+    ema = ExponentialMovingAverage(model, decay=1.0 - alpha)
+    records = []
+    for epoch, batches in enumerate(epochs):
+        model.train()
+        for i in range(len(batches) // accum):
+            opt.zero_grad()
+            losses = []
+            for images, targets in batches[i * accum:(i + 1) * accum]:
+                loss = criterion(model(images), targets)
+                (loss / accum).backward()
+                losses.append(loss.detach().clone())
+            lrs = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
+            opt.step()
+            if i % EMA_STEPS == 0:
+                ema.update_parameters(model)
+                if reset_in_warmup and epoch < WARMUP_EPOCHS:
+                    ema.n_averaged.fill_(0)  # "Reset ema buffer to keep copying weights during warmup period"
+            records.append({"losses": losses, "groups": lrs, "model": _copy(model.state_dict()),
+                            "ema": _copy(ema.state_dict())})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scheduler.step()
+    return records
+
+
+def _copy(state: dict) -> dict:
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+# ----------------------------------------------------------------------------- the project's side
+def run_project(tmp_path, monkeypatch, capsys, extra: list[str]) -> tuple[list, list, dict[int, dict]]:
+    """train_classifier.main on one rank: the micro-batches it trained on, in order, each micro-step's
+    loss, and what the checkpoint of every step holds (weights, EMA, parameter groups)."""
+    inputs, targets_and_losses, checkpoints = [], [], {}
+    build = train_classifier.build_network
+    criterion_of = train_classifier.training_criterion
+
+    def keep_checkpoint(run):  # what save_checkpoint puts in the file, kept here (writing 18 files is slow)
+        checkpoints[run.state.step] = {"step": run.state.step, "facts": run.facts, "model": _copy(run.model.state_dict()),
+                                       "optimizer": {"param_groups": [dict(g, params=None)
+                                                                      for g in run.optimizer.param_groups]},
+                                       **{k: _copy(v) for k, v in run.checkpoint_extras().items()}}
+
+    def recording_network(cfg, info, num_classes):
+        model = build(cfg, info, num_classes)
+        model.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach().clone())
+                                        if module.training else None)
+        return model
+
+    def recording_criterion(cfg):
+        real = criterion_of(cfg)
+
+        def loss(logits, targets):
+            value = real(logits, targets)
+            targets_and_losses.append((targets.detach().clone(), value.detach().clone()))
+            return value
+        return loss
+
+    monkeypatch.setattr(train_classifier, "build_network", recording_network)
+    monkeypatch.setattr(train_classifier, "training_criterion", recording_criterion)
+    monkeypatch.setattr(train_classifier, "save_checkpoint", keep_checkpoint)
+    assert train_classifier.main(RUN + extra + ["--out", str(tmp_path / "run")]) == 0, capsys.readouterr().err
+    batches = [(x, t) for x, (t, _) in zip(inputs, targets_and_losses)]
+    return batches, [loss for _, loss in targets_and_losses], checkpoints
+
+
+def _largest_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(((x.double() - y.double()).abs().max().item() for x, y in zip(a.values(), b.values())), default=0.0)
+
+
+def compare(records: list[dict], losses: list, checkpoints: dict[int, dict], accum: int) -> dict[str, float]:
+    """The largest difference of each kind over every step ("decays": 1 where a step's groups had
+    other weight decays); asserts nothing about them itself."""
+    worst = {"loss": 0.0, "model": 0.0, "ema": 0.0, "lr": 0.0, "decays": 0.0}
+    assert sorted(checkpoints) == list(range(1, len(records) + 1))
+    for step, record in enumerate(records, start=1):
+        ckpt = checkpoints[step]
+        mine = losses[(step - 1) * accum:step * accum]
+        worst["loss"] = max([worst["loss"], *((a - b).abs().item() for a, b in zip(mine, record["losses"]))])
+        worst["model"] = max(worst["model"], _largest_difference(ckpt["model"], record["model"]))
+        worst["ema"] = max(worst["ema"], _largest_difference(ckpt["model_ema"], record["ema"]))
+        groups = [(g["lr"], g["weight_decay"]) for g in ckpt["optimizer"]["param_groups"]]
+        if [d for _, d in groups] != [d for _, d in record["groups"]]:  # each group's decay, exactly
+            worst["decays"] = 1.0
+        worst["lr"] = max([worst["lr"], *(abs(a - b) / b for (a, _), (b, _) in zip(groups, record["groups"]))])
+    return worst
+
+
+@pytest.mark.parametrize("optimizer, accum", [("sgd", 1), ("adamw", 2)])
+def test_the_recipe_trains_as_torchvisions_reference_step_for_step(tmp_path, monkeypatch, capsys, optimizer, accum):
+    """3 epochs of a small CNN (BatchNorm, biases: all three parameter groups non-empty) on one
+    rank: label smoothing, no decay on norm layers, its own decay on biases, a 1-epoch linear warm-up
+    from 0.01 then a per-epoch cosine, the EMA every 2 steps. SGD one micro-batch per step (the
+    reference's iteration); AdamW with 2 micro-batches per step (the EMA counts optimizer steps and
+    its decay uses the global batch of 32)."""
+    extra = (["--optimizer", "adamw"] if optimizer == "adamw" else []) + \
+        ["--accum-steps", str(accum)]
+    batches, losses, checkpoints = run_project(tmp_path, monkeypatch, capsys, extra)
+    per_epoch = SAMPLES // BATCH
+    assert len(batches) == EPOCHS * per_epoch and len(checkpoints) == EPOCHS * per_epoch // accum
+    epochs = [batches[e * per_epoch:(e + 1) * per_epoch] for e in range(EPOCHS)]
+    num_classes = checkpoints[1]["facts"]["num_classes"]
+
+    def fresh() -> nn.Module:  # the script's initial network: seeded as build_network seeds it
+        torch.manual_seed(0)
+        return build_model("small_cnn", num_classes, 8)
+
+    records = train_reference(fresh(), epochs, optimizer, accum)
+    worst = compare(records, losses, checkpoints, accum)
+    assert all(value <= TOLERANCE for key, value in worst.items() if key != "lr"), worst
+    assert worst["lr"] < 1e-12, worst  # the recursive schedulers' float64 round-off only
+    lrs = [checkpoints[s]["optimizer"]["param_groups"][0]["lr"] for s in sorted(checkpoints)]
+    steps = per_epoch // accum
+    assert lrs[:steps] == [LR * 0.01] * steps and lrs[steps] == LR and lrs[-1] == pytest.approx(LR / 2)
+    ema = checkpoints[len(checkpoints)]["model_ema"]
+    assert int(ema["n_averaged"]) == 2 * math.ceil(steps / EMA_STEPS)  # counted since the warm-up's last reset
+    assert not torch.equal(ema["module.fc.weight"], checkpoints[len(checkpoints)]["model"]["fc.weight"])
+
+    # negative controls: the same comparison fails for a reference that decays the norm layers, and
+    # for one that does not reset the EMA during the warm-up
+    wrong = compare(train_reference(fresh(), epochs, optimizer, accum, norm_decay=None), losses, checkpoints, accum)
+    assert wrong["model"] > 100 * TOLERANCE and wrong["decays"], wrong
+    wrong = compare(train_reference(fresh(), epochs, optimizer, accum, reset_in_warmup=False), losses, checkpoints,
+                    accum)
+    assert wrong["model"] <= TOLERANCE < wrong["ema"], wrong
+
+
+# ----------------------------------------------------------------------------- the pieces, at larger sizes
+@pytest.mark.parametrize("method", ["linear", "constant"])
+@pytest.mark.parametrize("warmup_epochs", [0, 1, 5])
+def test_the_lr_of_every_step_is_torchvisions_epoch_stepped_schedule(method, warmup_epochs):
+    """LRSchedule's cosine-annealing, as a function of the optimizer step, against SequentialLR /
+    LinearLR / ConstantLR / CosineAnnealingLR stepped once per epoch over 30 epochs of 7 steps: the
+    same LR through every step of each epoch (to float64 round-off of the recursive schedulers)."""
+    epochs, steps = 30, 7
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scheduler = reference_schedule(opt, epochs, warmup_epochs, method, decay=0.25)
+        per_epoch = []
+        for _ in range(epochs):
+            per_epoch.append(opt.param_groups[0]["lr"])
+            opt.step()
+            scheduler.step()
+    schedule = LRSchedule(0.8, "cosine-annealing", epochs * steps, steps_per_epoch=steps, warmup_epochs=warmup_epochs,
+                          warmup_method=method, warmup_decay=0.25)
+    ours = [schedule(step) for step in range(epochs * steps)]
+    assert ours == pytest.approx([lr for lr in per_epoch for _ in range(steps)], rel=1e-12, abs=1e-15)
+    assert ours[0] == (0.8 * 0.25 if warmup_epochs else 0.8) and ours[-1] > 0  # the last epoch above 0
+    assert ours[warmup_epochs * steps] == 0.8  # the cosine starts at the peak after the warm-up
+
+
+def test_parameter_groups_are_set_weight_decays():
+    """Over a ResNet-18 with a frozen stem and a head with LayerNorm and GroupNorm: the same
+    parameters in the same order in each group, with the same decays, for every combination."""
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=10)
+    model.fc = nn.Sequential(nn.LayerNorm(512), nn.Linear(512, 64), nn.GroupNorm(4, 64), nn.Linear(64, 10))
+    model.conv1.requires_grad_(False)
+    for norm, bias in [(None, None), (0.0, None), (None, 0.0), (0.0, 1e-5), (3e-5, 0.0)]:
+        ours = parameter_groups(model, 1e-4, norm, bias)
+        theirs = set_weight_decay(model, 1e-4, norm, [("bias", bias)] if bias is not None else None)
+        assert [[id(p) for p in g["params"]] for g in ours] == [[id(p) for p in g["params"]] for g in theirs]
+        if norm is None and bias is None:
+            assert len(ours) == 1 and "weight_decay" not in ours[0]  # today's single group: the optimizer's decay
+        else:
+            assert [g["weight_decay"] for g in ours] == [g["weight_decay"] for g in theirs]
+    assert id(model.conv1.weight) not in {id(p) for g in parameter_groups(model, 1e-4, 0.0) for p in g["params"]}
+
+
+@pytest.mark.parametrize("kind", ["sgd", "sgd-nesterov", "rmsprop", "adamw"])
+def test_each_optimizer_is_torchvisions(kind):
+    """Three steps of each optimizer as build_optimizer makes it (foreach) and as torchvision's
+    train.py builds it (--opt sgd, sgd_nesterov, rmsprop, adamw), over two parameter groups."""
+    torch.manual_seed(0)
+    weights = [torch.randn(5, 4), torch.randn(4)]
+    grads = [[torch.randn_like(w) for w in weights] for _ in range(3)]
+    results = []
+    for ours in (True, False):
+        params = [nn.Parameter(w.clone()) for w in weights]
+        groups = [{"params": params[:1], "weight_decay": 1e-2}, {"params": params[1:], "weight_decay": 0.0}]
+        if ours:
+            opt = build_optimizer(kind.split("-")[0], groups, 0.05, 0.9, 1e-2, torch.device("cpu"),
+                                  nesterov=kind == "sgd-nesterov")
+        elif kind.startswith("sgd"):
+            opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=1e-2, nesterov="nesterov" in kind)
+        elif kind == "rmsprop":
+            opt = torch.optim.RMSprop(groups, lr=0.05, momentum=0.9, weight_decay=1e-2, eps=0.0316, alpha=0.9)
+        else:
+            opt = torch.optim.AdamW(groups, lr=0.05, weight_decay=1e-2)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        results.append([p.detach().clone() for p in params])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=TOLERANCE)
+
+
+def test_the_ema_update_is_averagedmodels_bit_for_bit():
+    """WeightsEMA's multi-tensor update without device reads against torchvision's AveragedModel
+    (``avg_fn``, ``use_buffers=True``) on a network with BatchNorm (its integer counter included),
+    through copies, averages and a warm-up reset; and the decay adjustment's arithmetic."""
+    torch.manual_seed(0)
+    model = build_model("small_cnn", 10, 8)
+    decay = ema_decay(0.99998, 8 * 2 * 128, 32, 600)
+    assert decay == 1.0 - min(1.0, (1.0 - 0.99998) * (8 * 2 * 128 * 32 / 600))
+    ours, theirs = WeightsEMA(model, decay=0.9), ExponentialMovingAverage(model, decay=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(6):
+        model(torch.randn(4, 3, 8, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        for ema in (ours, theirs):
+            ema.update_parameters(model)
+            if step == 2:
+                ema.n_averaged.fill_(0)
+        for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
+            assert torch.equal(a, b), (step, name)
+    assert not any(p.requires_grad for p in ours.parameters()) and ours.n_averaged.device.type == "cpu"
+
+
+def _two_emas_on_a_rank(info) -> dict:
+    """A DDP small CNN on this rank's own batches, with two EMAs updated after every step: one as
+    the script's (rank 0's BatchNorm statistics broadcast), one without the broadcast."""
+    torch.manual_seed(0)
+    model = build_model("small_cnn", 10, 8)
+    network = nn.parallel.DistributedDataParallel(model)
+    synced, own = WeightsEMA(model, decay=0.9), WeightsEMA(model, decay=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(1 + info.rank)  # each rank its own batches
+    for step in range(3):
+        network(torch.randn(4, 3, 8, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        synced.after_step(model, step, 0, step, distributed=True)
+        own.after_step(model, step, 0, step, distributed=False)
+    return {"synced": _copy(synced.state_dict()), "own": _copy(own.state_dict()), "model": _copy(model.state_dict())}
+
+
+def test_the_ema_is_identical_on_two_ranks_after_every_update(tmp_path):
+    """Each rank's BatchNorm statistics after a step are its own batches' (DDP gives every rank
+    rank 0's only at the next forward): the EMA takes rank 0's after each update and is the same on
+    both ranks, bit for bit; without that broadcast its statistics would differ."""
+    rank0, rank1 = run_on_ranks(_two_emas_on_a_rank, tmp_path)
+    assert all(torch.equal(a, rank1["synced"][name]) for name, a in rank0["synced"].items())
+    assert not torch.equal(rank0["synced"]["module.fc.weight"], rank0["model"]["fc.weight"])  # an average
+    differs = [name for name, a in rank0["own"].items() if not torch.equal(a, rank1["own"][name])]
+    assert differs and all("running" in name for name in differs), differs
+    assert any(not torch.equal(a, rank1["model"][name]) for name, a in rank0["model"].items() if "running" in name)
+
+
+def test_an_ema_added_on_resume_starts_from_the_resumed_weights(tmp_path, capsys):
+    """A checkpoint of a run without --model-ema resumed with it (--allow-changes): the EMA is the
+    checkpoint's weights, to be copied again at its first update, not the network's initial ones."""
+    tiny = RUN[:RUN.index("--weight-decay")] + ["--max-steps", "2"]
+    out = tmp_path / "run"
+    assert train_classifier.main(tiny + ["--out", str(out)]) == 0
+    before = load_ckpt(out / "checkpoint_last.pt")
+    proc = in_process(train_classifier.main, tiny + ["--max-steps", "3", "--model-ema", "--resume", "auto",
+                                                     "--allow-changes", "--out", str(out)], capsys)
+    assert proc.returncode == 0 and "holds no EMA of the weights: the EMA starts from the resumed weights" in proc.stdout
+    after = load_ckpt(out / "checkpoint_last.pt")
+    assert after["step"] == 3 and int(after["model_ema"]["n_averaged"]) == 0  # step 3 is not an update's
+    assert all(torch.equal(after["model_ema"][f"module.{k}"], v) for k, v in before["model"].items())
