@@ -45,11 +45,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_utils.config import UsageError, flag_name, opt
-from ddp_utils.data.pipeline import build_data
+from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.preview import augmentation_grid
-from ddp_utils.data.recipes import classifier_recipe
-from ddp_utils.data.sets import num_classes_of
-from ddp_utils.models.backbones import build_model
+from ddp_utils.data.recipes import AUTO_AUGMENTS, EVAL_RESIZE, AugmentRecipe, classifier_recipe
+from ddp_utils.data.sets import IMAGE_FILES, num_classes_of
+from ddp_utils.models.backbones import CIFAR_STEM_MAX_SIZE, MIN_IMAGE_SIZE, build_model
 from ddp_utils.models.probe import LinearProbe
 from ddp_utils.runtime.collectives import (
     all_ranks_agree,
@@ -90,6 +90,7 @@ log = logging.getLogger("train")
 SCRIPT = "train_classifier.py"
 PRETRAINED = "pretrained backbone"  # --help's sections of this script's own flags
 RECIPE = "torchvision's recipe: loss, optimizer, weight average"
+AUGMENTATION = "torchvision's recipe: augmentation and image sizes"
 UNSET = -1.0  # --norm-weight-decay, --bias-weight-decay: torchvision's None (no group of their own)
 
 
@@ -100,7 +101,8 @@ def _after(sections: tuple[str, ...], section: str, new: str) -> tuple[str, ...]
 
 @dataclass
 class ClassifierConfig(TrainConfig):
-    SECTIONS: ClassVar[tuple[str, ...]] = (*_after(TrainConfig.SECTIONS, MODEL, RECIPE), PRETRAINED)
+    SECTIONS: ClassVar[tuple[str, ...]] = (*_after(_after(TrainConfig.SECTIONS, MODEL, RECIPE), RECIPE, AUGMENTATION),
+                                           PRETRAINED)
 
     out: str = opt("runs/classifier", OUT_HELP, group=RUN_FOLDER, on_resume="invocation")
     pretrained: str = opt("", "initialise the backbone from a train_moco.py checkpoint, its run folder "
@@ -143,12 +145,34 @@ class ClassifierConfig(TrainConfig):
                                  "1 - min(1, (1 - D) x global batch x --model-ema-steps / --epochs) of the average, "
                                  "the global batch being world size x --accum-steps x --batch-size (torchvision's "
                                  "world size x its per-GPU batch)", group=RECIPE, above=0, below=1)
+    auto_augment: str = opt("", "automatic augmentation of each training image after its crop and flip, torchvision's "
+                            "--auto-augment: imagenet, cifar10 or svhn = AutoAugment with that policy, ra = "
+                            "RandAugment (--ra-magnitude), ta_wide = TrivialAugmentWide, augmix = AugMix "
+                            "(--augmix-severity); bilinear interpolation; on 8-bit images (cifar10, imagefolder, "
+                            "shards); per sample in the DataLoader workers (--aug-on loader); '' = none",
+                            choices=("", *AUTO_AUGMENTS), group=AUGMENTATION)
+    ra_magnitude: int = opt(9, "--auto-augment ra: the magnitude of RandAugment's operations, in its 31 bins "
+                            "(0 = none, 30 = strongest)", group=AUGMENTATION, at_least=0, at_most=30)
+    augmix_severity: int = opt(3, "--auto-augment augmix: the severity of AugMix's operations (1 = weakest, 10 = "
+                               "strongest)", group=AUGMENTATION, at_least=1, at_most=10)
+    random_erase: float = opt(0.0, "probability P of torchvision's RandomErasing on each normalised training image "
+                              "(a rectangle of 2-33%% of the area, aspect 0.3-3.3, set to 0), the view's last "
+                              "step; per sample in the DataLoader workers (--aug-on loader); 0 = off",
+                              group=AUGMENTATION, at_least=0, at_most=1)
+    train_crop_size: int = opt(0, "px of the training crops' side (FixRes: torchvision's v2 recipe trains at 176 "
+                               "and evaluates at --image-size 224); image files only (imagefolder, shards); "
+                               "0 = --image-size", group=AUGMENTATION, at_least=0)
+    val_resize_size: int = opt(0, "px: the evaluation view resizes the short side of each image file to this, "
+                               "then takes the centre --image-size crop (torchvision's v2 recipe: 232 for 224); "
+                               "image files only (imagefolder, shards); 0 = round(--image-size x 256/224)",
+                               group=AUGMENTATION, at_least=0)
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
         super().validate(launch, cuda_devices)
         if self.probe_bn and not self.linear_probe:
             raise UsageError("--probe-bn only applies with --linear-probe")
         self.check_recipe_flags()
+        self.check_augmentation_flags()
 
     def check_recipe_flags(self) -> None:
         """The optimizer's flags that it would ignore, the EMA's without --model-ema, and a weight
@@ -170,6 +194,68 @@ class ClassifierConfig(TrainConfig):
                 if getattr(self, name) != defaults[name]:
                     raise UsageError(f"{flag_name(name)} does nothing without --model-ema; add it, or drop "
                                      f"{flag_name(name)}")
+
+    def augmentation_policy(self) -> dict:
+        """torchvision's per-sample steps as ``AugmentRecipe`` fields (``classifier_recipe``'s policy)."""
+        return dict(auto_augment=self.auto_augment, ra_magnitude=self.ra_magnitude,
+                    augmix_severity=self.augmix_severity, random_erase=self.random_erase)
+
+    def per_sample_flags(self) -> list[str]:
+        return [flag for flag, on in (("--auto-augment", self.auto_augment), ("--random-erase", self.random_erase))
+                if on]
+
+    def check_augmentation_flags(self) -> None:
+        """torchvision's augmentation and sizes where they apply: an automatic augmentation on
+        8-bit images, both per sample (not --aug-on device, nor --no-augment); the FixRes sizes on
+        image files, with a network that is the same at both sizes."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, policy in (("ra_magnitude", "ra"), ("augmix_severity", "augmix")):
+            if getattr(self, name) != defaults[name] and self.auto_augment != policy:
+                raise UsageError(f"{flag_name(name)} applies to --auto-augment {policy} only; add it, or drop "
+                                 f"{flag_name(name)}")
+        per_sample = self.per_sample_flags()
+        if per_sample and not self.augment:
+            raise UsageError(f"{per_sample[0]} augments the training images and --no-augment turns augmentation off; "
+                             f"drop one of them")
+        if self.auto_augment and self.dataset in ("digits", "synthetic"):
+            raise UsageError(f"--auto-augment needs 8-bit images (cifar10, imagefolder, shards); --dataset "
+                             f"{self.dataset}'s are float tensors: drop --auto-augment")
+        if per_sample and self.aug_on == "device":
+            raise UsageError(f"{per_sample[0]} runs per sample in the DataLoader workers, not on the device: give "
+                             f"--aug-on loader (or auto)")
+        for name in ("train_crop_size", "val_resize_size"):
+            if getattr(self, name) and self.dataset not in IMAGE_FILES:
+                raise UsageError(f"{flag_name(name)} applies to image files (imagefolder, shards), not --dataset "
+                                 f"{self.dataset}: drop it (--image-size sets the side)")
+        size, train = self.resolved_image_size(), self.train_crop_size
+        if self.val_resize_size and self.val_resize_size < size:
+            raise UsageError(f"--val-resize-size {self.val_resize_size} is smaller than the evaluation crop "
+                             f"--image-size {size}: give at least {size}")
+        if train and train < MIN_IMAGE_SIZE[self.arch]:
+            raise UsageError(f"--train-crop-size {train} is too small for --arch {self.arch}: give at least "
+                             f"{MIN_IMAGE_SIZE[self.arch]} px")
+        if train and self.arch.startswith("resnet") and (train <= CIFAR_STEM_MAX_SIZE) != (size <= CIFAR_STEM_MAX_SIZE):
+            raise UsageError(f"--arch {self.arch} has a CIFAR stem up to {CIFAR_STEM_MAX_SIZE} px and ImageNet's above, "
+                             f"chosen by --image-size {size}: --train-crop-size {train} would train it at the other "
+                             f"stem's size; keep both on one side of {CIFAR_STEM_MAX_SIZE} px")
+
+    def describe_views(self, image_size: int) -> str:
+        steps = [f"--auto-augment {self.auto_augment}" if self.auto_augment else "",
+                 f"random erasing p {self.random_erase:g}" if self.random_erase else ""]
+        extra = ", ".join(step for step in steps if step)
+        if self.dataset not in IMAGE_FILES:
+            return f"training view with {extra}" if extra else ""
+        train = self.train_crop_size or image_size
+        resize = self.val_resize_size or round(image_size * EVAL_RESIZE)
+        crop = f"random resized crop {train} px, flip" if self.augment else f"resize {round(train * EVAL_RESIZE)} px, " \
+            f"centre crop {train} px"
+        return (f"training view: {crop}{', ' + extra if extra else ''}; evaluation view: resize {resize} px, centre "
+                f"crop {image_size} px")
+
+    def data_plan(self, resolved: dict, recipe: AugmentRecipe, bank_samples: int | None = None,
+                  listings: tuple | None = None) -> DataPlan:
+        plan = super().data_plan(resolved, recipe, bank_samples, listings)
+        return dataclasses.replace(plan, train_size=self.train_crop_size, val_resize=self.val_resize_size)
 
     def weight_decay_of(self, name: str) -> float | None:
         """--norm-weight-decay or --bias-weight-decay (``name``) as torchvision's: None when unset."""
@@ -273,7 +359,8 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
     info = session.info
     resume, resolved, listings = preflight(cfg, session)  # every rank checked; "auto" resolved; files listed once
     with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
-        recipe = classifier_recipe(cfg.dataset, resolved["image_size"], cfg.augment, cfg.normalization)
+        recipe = classifier_recipe(cfg.dataset, resolved["image_size"], cfg.augment, cfg.normalization,
+                                   **cfg.augmentation_policy())
         loaders = session.close_at_exit(build_data(cfg.data_plan(resolved, recipe, listings=listings), rank=info.rank,
                                                    world_size=info.world_size, device=info.device,
                                                    ranks_on_node=info.local_world_size))

@@ -368,6 +368,9 @@ class BatchAugment:
     normalisation)."""
 
     def __init__(self, recipe: AugmentRecipe, out_size: int):
+        if recipe.per_sample_only:  # the configs send such a recipe to the loader path
+            raise ValueError("BatchAugment: automatic augmentation and random erasing run per sample only "
+                             "(transforms.view_transform, the loader path)")
         self.recipe, self.out_size = recipe, out_size
         roi_align()  # the crops' kernel, loaded now rather than inside a traced view
 
@@ -398,10 +401,15 @@ class BatchAugment:
                 boxes = resized_crop_boxes(draw(CROP_COLUMN, 2 * _ATTEMPTS + 2), height, width, r.crop_scale,
                                            r.crop_ratio)
             else:
-                boxes = centre_boxes(height, width, self.out_size, round(self.out_size * EVAL_RESIZE))
+                boxes = centre_boxes(height, width, self.out_size, self.eval_resize)
             return crop_from_atlas(atlas, places, boxes, self.out_size)
 
         return self._view(crop, to_device(u, atlas.device), layout)
+
+    @property
+    def eval_resize(self) -> int:
+        """The evaluation view's resize (px of the short side before the centre crop)."""
+        return self.recipe.resize or round(self.out_size * EVAL_RESIZE)
 
     def crop_boxes(self, height: int, width: int, seed: int, epoch: int, index: Tensor, view: int = 0) -> Tensor:
         """B x 4 int64 (top, left, height, width) of each sample's crop in input pixels; a pad

@@ -87,7 +87,7 @@ class DataPlan:
 
     dataset: str
     data_dir: str
-    image_size: int             # px, resolved (not 0)
+    image_size: int             # px, resolved (not 0): the evaluation views' side (and the training views' by default)
     synthetic_samples: int
     debug: bool                 # small subsets of both splits
     seed: int
@@ -101,8 +101,17 @@ class DataPlan:
     bank_samples: int | None = None  # MoCo's kNN bank: this many training samples (0: all); None: no bank
     order: str = "samples"           # the training order: "samples" or "shards" (``order``)
     store: StoreCache | None = None  # shards from an object store: the node's cache
+    train_size: int = 0              # px of the training views' side (FixRes); 0: image_size
+    val_resize: int = 0              # image files' evaluation view: short side resized to this, then the
+    #                                  centre crop of image_size; 0: round(image_size x 256/224)
     # An image folder's train and val listings, made once for the job (train.preflight); None: listed here
     listings: tuple[FolderListing, FolderListing] | None = field(default=None, repr=False, compare=False)
+
+
+    @property
+    def train_image_size(self) -> int:
+        """px of the training views' side."""
+        return self.train_size or self.image_size
 
 
 @dataclass
@@ -174,6 +183,7 @@ class _Kind:
     seed: int
     batch_size: int
     train: bool
+    size: int  # px of the views' side
 
 
 def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.device, ranks_on_node: int = 1
@@ -210,10 +220,12 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
         return record_unreadable(made, raw, unreadable)
 
     sampler = training_order(plan, train_raw, world_size, rank)
-    train = batches(train_raw, sampler, _Kind(plan.recipe, plan.views, plan.seed, plan.batch_size, train=True))
+    train = batches(train_raw, sampler, _Kind(plan.recipe, plan.views, plan.seed, plan.batch_size, train=True,
+                                              size=plan.train_image_size))
     require_a_batch(len(train), len(train_raw), world_size, plan.batch_size)
-    evaluation = _Kind(eval_recipe(plan.dataset, plan.normalization), views=1, seed=0, train=False,
-                       batch_size=eval_batch_size(plan.batch_size, image_files_of(train_raw) is not None))
+    evaluation = _Kind(eval_recipe(plan.dataset, plan.normalization, plan.val_resize), views=1, seed=0, train=False,
+                       batch_size=eval_batch_size(plan.batch_size, image_files_of(train_raw) is not None),
+                       size=plan.image_size)
 
     def eval_batches(raw: Dataset) -> Batches:  # validation and the kNN bank, on every path
         by_shard = shards_of(raw) if plan.order == "shards" else None  # the shards order: few shards a rank
@@ -280,8 +292,9 @@ def _batches(raw: Dataset, sampler: Iterable, kind: _Kind, *, plan: DataPlan, de
     for shards from an object store; ``fallbacks``: the rank's count of images the device's
     decoder refused (image files on the device)."""
     shards = split_shards(raw) if read_ahead is not None else None
-    size = plan.image_size
-    augment = DeviceAugment(BatchAugment(kind.recipe, size), kind.seed, kind.views)  # the device paths'
+    size = kind.size
+    if held or plan.aug_on_device:  # the device paths' (BatchAugment refuses a per-sample-only recipe)
+        augment = DeviceAugment(BatchAugment(kind.recipe, size), kind.seed, kind.views)
     if held:  # in-memory data; the kNN bank, a subset of the training split, is batched from its tensor
         subset = raw not in held
         images, targets = held[raw.dataset if subset else raw]
@@ -355,7 +368,7 @@ def require_a_batch(batches: int, samples: int, world_size: int, batch_size: int
 def plan_memory(plan: DataPlan, train_raw: Dataset):
     """The host memory ``plan``'s workers fill (``host_memory.loader_memory``)."""
     return loader_memory(train_raw, batch_size=plan.batch_size, workers=plan.workers, views=plan.views,
-                         image_size=plan.image_size, aug_on_device=plan.aug_on_device,
+                         image_size=max(plan.image_size, plan.train_image_size), aug_on_device=plan.aug_on_device,
                          decode_on_device=plan.decode_on_device)
 
 

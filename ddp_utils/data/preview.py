@@ -21,7 +21,7 @@ def augmentation_grid(loaders: Loaders, count: int = 8) -> torch.Tensor:
     ``count``, ``ImageFiles.first_samples``; epoch 0): the image, then its view(s) (``Loaders.training_views``); tiles of at
     least MIN_TILE px."""
     plan = loaders.plan
-    dataset, size, normalization = plan.dataset, plan.image_size, plan.normalization
+    dataset, size, normalization = plan.dataset, plan.train_image_size, plan.normalization
     train = loaders.train_set
     index = list(train.first_samples(count) if isinstance(train, ImageFiles) else range(min(count, len(train))))
     views = loaders.training_views(index)

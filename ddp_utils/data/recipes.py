@@ -17,6 +17,9 @@ IMAGENET_CROP_SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop default
 EVAL_RESIZE = 256 / 224  # ImageFolder's evaluation view: the short side resized to this x the crop, then centre-cropped
 JITTER_V1 = (0.4, 0.4, 0.4, 0.4)   # brightness, contrast, saturation, hue
 JITTER_V2 = (0.4, 0.4, 0.4, 0.1)
+# torchvision's automatic augmentations (references/classification's --auto-augment): AutoAugment's
+# three policies, RandAugment, TrivialAugmentWide, AugMix
+AUTO_AUGMENTS = ("imagenet", "cifar10", "svhn", "ra", "ta_wide", "augmix")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,13 @@ class AugmentRecipe:
     ``gray_before_jitter`` (v1) else after it (v2); Gaussian blur with ``blur_p``, sigma uniform
     in ``blur_sigma``, an odd ``blur_kernel``. Then a horizontal flip with p 0.5 if ``flip``, then
     ``(x - mean) / std`` if ``mean`` is set. The defaults only resize to the output size.
+
+    torchvision's classification recipe (per sample only: :attr:`per_sample_only`):
+    ``auto_augment`` (one of AUTO_AUGMENTS, "" none) on the 8-bit image right after the crop
+    and flip, with ``ra_magnitude`` (RandAugment) and ``augmix_severity`` (AugMix); random
+    erasing with probability ``random_erase`` after the normalisation. ``resize``: the fixed
+    geometry of image files (the evaluation view), the short side resized to this many px
+    before the centre crop; 0 = round(size x 256/224).
     """
 
     crop_scale: tuple[float, float] | None = None
@@ -45,6 +55,17 @@ class AugmentRecipe:
     blur_kernel: int = 5
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
+    auto_augment: str = ""
+    ra_magnitude: int = 9
+    augmix_severity: int = 3
+    random_erase: float = 0.0
+    resize: int = 0
+
+    @property
+    def per_sample_only(self) -> bool:
+        """Steps that only the per-sample (loader) path runs: torchvision's own classes, one
+        Python call per image, whose draws cannot be made a batch's tensor ops bit for bit."""
+        return bool(self.auto_augment) or self.random_erase > 0
 
     def __post_init__(self):
         for name in ("crop_scale", "crop_ratio", "jitter", "blur_sigma", "mean", "std"):
@@ -64,29 +85,41 @@ class AugmentRecipe:
             raise ValueError(f"AugmentRecipe: blur_kernel {self.blur_kernel} must be odd and positive")
         if (self.mean is None) != (self.std is None):
             raise ValueError("AugmentRecipe: set both mean and std, or neither")
-        if not all(0.0 <= p <= 1.0 for p in (self.jitter_p, self.gray_p, self.blur_p)):
+        if not all(0.0 <= p <= 1.0 for p in (self.jitter_p, self.gray_p, self.blur_p, self.random_erase)):
             raise ValueError("AugmentRecipe: probabilities must lie in [0, 1]")
+        if self.auto_augment and self.auto_augment not in AUTO_AUGMENTS:
+            raise ValueError(f"AugmentRecipe: auto_augment {self.auto_augment!r}: one of {', '.join(AUTO_AUGMENTS)}")
+        if self.auto_augment and (self.jitter is not None or self.gray_p or self.blur_p):
+            # torchvision's recipe has no colour steps beside it; their place in its order is undefined
+            raise ValueError("AugmentRecipe: auto_augment and the colour steps (jitter, grayscale, blur) are "
+                             "alternatives; set one")
+        if self.resize < 0:
+            raise ValueError(f"AugmentRecipe: resize {self.resize} must be >= 0")
 
 
-def eval_recipe(dataset: str, normalization: str = "auto") -> AugmentRecipe:
+def eval_recipe(dataset: str, normalization: str = "auto", resize: int = 0) -> AugmentRecipe:
     """The evaluation view: ``--normalization``'s statistics for ``dataset`` and nothing else
-    (synthetic noise needs none). The one place the statistics are looked up: every other
-    recipe adds its steps to this one."""
+    (synthetic noise needs none); image files resized to ``resize`` px (0: the 256/224 rule)
+    before the centre crop. The one place the statistics are looked up: every other recipe
+    adds its steps to this one."""
     if normalization == "cifar10-demo":
-        return AugmentRecipe(mean=CIFAR10_MEAN, std=CIFAR10_DEMO_STD)
+        return AugmentRecipe(mean=CIFAR10_MEAN, std=CIFAR10_DEMO_STD, resize=resize)
     mean, std = NORMALIZATION.get(dataset, (None, None))
-    return AugmentRecipe(mean=mean, std=std)
+    return AugmentRecipe(mean=mean, std=std, resize=resize)
 
 
-def classifier_recipe(dataset: str, size: int, augment: bool = True, normalization: str = "auto") -> AugmentRecipe:
-    """The classifier's training view; without ``augment`` only the normalisation."""
+def classifier_recipe(dataset: str, size: int, augment: bool = True, normalization: str = "auto",
+                      **policy) -> AugmentRecipe:
+    """The classifier's training view; without ``augment`` only the normalisation. ``policy``:
+    torchvision's per-sample steps as AugmentRecipe fields (auto_augment, ra_magnitude,
+    augmix_severity, random_erase), added to the augmented view."""
     plain = eval_recipe(dataset, normalization)
     if not augment:
         return plain
     if dataset in IMAGE_FILES:
-        return replace(plain, crop_scale=IMAGENET_CROP_SCALE, flip=True)
+        return replace(plain, crop_scale=IMAGENET_CROP_SCALE, flip=True, **policy)
     # 32 px data: shift by up to an eighth of the side
-    return replace(plain, pad_crop=max(1, size // 8), flip=dataset != "digits")
+    return replace(plain, pad_crop=max(1, size // 8), flip=dataset != "digits", **policy)
 
 
 def moco_recipe(dataset: str, size: int, aug: str, crop_min: float = 0.2, normalization: str = "auto") -> AugmentRecipe:
@@ -103,9 +136,11 @@ def moco_recipe(dataset: str, size: int, aug: str, crop_min: float = 0.2, normal
     return replace(crop, jitter=JITTER_V2, jitter_p=0.8, gray_p=0.2, **blur)
 
 
-def augment_on_device(aug_on: str, dataset: str, device: torch.device) -> bool:
+def augment_on_device(aug_on: str, dataset: str, device: torch.device, per_sample: bool = False) -> bool:
     """``--aug-on``: device, loader, or auto = device, except ImageFolder on a CPU, where the
-    DataLoader workers' cores would otherwise sit idle while the training process augments."""
+    DataLoader workers' cores would otherwise sit idle while the training process augments,
+    and except a view with steps only the loader runs (``per_sample``:
+    :attr:`AugmentRecipe.per_sample_only`)."""
     if aug_on == "auto":
-        return dataset not in IMAGE_FILES or device.type == "cuda"
+        return not per_sample and (dataset not in IMAGE_FILES or device.type == "cuda")
     return aug_on == "device"

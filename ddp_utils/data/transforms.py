@@ -4,7 +4,11 @@ from an :class:`AugmentRecipe` (a training view, or the evaluation view of
 
 Order of a view: decode (files), geometry on the decoded image, to float, colour (jitter,
 grayscale), blur, flip, normalisation; the batched path (``batch_augment``) takes the same steps
-in the same order. Nothing here comes from the batched path: its hue shift and blur are
+in the same order. A view without colour or blur flips right after the geometry (the same
+pixels and draws: the conversion to float draws nothing), which is torchvision's classification
+order (references/classification/presets.py): crop, flip, automatic augmentation on the 8-bit
+image, to float, normalisation, random erasing; the last two steps and the automatic
+augmentation only run here (``AugmentRecipe.per_sample_only``). Nothing here comes from the batched path: its hue shift and blur are
 written here on their own, and each is tested against torchvision's.
 """
 from __future__ import annotations
@@ -34,11 +38,12 @@ def _normalize(recipe: AugmentRecipe) -> list:
     return [] if recipe.mean is None else [T.Normalize(recipe.mean, recipe.std)]
 
 
-def _fixed_geometry(dataset: str, size: int) -> list:
-    """Evaluation geometry: ImageFolder resized and centre-cropped; CIFAR-10 resized if asked for
-    another size; digits and synthetic images are generated at ``size`` already."""
+def _fixed_geometry(dataset: str, size: int, resize: int = 0) -> list:
+    """Evaluation geometry: ImageFolder resized (the short side to ``resize`` px, 0: the 256/224
+    rule) and centre-cropped; CIFAR-10 resized if asked for another size; digits and synthetic
+    images are generated at ``size`` already."""
     if dataset in IMAGE_FILES:
-        return [T.Resize(round(size * EVAL_RESIZE), antialias=True), T.CenterCrop(size)]
+        return [T.Resize(resize or round(size * EVAL_RESIZE), antialias=True), T.CenterCrop(size)]
     return [T.Resize(size, antialias=True)] if dataset == "cifar10" and size != 32 else []
 
 
@@ -47,7 +52,27 @@ def _geometry(recipe: AugmentRecipe, dataset: str, size: int) -> list:
         return [T.RandomResizedCrop(size, scale=recipe.crop_scale, ratio=recipe.crop_ratio, antialias=True)]
     if recipe.pad_crop:
         return _fixed_geometry(dataset, size) + [T.RandomCrop(size, padding=recipe.pad_crop)]
-    return _fixed_geometry(dataset, size)
+    return _fixed_geometry(dataset, size, recipe.resize)
+
+
+def auto_augment(recipe: AugmentRecipe) -> list:
+    """``recipe.auto_augment`` as torchvision's class, with the bilinear interpolation its
+    classification recipe passes (the classes' own default is nearest)."""
+    name, bilinear = recipe.auto_augment, T.InterpolationMode.BILINEAR
+    if not name:
+        return []
+    if name == "ra":
+        return [T.RandAugment(magnitude=recipe.ra_magnitude, interpolation=bilinear)]
+    if name == "ta_wide":
+        return [T.TrivialAugmentWide(interpolation=bilinear)]
+    if name == "augmix":
+        return [T.AugMix(severity=recipe.augmix_severity, interpolation=bilinear)]
+    return [T.AutoAugment(T.AutoAugmentPolicy(name), interpolation=bilinear)]
+
+
+def _erase(recipe: AugmentRecipe) -> list:
+    """torchvision's RandomErasing (its area, aspect and zero fill) on the normalised tensor."""
+    return [T.RandomErasing(p=recipe.random_erase)] if recipe.random_erase > 0 else []
 
 
 def _maybe(p: float, step) -> object:
@@ -130,10 +155,16 @@ def view_transform(recipe: AugmentRecipe, dataset: str, size: int) -> T.Compose:
     """One view of one sample, as ``recipe`` says (the evaluation view: ``recipes.eval_recipe``,
     resize, centre crop and normalisation): torchvision's transforms, the hue shift and the blur
     computed faster (:class:`ColorJitterFastHue`, :class:`SeparableGaussianBlur`: the same values
-    to float rounding)."""
+    to float rounding). The automatic augmentation needs 8-bit images (``FROM_FILES``): a
+    ValueError for the float tensors of the other data sets."""
+    if recipe.auto_augment and dataset not in FROM_FILES:
+        raise ValueError(f"auto_augment {recipe.auto_augment!r} needs 8-bit images ({', '.join(FROM_FILES)}); "
+                         f"{dataset}'s are float tensors")
     flip = [T.RandomHorizontalFlip()] if recipe.flip else []
-    return T.Compose(_decode(dataset) + _geometry(recipe, dataset, size) + _to_float(dataset) + _colour(recipe)
-                     + _blur(recipe) + flip + _normalize(recipe) + [T.ToPureTensor()])
+    colour = _colour(recipe) + _blur(recipe)
+    early, late = (flip, []) if not colour else ([], flip)  # torchvision's order where nothing is between them
+    return T.Compose(_decode(dataset) + _geometry(recipe, dataset, size) + early + auto_augment(recipe)
+                     + _to_float(dataset) + colour + late + _normalize(recipe) + _erase(recipe) + [T.ToPureTensor()])
 
 
 class TwoCrops:

@@ -166,7 +166,8 @@ def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, de
     sharing = 1 if launcher == "slurm" else local_world_size
     resolved = {"image_size": cfg.resolved_image_size(),
                 "workers": cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing),
-                "aug_on": "device" if augment_on_device(cfg.aug_on, cfg.dataset, device) else "loader",
+                "aug_on": "device" if augment_on_device(cfg.aug_on, cfg.dataset, device, bool(cfg.per_sample_flags()))
+                else "loader",
                 "decode_on": "device" if cfg.decode_on == "device" else "loader",
                 "order": cfg.resolved_order()}
     own = {name: value for name, value in dataset_values(type(cfg), cfg.dataset).items()
@@ -184,7 +185,8 @@ def describe_settings(cfg: TrainConfig, resolved: dict[str, Any], launcher: str,
     why_workers = "in-memory data needs none" if resolved["workers"] == 0 else \
         f"{usable_cpus()} usable CPUs shared by {sharing} rank(s)"
     auto = {"image_size": cfg.image_size == 0 and "--image-size 0",
-            "aug_on": cfg.aug_on == "auto" and "--aug-on auto",
+            "aug_on": cfg.aug_on == "auto" and "--aug-on auto" + (
+                f": {', '.join(cfg.per_sample_flags())} run per sample" if cfg.per_sample_flags() else ""),
             "decode_on": cfg.decode_on == "auto" and "--decode-on auto",
             "workers": cfg.workers < 0 and f"--workers -1: {why_workers}",
             "order": cfg.order == "auto" and "--order auto"}
@@ -197,6 +199,9 @@ def describe_settings(cfg: TrainConfig, resolved: dict[str, Any], launcher: str,
     if cfg.dataset != "shards":
         del said["order"]  # the one order there is
     text = ", ".join(text + (f" ({auto[name]})" if auto[name] else "") for name, text in said.items())
+    views = cfg.describe_views(resolved["image_size"])
+    if views:
+        text += f"; {views}"
     own = resolved.get("dataset_defaults")
     if own:
         text += f"; at the {cfg.dataset} data set's own defaults: " + ", ".join(f"{flag_name(name)} {value}" for name, value in own.items())

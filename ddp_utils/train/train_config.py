@@ -254,7 +254,8 @@ class TrainConfig:
             raise UsageError("--debug runs one process; start it with plain `python`, not torchrun/srun")
         check_device(self.device, launch, cuda_devices)
         device = torch.device(device_type(self.device, cuda_devices))
-        if self.decode_on == "device" and not augment_on_device(self.aug_on, self.dataset, device):
+        if self.decode_on == "device" and not augment_on_device(self.aug_on, self.dataset, device,
+                                                                bool(self.per_sample_flags())):
             raise UsageError(f"--decode-on device needs --aug-on device (the loader path decodes and augments each "
                              f"image in the workers; --aug-on {self.aug_on} means the loader on {device.type}); add "
                              f"--aug-on device or drop --decode-on")
@@ -291,6 +292,16 @@ class TrainConfig:
             if ignored and getattr(self, name) != defaults[name]:
                 raise UsageError(f"{flag_name(name)} does nothing with --dataset {self.dataset}; drop it (it "
                                  f"applies to {DATA_FLAG_USERS[name]})")
+
+    def per_sample_flags(self) -> list[str]:
+        """The flags given that ask for steps only the loader path runs (``--aug-on auto`` then
+        means the loader; the script refuses ``--aug-on device``); none here, a script adds its own."""
+        return []
+
+    def describe_views(self, image_size: int) -> str:
+        """The views' sizes and per-sample steps in words, for the start-up log and ``--check``
+        ('' when there is nothing beyond ``image_size``); a script adds its own."""
+        return ""
 
     def required_paths(self) -> dict[str, str]:
         """{flag: path} of the files or folders this config names that must exist (the pre-flight
