@@ -240,6 +240,8 @@ class ClassifierConfig(TrainConfig):
                              f"stem's size; keep both on one side of {CIFAR_STEM_MAX_SIZE} px")
 
     def describe_views(self, image_size: int) -> str:
+        if not (self.per_sample_flags() or self.train_crop_size or self.val_resize_size):
+            return ""  # the views as --image-size alone says them
         steps = [f"--auto-augment {self.auto_augment}" if self.auto_augment else "",
                  f"random erasing p {self.random_erase:g}" if self.random_erase else ""]
         extra = ", ".join(step for step in steps if step)

@@ -157,6 +157,37 @@ CASES = [
     ("classifier", ["--pretrained", "/nonexistent/backbone.pt"], "--pretrained /nonexistent/backbone.pt: no such file"),
     ("classifier", ["--pretrained", "{moco}", "--arch", "lenet"], "a small_cnn backbone, but this run has --arch lenet"),
     ("classifier", ["--pretrained", "{corrupt}"], "truncated or not a PyTorch checkpoint"),
+    ("classifier", ["--auto-augment", "ta_wide"], "--auto-augment needs 8-bit images (cifar10, imagefolder, shards); "
+                                                  "--dataset digits's are float tensors: drop --auto-augment"),
+    ("classifier", ["--auto-augment", "rand"], "argument --auto-augment: invalid choice: 'rand'"),
+    ("classifier", ["--dataset", "imagefolder", "--data-dir", "{three_classes}", "--auto-augment", "ta_wide",
+                    "--aug-on", "device"], "--auto-augment runs per sample in the DataLoader workers, not on the "
+                                           "device: give --aug-on loader (or auto)"),
+    ("classifier", ["--random-erase", "0.1", "--aug-on", "device"], "--random-erase runs per sample in the DataLoader "
+                                                                    "workers, not on the device: give --aug-on loader"),
+    ("classifier", ["--dataset", "imagefolder", "--data-dir", "{three_classes}", "--auto-augment", "ta_wide",
+                    "--decode-on", "device"], "--decode-on device needs --aug-on device (the loader path decodes and "
+                                              "augments each image in the workers; --aug-on auto means the loader"),
+    ("classifier", ["--dataset", "imagefolder", "--data-dir", "{three_classes}", "--random-erase", "0.1",
+                    "--no-augment"], "--random-erase augments the training images and --no-augment turns "
+                                     "augmentation off; drop one of them"),
+    ("classifier", ["--random-erase", "1.5"], "--random-erase must be in [0, 1], got 1.5"),
+    ("classifier", ["--ra-magnitude", "5"], "--ra-magnitude applies to --auto-augment ra only; add it, or drop "
+                                            "--ra-magnitude"),
+    ("classifier", ["--auto-augment", "ra", "--ra-magnitude", "31", "--dataset", "imagefolder", "--data-dir",
+                    "{three_classes}"], "--ra-magnitude must be in [0, 30], got 31"),
+    ("classifier", ["--augmix-severity", "5"], "--augmix-severity applies to --auto-augment augmix only"),
+    ("classifier", ["--train-crop-size", "24"], "--train-crop-size applies to image files (imagefolder, shards), not "
+                                                "--dataset digits: drop it"),
+    ("classifier", ["--dataset", "cifar10", "--val-resize-size", "36"], "--val-resize-size applies to image files "
+                                                                        "(imagefolder, shards), not --dataset cifar10"),
+    ("classifier", ["--dataset", "imagefolder", "--data-dir", "{three_classes}", "--val-resize-size", "200"],
+     "--val-resize-size 200 is smaller than the evaluation crop --image-size 224: give at least 224"),
+    ("classifier", ["--dataset", "imagefolder", "--data-dir", "{three_classes}", "--arch", "lenet",
+                    "--train-crop-size", "8"], "--train-crop-size 8 is too small for --arch lenet: give at least 16"),
+    ("classifier", ["--dataset", "imagefolder", "--data-dir", "{three_classes}", "--arch", "resnet18",
+                    "--train-crop-size", "48"], "--arch resnet18 has a CIFAR stem up to 64 px and ImageNet's above, "
+                                                "chosen by --image-size 224: --train-crop-size 48 would train it"),
     ("moco", ["--no-augment"], "--no-augment: MoCo learns from two differently augmented views"),
     ("moco", ["--moco-k", "16", "--batch-size", "32"], "--moco-k 16 is smaller than the global batch"),
     ("moco", ["--moco-k", "48", "--batch-size", "32", "--accum-steps", "2"], "accum steps 2 x batch 32 = 64"),
@@ -188,6 +219,7 @@ IDS = [f"{script} {' '.join(args)}" for script, args, _ in CASES]
 # interpreter, as a user types it.
 THROUGH_CLI = [IDS.index(i) for i in (
     "classifier --lr nan", "classifier --resume {evil}", "classifier --dataset imagefolder --data-dir {no_train}",
+    "classifier --dataset imagefolder --data-dir {three_classes} --auto-augment ta_wide --aug-on device",
 )]  # a used --out and a typo: through the launchers, in test_user_path.py
 
 
@@ -286,14 +318,18 @@ def test_a_bad_fault_plan_is_a_usage_error(tmp_path, capsys, monkeypatch):
 # Where 0 or -1 is a legal value (0 = off / auto / plain SGD; -1 workers = auto; any seed).
 ZERO_OK = {"image_size", "workers", "max_steps", "momentum", "weight_decay", "warmup_steps", "clip_grad",
            "seed", "ckpt_every", "skip_nonfinite", "knn_every", "knn_bank_samples", "moco_m", "shard_cache_gb",
-           "shard_read_ahead", "lr_warmup_epochs", "label_smoothing", "norm_weight_decay", "bias_weight_decay"}
+           "shard_read_ahead", "lr_warmup_epochs", "label_smoothing", "norm_weight_decay", "bias_weight_decay",
+           "ra_magnitude", "random_erase", "train_crop_size", "val_resize_size"}
 NEGATIVE_OK = {"seed", "workers", "norm_weight_decay", "bias_weight_decay"}  # -1: unset
 IN_A_BUCKET = ["--dataset", "shards", "--data-dir", "s3://bucket/x"]  # where the object store's flags apply
 
 
 # what the flags that refine another need to apply at all
 NEEDS = {"lr_warmup_decay": ["--lr-schedule", "cosine-annealing", "--lr-warmup-epochs", "1"],
-         "model_ema_steps": ["--model-ema"], "model_ema_decay": ["--model-ema"]}
+         "model_ema_steps": ["--model-ema"], "model_ema_decay": ["--model-ema"],
+         "ra_magnitude": ["--dataset", "cifar10", "--auto-augment", "ra"],
+         "augmix_severity": ["--dataset", "cifar10", "--auto-augment", "augmix"],
+         "train_crop_size": ["--dataset", "imagefolder"], "val_resize_size": ["--dataset", "imagefolder"]}
 
 
 def applying(name: str) -> list[str]:
