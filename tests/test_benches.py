@@ -71,3 +71,17 @@ def test_augment_capture_probe_finds_the_augmentation_whole_under_torch_compile(
                           env=cli_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok torch.compile(fullgraph=True): max |compiled - eager|" in proc.stdout
+
+
+@pytest.mark.slow  # a process that writes JPEGs and imports torchvision: about 10 s
+def test_train_view_times_every_recipe_on_both_sides():
+    """bench/train_view.py on 4 JPEGs: a row per recipe, CPU milliseconds on both sides that an
+    image's decode and crop take at least and no sane pipeline exceeds, and the ratio of the two."""
+    proc = run_bench("train_view.py", timeout=120)
+    rows = table_rows(proc.stdout, "| recipe |")
+    assert list(rows) == ["classic: crop 224, flip", "v2: crop 176, flip, ta_wide, erase 0.1",
+                          "v2 with ra (magnitude 9)", "v2 with augmix (severity 3)"], proc.stdout
+    for name, (ours, theirs, ratio) in rows.items():
+        ours_ms, theirs_ms = float(ours), float(theirs)
+        assert 0.1 < ours_ms < 1000 and 0.1 < theirs_ms < 1000, (name, ours, theirs)
+        assert abs(float(ratio.rstrip("x")) - theirs_ms / ours_ms) <= 0.01 + 0.01 * theirs_ms / ours_ms, (name, ratio)
