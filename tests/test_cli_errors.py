@@ -45,7 +45,10 @@ def files(tmp_path_factory, trained_moco) -> dict[str, Path]:
     write_image_folder(root / "empty_class", per_class=2)
     (root / "empty_class/train/class9").mkdir()
     write_image_folder(root / "three_classes", per_class=2)
-    return {"cls": root / "cls/checkpoint_last.pt", "moco": trained_moco / "run/checkpoint_last.pt",
+    fixres = ["--dataset", "imagefolder", "--data-dir", str(root / "three_classes"), "--arch", "small_cnn",
+              "--workers", "0", "--train-crop-size", "12"]
+    assert train_classifier.main(common + fixres + ["--batch-size", "2", "--out", str(root / "fixres")]) == 0
+    return {"fixres": root / "fixres/checkpoint_last.pt", "cls": root / "cls/checkpoint_last.pt", "moco": trained_moco / "run/checkpoint_last.pt",
             "corrupt": root / "corrupt.pt", "evil": root / "evil.pt", "marker": root / "PWNED",
             "a_file": root / "a_file", "no_train": root / "no_train", "empty_class": root / "empty_class",
             "cls_dir": root / "cls", "three_classes": root / "three_classes"}
@@ -188,6 +191,9 @@ CASES = [
     ("classifier", ["--dataset", "imagefolder", "--data-dir", "{three_classes}", "--arch", "resnet18",
                     "--train-crop-size", "48"], "--arch resnet18 has a CIFAR stem up to 64 px and ImageNet's above, "
                                                 "chosen by --image-size 224: --train-crop-size 48 would train it"),
+    ("classifier", ["--resume", "{fixres}", "--dataset", "imagefolder", "--data-dir", "{three_classes}", "--arch",
+                    "small_cnn", "--image-size", "16", "--batch-size", "2", "--train-crop-size", "10"],
+     "its run had other settings (--train-crop-size 12 -> 10), so this would be another experiment"),
     ("moco", ["--no-augment"], "--no-augment: MoCo learns from two differently augmented views"),
     ("moco", ["--moco-k", "16", "--batch-size", "32"], "--moco-k 16 is smaller than the global batch"),
     ("moco", ["--moco-k", "48", "--batch-size", "32", "--accum-steps", "2"], "accum steps 2 x batch 32 = 64"),
