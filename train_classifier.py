@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_utils.config import UsageError, flag_name, opt
-from ddp_utils.data.pipeline import build_data
+from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import classifier_recipe
 from ddp_utils.data.sets import num_classes_of
@@ -143,12 +143,24 @@ class ClassifierConfig(TrainConfig):
                                  "1 - min(1, (1 - D) x global batch x --model-ema-steps / --epochs) of the average, "
                                  "the global batch being world size x --accum-steps x --batch-size (torchvision's "
                                  "world size x its per-GPU batch)", group=RECIPE, above=0, below=1)
+    ra_reps: int = opt(1, "repeated augmentation, torchvision's --ra-sampler --ra-reps N: each epoch every sample of "
+                       "the shuffled training split is repeated N times in a row and the sequence dealt out to the "
+                       "ranks in turn, so an image's N copies go to different ranks (when N <= world size), each "
+                       "augmented differently; a rank's epoch keeps its usual length (split size // world size "
+                       "samples), so it sees about 1/N of the distinct images; 1 = off (docs/recipe.md)",
+                       group=RECIPE, at_least=1)
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
         super().validate(launch, cuda_devices)
         if self.probe_bn and not self.linear_probe:
             raise UsageError("--probe-bn only applies with --linear-probe")
         self.check_recipe_flags()
+        if self.ra_reps > 1 and self.resolved_order() == "shards":
+            raise UsageError(f"--ra-reps {self.ra_reps} repeats samples of the samples order, but the shards order "
+                             f"reads whole shards per rank; add --order samples, or drop --ra-reps")
+
+    def data_plan(self, *args, **kwargs) -> DataPlan:
+        return dataclasses.replace(super().data_plan(*args, **kwargs), ra_reps=self.ra_reps)
 
     def check_recipe_flags(self) -> None:
         """The optimizer's flags that it would ignore, the EMA's without --model-ema, and a weight
