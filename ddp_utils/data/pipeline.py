@@ -219,6 +219,10 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
         return record_unreadable(made, raw, unreadable)
 
     sampler = training_order(plan, train_raw, world_size, rank)
+    if plan.ra_reps > 1 and rank == 0:
+        log.info("data: repeated augmentation: each sample %d times an epoch, its copies dealt to the ranks in turn; "
+                 "%d samples a rank an epoch, about %d distinct images in all", plan.ra_reps, sampler.num_samples,
+                 -(-sampler.num_samples * world_size // plan.ra_reps))
     train = batches(train_raw, sampler, _Kind(plan.recipe, plan.views, plan.seed, plan.batch_size, train=True))
     require_a_batch(len(train), len(train_raw), world_size, plan.batch_size)
     evaluation = _Kind(eval_recipe(plan.dataset, plan.normalization), views=1, seed=0, train=False,
