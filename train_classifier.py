@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_utils.config import UsageError, flag_name, opt
+from ddp_utils.data.object_store import is_object_store
 from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import classifier_recipe
@@ -156,8 +157,10 @@ class ClassifierConfig(TrainConfig):
             raise UsageError("--probe-bn only applies with --linear-probe")
         self.check_recipe_flags()
         if self.ra_reps > 1 and self.resolved_order() == "shards":
+            fix = "drop --ra-reps (an object store's shards are read in the shards order only)" \
+                if is_object_store(self.data_dir) else "add --order samples, or drop --ra-reps"
             raise UsageError(f"--ra-reps {self.ra_reps} repeats samples of the samples order, but the shards order "
-                             f"reads whole shards per rank; add --order samples, or drop --ra-reps")
+                             f"reads whole shards per rank; {fix}")
 
     def data_plan(self, *args, **kwargs) -> DataPlan:
         return dataclasses.replace(super().data_plan(*args, **kwargs), ra_reps=self.ra_reps)

@@ -142,6 +142,8 @@ CASES = [
     ("classifier", ["--dataset", "shards", "--data-dir", "{three_classes}", "--ra-reps", "4"],
      "--ra-reps 4 repeats samples of the samples order, but the shards order reads whole shards per rank; add "
      "--order samples, or drop --ra-reps"),
+    ("classifier", ["--dataset", "shards", "--data-dir", "s3://bucket/x", "--ra-reps", "2"],
+     "reads whole shards per rank; drop --ra-reps (an object store's shards are read in the shards order only)"),
     ("classifier", ["--resume", "{cls}", "--arch", "lenet", "--image-size", "16", "--batch-size", "16", "--ra-reps", "2",
                     "--allow-changes"],
      "saved part way through an epoch read with --ra-reps 1, which this run (--ra-reps 2) cannot continue; resume "
