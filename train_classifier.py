@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_utils.config import UsageError, flag_name, opt
+from ddp_utils.data.object_store import is_object_store
 from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import AUTO_AUGMENTS, EVAL_RESIZE, AugmentRecipe, classifier_recipe
@@ -145,6 +146,12 @@ class ClassifierConfig(TrainConfig):
                                  "1 - min(1, (1 - D) x global batch x --model-ema-steps / --epochs) of the average, "
                                  "the global batch being world size x --accum-steps x --batch-size (torchvision's "
                                  "world size x its per-GPU batch)", group=RECIPE, above=0, below=1)
+    ra_reps: int = opt(1, "repeated augmentation, torchvision's --ra-sampler --ra-reps N: each epoch every sample of "
+                       "the shuffled training split is repeated N times in a row and the sequence dealt out to the "
+                       "ranks in turn, so an image's N copies go to different ranks (when N <= world size), each "
+                       "augmented differently; a rank's epoch keeps its usual length (split size // world size "
+                       "samples), so it sees about 1/N of the distinct images; 1 = off (docs/recipe.md)",
+                       group=RECIPE, at_least=1)
     auto_augment: str = opt("", "automatic augmentation of each training image after its crop and flip, torchvision's "
                             "--auto-augment: imagenet, cifar10 or svhn = AutoAugment with that policy, ra = "
                             "RandAugment (--ra-magnitude), ta_wide = TrivialAugmentWide, augmix = AugMix "
@@ -173,6 +180,11 @@ class ClassifierConfig(TrainConfig):
             raise UsageError("--probe-bn only applies with --linear-probe")
         self.check_recipe_flags()
         self.check_augmentation_flags()
+        if self.ra_reps > 1 and self.resolved_order() == "shards":
+            fix = "drop --ra-reps (an object store's shards are read in the shards order only)" \
+                if is_object_store(self.data_dir) else "add --order samples, or drop --ra-reps"
+            raise UsageError(f"--ra-reps {self.ra_reps} repeats samples of the samples order, but the shards order "
+                             f"reads whole shards per rank; {fix}")
 
     def check_recipe_flags(self) -> None:
         """The optimizer's flags that it would ignore, the EMA's without --model-ema, and a weight
@@ -257,7 +269,8 @@ class ClassifierConfig(TrainConfig):
     def data_plan(self, resolved: dict, recipe: AugmentRecipe, bank_samples: int | None = None,
                   listings: tuple | None = None) -> DataPlan:
         plan = super().data_plan(resolved, recipe, bank_samples, listings)
-        return dataclasses.replace(plan, train_size=self.train_crop_size, val_resize=self.val_resize_size)
+        return dataclasses.replace(plan, ra_reps=self.ra_reps, train_size=self.train_crop_size,
+                                   val_resize=self.val_resize_size)
 
     def weight_decay_of(self, name: str) -> float | None:
         """--norm-weight-decay or --bias-weight-decay (``name``) as torchvision's: None when unset."""

@@ -141,6 +141,16 @@ CASES = [
     ("classifier", ["--optimizer", "rmsprop", "--nesterov"], "--nesterov is SGD's; --optimizer rmsprop has no such"),
     ("classifier", ["--nesterov", "--momentum", "0"], "--nesterov needs momentum: give --momentum above 0"),
     ("classifier", ["--optimizer", "adamw", "--momentum", "0.8"], "--momentum does nothing with --optimizer adamw"),
+    ("classifier", ["--ra-reps", "0"], "--ra-reps must be >= 1, got 0"),
+    ("classifier", ["--dataset", "shards", "--data-dir", "{three_classes}", "--ra-reps", "4"],
+     "--ra-reps 4 repeats samples of the samples order, but the shards order reads whole shards per rank; add "
+     "--order samples, or drop --ra-reps"),
+    ("classifier", ["--dataset", "shards", "--data-dir", "s3://bucket/x", "--ra-reps", "2"],
+     "reads whole shards per rank; drop --ra-reps (an object store's shards are read in the shards order only)"),
+    ("classifier", ["--resume", "{cls}", "--arch", "lenet", "--image-size", "16", "--batch-size", "16", "--ra-reps", "2",
+                    "--allow-changes"],
+     "saved part way through an epoch read with --ra-reps 1, which this run (--ra-reps 2) cannot continue; resume "
+     "with --ra-reps 1, or from a checkpoint at an epoch's end"),
     ("classifier", ["--model-ema-steps", "8"], "--model-ema-steps does nothing without --model-ema"),
     ("classifier", ["--model-ema", "--model-ema-steps", "0"], "--model-ema-steps must be positive, got 0"),
     ("classifier", ["--model-ema", "--model-ema-decay", "1"], "--model-ema-decay must be in (0, 1), got 1.0"),
@@ -225,6 +235,7 @@ IDS = [f"{script} {' '.join(args)}" for script, args, _ in CASES]
 # interpreter, as a user types it.
 THROUGH_CLI = [IDS.index(i) for i in (
     "classifier --lr nan", "classifier --resume {evil}", "classifier --dataset imagefolder --data-dir {no_train}",
+    "classifier --dataset shards --data-dir {three_classes} --ra-reps 4",
     "classifier --dataset imagefolder --data-dir {three_classes} --auto-augment ta_wide --aug-on device",
 )]  # a used --out and a typo: through the launchers, in test_user_path.py
 

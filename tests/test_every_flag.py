@@ -100,12 +100,13 @@ ONLY = {
         "model_ema": (["--model-ema"], "weights"),
         "model_ema_steps": (["--model-ema-steps", "1"], "weights", ["--model-ema"]),
         "model_ema_decay": (["--model-ema-decay", "0.9"], "weights", ["--model-ema", "--model-ema-steps", "1"]),
+        "ra_reps": (["--ra-reps", "2"], "weights"),
         # digits are float tensors; on 8-bit images: tests/test_augment_recipe.py
         "auto_augment": (["--auto-augment", "ta_wide"], "refused"),
         "ra_magnitude": (["--ra-magnitude", "5"], "refused"),  # without --auto-augment ra
         "augmix_severity": (["--augmix-severity", "5"], "refused"),  # without --auto-augment augmix
         "random_erase": (["--random-erase", "0.5"], "weights", ["--aug-on", "loader"]),
-        # digits; on image files: tests/test_augment_recipe.py, tests/test_user_path.py
+        # digits; on image files: tests/test_augment_recipe.py
         "train_crop_size": (["--train-crop-size", "24"], "refused"),
         "val_resize_size": (["--val-resize-size", "24"], "refused"),
     },
@@ -165,7 +166,7 @@ SECTIONS_OF = {
     "classifier": {**SECTIONS, "pretrained backbone": ["pretrained", "linear_probe", "probe_bn"],
                    "torchvision's recipe: loss, optimizer, weight average": [
                        "label_smoothing", "optimizer", "nesterov", "norm_weight_decay", "bias_weight_decay", "model_ema",
-                       "model_ema_steps", "model_ema_decay"],
+                       "model_ema_steps", "model_ema_decay", "ra_reps"],
                    "torchvision's recipe: augmentation and image sizes": [
                        "auto_augment", "ra_magnitude", "augmix_severity", "random_erase", "train_crop_size",
                        "val_resize_size"]},

@@ -50,6 +50,7 @@ from .batch_augment import DeviceAugment, PreparedAhead
 from .data_stream import CudaCalls, DataStream, HandedOut, Made
 from .host_memory import KEPT_PER_WORKER
 from .image_files import jpeg_decoder, sample_path
+from .order import augmentation_index
 
 ATLAS_WIDTH = 2048  # px: rows of the atlas are at least this wide (wider for a wider image)
 EDGE = 1  # px: each image's edge repeated around it in the atlas (what the resampling may read beyond a crop)
@@ -57,12 +58,12 @@ EDGE = 1  # px: each image's edge repeated around it in the atlas (what the resa
 
 # ----------------------------------------------------------------------------- 1. in the worker
 def collate_files(samples: list) -> list:
-    """A batch of image files from (image, target, epoch, index) samples: decoded images (3 x h x w
+    """A batch of image files from (image, target, epoch, index[, repetition]) samples: decoded images (3 x h x w
     uint8, each its own size) packed here, in the worker (:class:`PackedImages`, its atlas in a
     buffer the worker reuses); a batch that holds encoded ones (1-D bytes: ``--decode-on device``)
     joined into one :class:`EncodedBatch`."""
     images = [sample[0] for sample in samples]
-    rest = default_collate([sample[1:] for sample in samples])  # targets, epochs, index
+    rest = default_collate([sample[1:] for sample in samples])  # targets, epochs, index[, repetitions]
     return [EncodedBatch.join(images) if any(image.dim() == 1 for image in images) else pack_to_share(images), *rest]
 
 
@@ -317,7 +318,7 @@ class FinishOnDevice:
             return self.stream.run(lambda: self._finish_here(batch), hold=(source,))
 
     def _finish_here(self, batch: list) -> tuple:
-        images, targets, epochs, index = batch
+        images, targets, epochs, index, *reps = batch  # repetitions: repeated augmentation's samples
         if isinstance(images, EncodedBatch):  # decoded and packed on the device
             with record_function("device_finish/decode"):
                 decoded, failed = decode_on(self.device, images)
@@ -333,7 +334,8 @@ class FinishOnDevice:
             atlas, places = images.atlas, images.places
             with record_function("device_finish/copy"):
                 atlas = atlas.contiguous().to(self.device, non_blocking=True)  # contiguous: pack's always is
-        views = self.augment.packed(atlas, places, int(epochs[0]), index)
+        drawn = augmentation_index(index, reps[0]) if reps else index  # each repetition augmented differently
+        views = self.augment.packed(atlas, places, int(epochs[0]), drawn)
         if isinstance(images, PackedImages):
             images.release()  # copied out (or pinned already): its worker may fill the buffer again
         return views, targets

@@ -18,6 +18,30 @@ Training, epoch ``e`` of a job of ``W`` ranks, ``B`` samples a rank's batch (see
   3. it shuffles its piece within consecutive windows of ``SHUFFLE_SHARDS`` shards (drawn from
      (s, e, r)), which it reads in batches of ``B`` (a last part batch is dropped).
 
+**Repeated augmentation** (``--ra-reps N``, N >= 2; :class:`RepeatedAugmentationSampler`; a
+variant of the samples order, as torchvision's ``RASampler``, whose ResNet-50 recipe takes N = 4):
+
+1. the epoch's permutation of all samples, the samples order's (drawn from (s, e));
+2. each index repeated N times in a row: i0 i0 .. i0, i1 i1 .. i1, ...;
+3. padded, from its start, to a multiple of W;
+4. rank ``r`` takes every W-th entry from the ``r``-th, so an image's N repetitions land on N
+   different ranks when N <= W (and a rank meets an image twice only when N > W);
+5. each rank keeps the first ``len(dataset) // W`` of them: an epoch as long as without
+   repetition, made of about ``len(dataset) / N`` distinct images, each seen N times (step 3's
+   padding is never reached). torchvision cuts to ``len // 256 * 256 / W`` instead; on a small
+   data set that rounding drops a large share of the epoch (all of it below 256 samples), so the
+   cut here is the plain per-rank share;
+6. batches of B in that order, a last part batch dropped.
+
+Each entry is keyed (epoch, index, repetition), and the augmentation is seeded from
+:func:`augmentation_index` (the index, with the repetition in its high 32 bits): each
+repetition of an image is augmented differently, while repetition 0, and every sample without
+``--ra-reps``, keeps the seed it had before repetition existed. A checkpoint part way through an
+epoch resumes it as the samples order does (the position counted in entries of the repeated
+sequence, which every rank shares in the same strided way: at another world size or batch the
+epoch continues near the saved position, exactly where the consumed entries divide evenly);
+it records N, and a run with another N cannot continue that epoch.
+
 Either order is a function of (seed, epoch, W) alone, so a resume at the same shape skips the
 batches its checkpoint consumed and sees the rest exactly. Each sampler says in its
 :meth:`state_dict` how far an epoch went, as *segments* (world size, batch size, batches per
@@ -43,7 +67,8 @@ SHUFFLE_SHARDS = 4  # a rank shuffles its samples within windows of this many co
 # and the batch before theirs is kept for a batch's delay
 SHARDS_IN_USE = 2 * SHUFFLE_SHARDS + 1
 ORDERS = ("samples", "shards")
-Key = tuple[int, int]  # (epoch, sample index), what a training sampler yields
+# (epoch, sample index) or, repeated augmentation's, (epoch, sample index, repetition): what a training sampler yields
+Key = tuple[int, ...]
 Segment = list[int]    # [world size, batch size, batches per rank] of one part of an epoch
 
 
@@ -51,12 +76,28 @@ def _position(epoch: int, segments: Sequence[Segment]) -> dict[str, Any]:
     return {"epoch": epoch, "segments": [list(map(int, segment)) for segment in segments]}
 
 
-def _check_kind(saved: dict[str, Any], kind: str) -> None:
-    """A checkpoint saved part way through an epoch of the other order cannot continue it."""
+def _check_kind(saved: dict[str, Any], kind: str, reps: int = 1) -> None:
+    """A checkpoint saved part way through an epoch of the other order, or of the samples order
+    with another number of repetitions (``--ra-reps``; 1 in checkpoints that do not say), cannot
+    continue it."""
     if saved["segments"] and saved["order"] != kind:
         raise UsageError(f"saved part way through an epoch read in the {saved['order']} order, which this run "
                          f"(--order {kind}) cannot continue; resume with --order {saved['order']}, or from a "
                          f"checkpoint at an epoch's end")
+    saved_reps = saved.get("reps", 1)
+    if saved["segments"] and saved_reps != reps:
+        raise UsageError(f"saved part way through an epoch read with --ra-reps {saved_reps}, which this run "
+                         f"(--ra-reps {reps}) cannot continue; resume with --ra-reps {saved_reps}, or from a "
+                         f"checkpoint at an epoch's end")
+
+
+def augmentation_index(index, rep):
+    """The number a sample's augmentation is keyed by (with the seed and epoch): its index, and
+    its repetition ``rep`` (repeated augmentation) in the high 32 bits, so that repetition 0 is
+    keyed as the sample always was (``hashing`` hashes a word's high half only after its low
+    one, and a zero high half of an index below 2**32 is what it hashed before). Python ints or
+    int64 tensors."""
+    return index + (rep << 32)
 
 
 def _whole_windows(batches: int, accum_steps: int) -> int:
@@ -69,6 +110,7 @@ class ResumableDistributedSampler(DistributedSampler):
     ``batch_size``: a rank's batch, which a checkpoint's position counts in."""
 
     kind = "samples"
+    reps = 1  # each sample's repetitions an epoch (RepeatedAugmentationSampler's --ra-reps)
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, batch_size: int = 1):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
@@ -88,20 +130,50 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def state_dict(self, epoch: int, batches_done: int) -> dict[str, Any]:
         """What a checkpoint at ``batches_done`` batches into ``epoch`` needs to continue it."""
-        return {"order": self.kind, **_position(epoch, [[self.num_replicas, self.batch_size, batches_done]]
-                                                if batches_done else [])}
+        reps = {"reps": self.reps} if self.reps > 1 else {}  # without repetition: the checkpoint as before
+        return {"order": self.kind, **reps, **_position(epoch, [[self.num_replicas, self.batch_size, batches_done]]
+                                                        if batches_done else [])}
 
     def continue_from(self, saved: dict[str, Any], accum_steps: int) -> tuple[int, str]:
         """(batches of the saved epoch this run skips, a remark when that is not exactly the
         saved position): the same sample position at this run's shape, rounded down to a whole
-        window of ``accum_steps`` (a few samples are seen again rather than skipped)."""
-        _check_kind(saved, self.kind)
+        window of ``accum_steps`` (a few samples are seen again rather than skipped). Bad input
+        when the epoch was saved part way with another ``reps``."""
+        _check_kind(saved, self.kind, self.reps)
         consumed = sum(world * batch * batches for world, batch, batches in saved["segments"])
         exact = consumed % (self.num_replicas * self.batch_size) == 0
         batches = _whole_windows(consumed // (self.num_replicas * self.batch_size), accum_steps)
         if exact and batches * self.num_replicas * self.batch_size == consumed:
             return batches, ""
         return batches, "the epoch continues near, not exactly at, the saved position"
+
+
+class RepeatedAugmentationSampler(ResumableDistributedSampler):
+    """Repeated augmentation (module docstring), ``reps`` >= 2 repetitions of each sample an
+    epoch, yielding (epoch, index, repetition) keys; a rank's epoch is ``len(dataset) //
+    num_replicas`` of them. Resumes as :class:`ResumableDistributedSampler`, its position
+    counted in entries of the repeated sequence."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, batch_size: int = 1,
+                 reps: int = 2):
+        super().__init__(dataset, num_replicas, rank, seed, batch_size)
+        if reps < 2:
+            raise ValueError(f"repeated augmentation needs reps >= 2, got {reps}")
+        self.reps = reps
+        self.num_samples = len(dataset) // num_replicas  # type: ignore[arg-type]
+
+    def keys_of_epoch(self) -> list[Key]:
+        """This rank's whole epoch, from its start (before ``skip``)."""
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)  # the samples order's permutation
+        permutation = torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
+        repeated = [(index, rep) for index in permutation for rep in range(self.reps)]
+        repeated += repeated[:-len(repeated) % self.num_replicas]  # padded to a multiple of the world size
+        mine = repeated[self.rank::self.num_replicas][:self.num_samples]
+        return [(self.epoch, index, rep) for index, rep in mine]
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self.keys_of_epoch()[self.skip:])
 
 
 def epoch_sequence(shard_of: np.ndarray, seed: int, epoch: int) -> np.ndarray:

@@ -47,7 +47,15 @@ from .image_files import (
     read_as,
     record_unreadable,
 )
-from .order import SHARDS_IN_USE, Key, ResumableDistributedSampler, ShardAwareSampler, ShardedEvalSampler
+from .order import (
+    SHARDS_IN_USE,
+    Key,
+    RepeatedAugmentationSampler,
+    ResumableDistributedSampler,
+    ShardAwareSampler,
+    ShardedEvalSampler,
+    augmentation_index,
+)
 from .recipes import AugmentRecipe, eval_recipe
 from .sets import bank_subset, in_memory_tensors, load_raw_splits, num_classes_of
 from .shard_cache import NodeCache, ReadAhead, ReadAheadLoader, SplitShards
@@ -100,6 +108,7 @@ class DataPlan:
     decode_on_device: bool = False
     bank_samples: int | None = None  # MoCo's kNN bank: this many training samples (0: all); None: no bank
     order: str = "samples"           # the training order: "samples" or "shards" (``order``)
+    ra_reps: int = 1                 # the samples order's repetitions of each sample an epoch (--ra-reps; 1: none)
     store: StoreCache | None = None  # shards from an object store: the node's cache
     train_size: int = 0              # px of the training views' side (FixRes); 0: image_size
     val_resize: int = 0              # image files' evaluation view: short side resized to this, then the
@@ -220,6 +229,10 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
         return record_unreadable(made, raw, unreadable)
 
     sampler = training_order(plan, train_raw, world_size, rank)
+    if plan.ra_reps > 1 and rank == 0:
+        log.info("data: repeated augmentation: each sample %d times an epoch, its copies dealt to the ranks in turn; "
+                 "%d samples a rank an epoch, about %d distinct images in all", plan.ra_reps, sampler.num_samples,
+                 -(-sampler.num_samples * world_size // plan.ra_reps))
     train = batches(train_raw, sampler, _Kind(plan.recipe, plan.views, plan.seed, plan.batch_size, train=True,
                                               size=plan.train_image_size))
     require_a_batch(len(train), len(train_raw), world_size, plan.batch_size)
@@ -248,9 +261,14 @@ def raw_splits(plan: DataPlan, shard_cache: NodeCache | None = None) -> tuple[Da
 def training_order(plan: DataPlan, train_raw: Dataset, world_size: int, rank: int
                    ) -> ResumableDistributedSampler | ShardAwareSampler:
     """Rank ``rank``'s order of the training split, the plan's (``order``): the shards order
-    (each rank reads whole shards), or one permutation of the samples shared out."""
+    (each rank reads whole shards), or one permutation of the samples shared out, each sample
+    ``plan.ra_reps`` times in a row when that is above 1 (repeated augmentation)."""
     if plan.order == "shards":
+        if plan.ra_reps > 1:  # the configuration refuses it first (--ra-reps with --order shards)
+            raise UsageError("repeated augmentation (--ra-reps) needs the samples order; drop --order shards")
         return ShardAwareSampler(shards_of(train_raw), world_size, rank, plan.seed, plan.batch_size)
+    if plan.ra_reps > 1:
+        return RepeatedAugmentationSampler(train_raw, world_size, rank, plan.seed, plan.batch_size, plan.ra_reps)
     return ResumableDistributedSampler(train_raw, world_size, rank, plan.seed, plan.batch_size)
 
 
@@ -374,12 +392,15 @@ def plan_memory(plan: DataPlan, train_raw: Dataset):
 
 # ----------------------------------------------------------------------------- samples and their order
 class SeededTransform(Dataset):
-    """``transform(base[i])`` with the RNG seeded from (seed, epoch, i).
+    """``transform(base[i])`` with the RNG seeded from (seed, epoch, i), ``i`` with the sample's
+    repetition in its high bits (``order.augmentation_index``: repetition 0 seeds as the index).
 
-    The key is an (epoch, index) pair from :class:`ResumableDistributedSampler`, so the epoch
-    travels with the index into persistent workers; a plain index (evaluation) means epoch 0.
-    The caller's global RNG is restored afterwards. ``with_key``: also return (epoch, index), for
-    the half of the augmentation that runs on the device (``files_on_device.FinishOnDevice``).
+    The key is an (epoch, index) pair from :class:`ResumableDistributedSampler`, or (epoch,
+    index, repetition) from :class:`RepeatedAugmentationSampler`, so the epoch travels with the
+    index into persistent workers; a plain index (evaluation) means epoch 0. The caller's global
+    RNG is restored afterwards. ``with_key``: also return the key's elements (epoch, index[,
+    repetition]), for the half of the augmentation that runs on the device
+    (``files_on_device.FinishOnDevice``).
     """
 
     def __init__(self, base: Dataset, transform: Callable | None, seed: int, with_key: bool = False):
@@ -389,15 +410,16 @@ class SeededTransform(Dataset):
         return len(self.base)  # type: ignore[arg-type]
 
     def __getitem__(self, key: Key | int):
-        epoch, index = key if isinstance(key, tuple) else (0, key)
+        key = key if isinstance(key, tuple) else (0, key)
+        epoch, index, rep = (*key, 0)[:3]
         image, target = self.base[index]
         if self.transform is not None:
             with torch.random.fork_rng(devices=[]):
                 # the CPU generator alone (the transforms' own): torch.manual_seed would also queue
                 # a seed for every CUDA device, which costs a millisecond per sample
-                torch.default_generator.manual_seed(hashing.seed(self.seed, epoch, index))
+                torch.default_generator.manual_seed(hashing.seed(self.seed, epoch, augmentation_index(index, rep)))
                 image = self.transform(image)
-        return (image, target, epoch, index) if self.with_key else (image, target)
+        return (image, target, *key) if self.with_key else (image, target)
 
 
 # ----------------------------------------------------------------------------- in-memory data on the device
@@ -430,12 +452,14 @@ class DeviceBatches:
         device = self.images.device
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             chunk = keys[start:start + self.batch_size]
-            index = torch.tensor([i for _, i in chunk])  # B, on the host: the augmentation draws there
+            index = torch.tensor([key[1] for key in chunk])  # B, on the host: the augmentation draws there
+            # each repetition (repeated augmentation's third key element) augmented differently
+            drawn = torch.tensor([augmentation_index(key[1], key[2] if len(key) > 2 else 0) for key in chunk])
             host = index.pin_memory() if device.type == "cuda" else index  # held until its copy is done
 
-            def make(chunk=chunk, index=index, host=host):
+            def make(chunk=chunk, drawn=drawn, host=host):
                 on_device = to_device(host, device)
-                return self.augment(self.images[on_device], chunk[0][0], index), self.targets[on_device]
+                return self.augment(self.images[on_device], chunk[0][0], drawn), self.targets[on_device]
             yield self.stream.run(make, hold=(host,))
 
 
