@@ -501,8 +501,9 @@ def test_the_classifier_recipes_and_their_pipelines():
 
     cifar = classifier_recipe("cifar10", 32)
     assert (cifar.pad_crop, cifar.flip, cifar.crop_scale) == (4, True, None)
-    assert _steps(view_transform(cifar, "cifar10", 32)) == ["ToImage", "RandomCrop", "ToDtype",
-                                                             "RandomHorizontalFlip", "Normalize", "ToPureTensor"]
+    # no colour step: the flip right after the crop, torchvision's order (the same pixels and draws)
+    assert _steps(view_transform(cifar, "cifar10", 32)) == ["ToImage", "RandomCrop", "RandomHorizontalFlip",
+                                                             "ToDtype", "Normalize", "ToPureTensor"]
     resized = view_transform(classifier_recipe("cifar10", 48), "cifar10", 48)  # resized to 48, then padded by 6
     assert _steps(resized)[1:3] == ["Resize", "RandomCrop"] and resized.transforms[2].padding == [6, 6, 6, 6]
     assert not classifier_recipe("digits", 32).flip
