@@ -29,7 +29,8 @@ world_size x --accum-steps x --batch-size, logged at start. --lr is not rescaled
 
 torchvision's recipe (references/classification/train.py), flag for flag: --label-smoothing, --optimizer,
 --nesterov, --norm-weight-decay, --bias-weight-decay, --lr-schedule cosine-annealing with --lr-warmup-epochs,
---lr-warmup-method and --lr-warmup-decay, --model-ema, --model-ema-steps, --model-ema-decay (docs/recipe.md).
+--lr-warmup-method and --lr-warmup-decay, --model-ema, --model-ema-steps, --model-ema-decay, --mixup-alpha,
+--cutmix-alpha (docs/recipe.md).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_utils.config import UsageError, flag_name, opt
+from ddp_utils.data.mixing import BatchMixer
 from ddp_utils.data.pipeline import build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import classifier_recipe
@@ -143,6 +145,15 @@ class ClassifierConfig(TrainConfig):
                                  "1 - min(1, (1 - D) x global batch x --model-ema-steps / --epochs) of the average, "
                                  "the global batch being world size x --accum-steps x --batch-size (torchvision's "
                                  "world size x its per-GPU batch)", group=RECIPE, above=0, below=1)
+    mixup_alpha: float = opt(0.0, "MixUp (torchvision's transforms.v2.MixUp, its --mixup-alpha): each training "
+                             "micro-batch becomes lambda x itself + (1 - lambda) x itself rolled by one image, its "
+                             "one-hot targets likewise, lambda ~ Beta(alpha, alpha) drawn per micro-batch and rank; "
+                             "0 = off", group=RECIPE, at_least=0)
+    cutmix_alpha: float = opt(0.0, "CutMix (torchvision's transforms.v2.CutMix, its --cutmix-alpha): a box of each "
+                              "training micro-batch's images is pasted from the image before it, the targets mixed by "
+                              "the box's share of the area (1 - lambda, lambda ~ Beta(alpha, alpha)); with "
+                              "--mixup-alpha too, each micro-batch gets one of the two, probability 0.5 each; 0 = off",
+                              group=RECIPE, at_least=0)
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
         super().validate(launch, cuda_devices)
@@ -170,6 +181,9 @@ class ClassifierConfig(TrainConfig):
                 if getattr(self, name) != defaults[name]:
                     raise UsageError(f"{flag_name(name)} does nothing without --model-ema; add it, or drop "
                                      f"{flag_name(name)}")
+        if (self.mixup_alpha or self.cutmix_alpha) and self.batch_size < 2:
+            raise UsageError("--mixup-alpha/--cutmix-alpha mix the images of a micro-batch with each other: give "
+                             "--batch-size 2 or more, or drop them")
 
     def weight_decay_of(self, name: str) -> float | None:
         """--norm-weight-decay or --bias-weight-decay (``name``) as torchvision's: None when unset."""
@@ -245,8 +259,16 @@ def restore_ema(ema: WeightsEMA, resume: Resume | None, info: DistInfo) -> None:
 
 
 def training_criterion(cfg: ClassifierConfig) -> nn.Module:
-    """The training loss: cross-entropy, with --label-smoothing (evaluation's stays plain)."""
+    """The training loss: cross-entropy, with --label-smoothing (evaluation's stays plain), of integer
+    targets or of the soft ones MixUp/CutMix make (smoothing then applies on top, as torchvision's)."""
     return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+
+def batch_mixer(cfg: ClassifierConfig, num_classes: int, rank: int) -> BatchMixer:
+    """--mixup-alpha/--cutmix-alpha: torchvision's MixUp/CutMix of each training micro-batch on the
+    device, seeded from (--seed, epoch, micro-batch of the epoch, rank) so that a resume replays it
+    (``ddp_utils/data/mixing.py``); with both 0 it passes the batch through."""
+    return BatchMixer(cfg.mixup_alpha, cfg.cutmix_alpha, num_classes, cfg.seed, rank)
 
 
 def backbone_remarks(cfg: ClassifierConfig, trained: int | None) -> list[str]:
@@ -305,9 +327,13 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
     micro-batches; return early at --max-steps or a stop signal."""
     cfg, info = run.cfg, run.info
     criterion = training_criterion(cfg)
+    mix = batch_mixer(cfg, run.loaders.num_classes, info.rank)
     run.network.train()
     for micro, (images, targets) in run.batches.this_epoch():
         images, targets = to_device(images, info.device), targets.to(info.device, non_blocking=True)
+        # MixUp/CutMix within this rank's micro-batch, soft targets out; keyed by the micro-batch's
+        # index in the epoch (batches_done already counts it), so a resume or a replay mixes alike
+        images, targets = mix(images, targets, run.state.epoch, run.state.batches_done - 1)
         # DDP all-reduces gradients inside backward(); under no_sync() it only adds them up in
         # .grad. Skipping it on all but the window's last micro-step sends them once per step.
         with no_sync(run.network, enabled=not micro.is_last):
