@@ -100,6 +100,8 @@ ONLY = {
         "model_ema": (["--model-ema"], "weights"),
         "model_ema_steps": (["--model-ema-steps", "1"], "weights", ["--model-ema"]),
         "model_ema_decay": (["--model-ema-decay", "0.9"], "weights", ["--model-ema", "--model-ema-steps", "1"]),
+        "mixup_alpha": (["--mixup-alpha", "0.2"], "weights"),
+        "cutmix_alpha": (["--cutmix-alpha", "1.0"], "weights"),
     },
     "moco": {
         "preset": (["--preset", "v1"], "weights"),
@@ -157,7 +159,7 @@ SECTIONS_OF = {
     "classifier": {**SECTIONS, "pretrained backbone": ["pretrained", "linear_probe", "probe_bn"],
                    "torchvision's recipe: loss, optimizer, weight average": [
                        "label_smoothing", "optimizer", "nesterov", "norm_weight_decay", "bias_weight_decay", "model_ema",
-                       "model_ema_steps", "model_ema_decay"]},
+                       "model_ema_steps", "model_ema_decay", "mixup_alpha", "cutmix_alpha"]},
     "moco": {**SECTIONS, "MoCo": ["moco_dim", "moco_k", "moco_m", "moco_m_cos", "moco_t", "symmetric", "mlp", "aug",
                                   "crop_min", "shuffle_bn", "bn_splits", "sync_bn", "export_backbone"],
              "kNN monitor": ["knn_k", "knn_t", "knn_features", "knn_every", "knn_bank_samples"]},
