@@ -302,6 +302,10 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         model = build_network(cfg, info, loaders.num_classes)
         ema = build_ema(cfg, model, info) if cfg.model_ema else None
+        if info.is_main and (cfg.mixup_alpha or cfg.cutmix_alpha):
+            log.info("%s of each training micro-batch on each rank: soft targets, train/loss against them",
+                     " or ".join(f"{name} alpha {alpha:g}" for name, alpha in
+                                 (("MixUp", cfg.mixup_alpha), ("CutMix", cfg.cutmix_alpha)) if alpha))
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
         groups = parameter_groups(model, cfg.weight_decay, cfg.weight_decay_of("norm_weight_decay"),
                                   cfg.weight_decay_of("bias_weight_decay"))  # frozen parameters left out

@@ -12,7 +12,10 @@ trained on and the loss of each micro-step, and the reference trains a fresh cop
 initial network on exactly those batches. After every step: the loss, every weight and
 buffer, every EMA tensor and the LR and weight decay of every parameter group. A negative
 control (norm layers decayed like the rest; no EMA reset in the warm-up) must fail the same
-comparison. Then the pieces at larger sizes: the schedule over 30 epochs, the groups on a
+comparison. With --mixup-alpha/--cutmix-alpha the reference mixes the same micro-batches with
+torchvision's v2.MixUp/CutMix/RandomChoice under the documented seeding contract (a whole-window
+or index-free seeding must fail), and a 2-rank mixed run resumes mid-epoch bit for bit (slow
+tier; tests/mixing_probe.py records its targets). Then the pieces at larger sizes: the schedule over 30 epochs, the groups on a
 ResNet-18, each optimizer, the EMA's update, the EMA on 2 ranks, an EMA added on resume. (The
 EMA restored bit for bit on a mid-epoch resume on 2 ranks: tests/test_training.py.)"""
 from __future__ import annotations
