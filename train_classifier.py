@@ -145,15 +145,15 @@ class ClassifierConfig(TrainConfig):
                                  "1 - min(1, (1 - D) x global batch x --model-ema-steps / --epochs) of the average, "
                                  "the global batch being world size x --accum-steps x --batch-size (torchvision's "
                                  "world size x its per-GPU batch)", group=RECIPE, above=0, below=1)
-    mixup_alpha: float = opt(0.0, "MixUp (torchvision's transforms.v2.MixUp, its --mixup-alpha): each training "
-                             "micro-batch becomes lambda x itself + (1 - lambda) x itself rolled by one image, its "
-                             "one-hot targets likewise, lambda ~ Beta(alpha, alpha) drawn per micro-batch and rank; "
-                             "0 = off", group=RECIPE, at_least=0)
-    cutmix_alpha: float = opt(0.0, "CutMix (torchvision's transforms.v2.CutMix, its --cutmix-alpha): a box of each "
-                              "training micro-batch's images is pasted from the image before it, the targets mixed by "
-                              "the box's share of the area (1 - lambda, lambda ~ Beta(alpha, alpha)); with "
-                              "--mixup-alpha too, each micro-batch gets one of the two, probability 0.5 each; 0 = off",
-                              group=RECIPE, at_least=0)
+    mixup_alpha: float = opt(0.0, "MixUp (torchvision's transforms.v2.MixUp, its --mixup-alpha): each image of a training "
+                             "micro-batch becomes lambda x itself + (1 - lambda) x the image before it (the first "
+                             "takes the last), the one-hot targets likewise; lambda ~ Beta(alpha, alpha), one per "
+                             "micro-batch and rank; 0 = off", group=RECIPE, at_least=0)
+    cutmix_alpha: float = opt(0.0, "CutMix (torchvision's transforms.v2.CutMix, its --cutmix-alpha): a box of about "
+                              "1 - lambda of the area, lambda ~ Beta(alpha, alpha), pasted into each image of a "
+                              "training micro-batch from the image before it, the one-hot targets mixed by the area "
+                              "actually pasted; with --mixup-alpha too, each micro-batch gets one of the two, "
+                              "probability 0.5 each; 0 = off", group=RECIPE, at_least=0)
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
         super().validate(launch, cuda_devices)
@@ -335,8 +335,7 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
     run.network.train()
     for micro, (images, targets) in run.batches.this_epoch():
         images, targets = to_device(images, info.device), targets.to(info.device, non_blocking=True)
-        # MixUp/CutMix within this rank's micro-batch, soft targets out; keyed by the micro-batch's
-        # index in the epoch (batches_done already counts it), so a resume or a replay mixes alike
+        # MixUp/CutMix in this rank's micro-batch (soft targets), keyed by its index in the epoch
         images, targets = mix(images, targets, run.state.epoch, run.state.batches_done - 1)
         # DDP all-reduces gradients inside backward(); under no_sync() it only adds them up in
         # .grad. Skipping it on all but the window's last micro-step sends them once per step.
