@@ -29,7 +29,8 @@ world_size x --accum-steps x --batch-size, logged at start. --lr is not rescaled
 
 torchvision's recipe (references/classification/train.py), flag for flag: --label-smoothing, --optimizer,
 --nesterov, --norm-weight-decay, --bias-weight-decay, --lr-schedule cosine-annealing with --lr-warmup-epochs,
---lr-warmup-method and --lr-warmup-decay, --model-ema, --model-ema-steps, --model-ema-decay (docs/recipe.md).
+--lr-warmup-method and --lr-warmup-decay, --model-ema, --model-ema-steps, --model-ema-decay, --mixup-alpha,
+--cutmix-alpha (docs/recipe.md).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_utils.config import UsageError, flag_name, opt
+from ddp_utils.data.mixing import BatchMixer
 from ddp_utils.data.object_store import is_object_store
 from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.preview import augmentation_grid
@@ -146,12 +148,15 @@ class ClassifierConfig(TrainConfig):
                                  "1 - min(1, (1 - D) x global batch x --model-ema-steps / --epochs) of the average, "
                                  "the global batch being world size x --accum-steps x --batch-size (torchvision's "
                                  "world size x its per-GPU batch)", group=RECIPE, above=0, below=1)
-    ra_reps: int = opt(1, "repeated augmentation, torchvision's --ra-sampler --ra-reps N: each epoch every sample of "
-                       "the shuffled training split is repeated N times in a row and the sequence dealt out to the "
-                       "ranks in turn, so an image's N copies go to different ranks (when N <= world size), each "
-                       "augmented differently; a rank's epoch keeps its usual length (split size // world size "
-                       "samples), so it sees about 1/N of the distinct images; 1 = off (docs/recipe.md)",
-                       group=RECIPE, at_least=1)
+    mixup_alpha: float = opt(0.0, "MixUp (torchvision's transforms.v2.MixUp, its --mixup-alpha): each image of a training "
+                             "micro-batch becomes lambda x itself + (1 - lambda) x the image before it (the first "
+                             "takes the last), the one-hot targets likewise; lambda ~ Beta(alpha, alpha), one per "
+                             "micro-batch and rank; 0 = off", group=AUGMENTATION, at_least=0)
+    cutmix_alpha: float = opt(0.0, "CutMix (torchvision's transforms.v2.CutMix, its --cutmix-alpha): a box of about "
+                              "1 - lambda of the area, lambda ~ Beta(alpha, alpha), pasted into each image of a "
+                              "training micro-batch from the image before it, the one-hot targets mixed by the area "
+                              "actually pasted; with --mixup-alpha too, each micro-batch gets one of the two, "
+                              "probability 0.5 each; 0 = off", group=AUGMENTATION, at_least=0)
     auto_augment: str = opt("", "automatic augmentation of each training image after its crop and flip, torchvision's "
                             "--auto-augment: imagenet, cifar10 or svhn = AutoAugment with that policy, ra = "
                             "RandAugment (--ra-magnitude), ta_wide = TrivialAugmentWide, augmix = AugMix "
@@ -166,6 +171,12 @@ class ClassifierConfig(TrainConfig):
                               "(a rectangle of 2-33%% of the area, aspect 0.3-3.3, set to 0), the view's last "
                               "step; per sample in the DataLoader workers (--aug-on loader); 0 = off",
                               group=AUGMENTATION, at_least=0, at_most=1)
+    ra_reps: int = opt(1, "repeated augmentation, torchvision's --ra-sampler --ra-reps N: each epoch every sample of "
+                       "the shuffled training split is repeated N times in a row and the sequence dealt out to the "
+                       "ranks in turn, so an image's N copies go to different ranks (when N <= world size), each "
+                       "augmented differently; a rank's epoch keeps its usual length (split size // world size "
+                       "samples), so it sees about 1/N of the distinct images; 1 = off (docs/recipe.md)",
+                       group=AUGMENTATION, at_least=1)
     train_crop_size: int = opt(0, "px of the training crops' side (FixRes: torchvision's v2 recipe trains at 176 "
                                "and evaluates at --image-size 224); image files only (imagefolder, shards); "
                                "0 = --image-size", group=AUGMENTATION, at_least=0)
@@ -206,6 +217,9 @@ class ClassifierConfig(TrainConfig):
                 if getattr(self, name) != defaults[name]:
                     raise UsageError(f"{flag_name(name)} does nothing without --model-ema; add it, or drop "
                                      f"{flag_name(name)}")
+        if (self.mixup_alpha or self.cutmix_alpha) and self.batch_size < 2:
+            raise UsageError("--mixup-alpha/--cutmix-alpha mix the images of a micro-batch with each other: give "
+                             "--batch-size 2 or more, or drop them")
 
     def augmentation_policy(self) -> dict:
         """torchvision's per-sample steps as ``AugmentRecipe`` fields (``classifier_recipe``'s policy)."""
@@ -346,8 +360,16 @@ def restore_ema(ema: WeightsEMA, resume: Resume | None, info: DistInfo) -> None:
 
 
 def training_criterion(cfg: ClassifierConfig) -> nn.Module:
-    """The training loss: cross-entropy, with --label-smoothing (evaluation's stays plain)."""
+    """The training loss: cross-entropy, with --label-smoothing (evaluation's stays plain), of integer
+    targets or of the soft ones MixUp/CutMix make (smoothing then applies on top, as torchvision's)."""
     return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+
+def batch_mixer(cfg: ClassifierConfig, num_classes: int, rank: int) -> BatchMixer:
+    """--mixup-alpha/--cutmix-alpha: torchvision's MixUp/CutMix of each training micro-batch on the
+    device, seeded from (--seed, epoch, micro-batch of the epoch, rank) so that a resume replays it
+    (``ddp_utils/data/mixing.py``); with both 0 it passes the batch through."""
+    return BatchMixer(cfg.mixup_alpha, cfg.cutmix_alpha, num_classes, cfg.seed, rank)
 
 
 def backbone_remarks(cfg: ClassifierConfig, trained: int | None) -> list[str]:
@@ -382,6 +404,10 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         model = build_network(cfg, info, loaders.num_classes)
         ema = build_ema(cfg, model, info) if cfg.model_ema else None
+        if info.is_main and (cfg.mixup_alpha or cfg.cutmix_alpha):
+            log.info("%s of each training micro-batch on each rank: soft targets, train/loss against them",
+                     " or ".join(f"{name} alpha {alpha:g}" for name, alpha in
+                                 (("MixUp", cfg.mixup_alpha), ("CutMix", cfg.cutmix_alpha)) if alpha))
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
         groups = parameter_groups(model, cfg.weight_decay, cfg.weight_decay_of("norm_weight_decay"),
                                   cfg.weight_decay_of("bias_weight_decay"))  # frozen parameters left out
@@ -407,9 +433,12 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
     micro-batches; return early at --max-steps or a stop signal."""
     cfg, info = run.cfg, run.info
     criterion = training_criterion(cfg)
+    mix = batch_mixer(cfg, run.loaders.num_classes, info.rank)
     run.network.train()
     for micro, (images, targets) in run.batches.this_epoch():
         images, targets = to_device(images, info.device), targets.to(info.device, non_blocking=True)
+        # MixUp/CutMix in this rank's micro-batch (soft targets), keyed by its index in the epoch
+        images, targets = mix(images, targets, run.state.epoch, run.state.batches_done - 1)
         # DDP all-reduces gradients inside backward(); under no_sync() it only adds them up in
         # .grad. Skipping it on all but the window's last micro-step sends them once per step.
         with no_sync(run.network, enabled=not micro.is_last):

@@ -152,6 +152,8 @@ CASES = [
      "saved part way through an epoch read with --ra-reps 1, which this run (--ra-reps 2) cannot continue; resume "
      "with --ra-reps 1, or from a checkpoint at an epoch's end"),
     ("classifier", ["--model-ema-steps", "8"], "--model-ema-steps does nothing without --model-ema"),
+    ("classifier", ["--cutmix-alpha", "1", "--batch-size", "1"], "--mixup-alpha/--cutmix-alpha mix the images of a "
+                                                                 "micro-batch with each other: give --batch-size 2"),
     ("classifier", ["--model-ema", "--model-ema-steps", "0"], "--model-ema-steps must be positive, got 0"),
     ("classifier", ["--model-ema", "--model-ema-decay", "1"], "--model-ema-decay must be in (0, 1), got 1.0"),
     ("classifier", ["--lr-warmup-epochs", "5"], "--lr-warmup-epochs applies to --lr-schedule cosine-annealing or "
@@ -336,7 +338,7 @@ def test_a_bad_fault_plan_is_a_usage_error(tmp_path, capsys, monkeypatch):
 ZERO_OK = {"image_size", "workers", "max_steps", "momentum", "weight_decay", "warmup_steps", "clip_grad",
            "seed", "ckpt_every", "skip_nonfinite", "knn_every", "knn_bank_samples", "moco_m", "shard_cache_gb",
            "shard_read_ahead", "lr_warmup_epochs", "label_smoothing", "norm_weight_decay", "bias_weight_decay",
-           "ra_magnitude", "random_erase", "train_crop_size", "val_resize_size"}
+           "ra_magnitude", "random_erase", "train_crop_size", "val_resize_size", "mixup_alpha", "cutmix_alpha"}
 NEGATIVE_OK = {"seed", "workers", "norm_weight_decay", "bias_weight_decay"}  # -1: unset
 IN_A_BUCKET = ["--dataset", "shards", "--data-dir", "s3://bucket/x"]  # where the object store's flags apply
 

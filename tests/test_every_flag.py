@@ -100,6 +100,8 @@ ONLY = {
         "model_ema": (["--model-ema"], "weights"),
         "model_ema_steps": (["--model-ema-steps", "1"], "weights", ["--model-ema"]),
         "model_ema_decay": (["--model-ema-decay", "0.9"], "weights", ["--model-ema", "--model-ema-steps", "1"]),
+        "mixup_alpha": (["--mixup-alpha", "0.2"], "weights"),
+        "cutmix_alpha": (["--cutmix-alpha", "1.0"], "weights"),
         "ra_reps": (["--ra-reps", "2"], "weights"),
         # digits are float tensors; on 8-bit images: tests/test_augment_recipe.py
         "auto_augment": (["--auto-augment", "ta_wide"], "refused"),
@@ -166,10 +168,10 @@ SECTIONS_OF = {
     "classifier": {**SECTIONS, "pretrained backbone": ["pretrained", "linear_probe", "probe_bn"],
                    "torchvision's recipe: loss, optimizer, weight average": [
                        "label_smoothing", "optimizer", "nesterov", "norm_weight_decay", "bias_weight_decay", "model_ema",
-                       "model_ema_steps", "model_ema_decay", "ra_reps"],
+                       "model_ema_steps", "model_ema_decay"],
                    "torchvision's recipe: augmentation and image sizes": [
-                       "auto_augment", "ra_magnitude", "augmix_severity", "random_erase", "train_crop_size",
-                       "val_resize_size"]},
+                       "mixup_alpha", "cutmix_alpha", "auto_augment", "ra_magnitude", "augmix_severity",
+                       "random_erase", "ra_reps", "train_crop_size", "val_resize_size"]},
     "moco": {**SECTIONS, "MoCo": ["moco_dim", "moco_k", "moco_m", "moco_m_cos", "moco_t", "symmetric", "mlp", "aug",
                                   "crop_min", "shuffle_bn", "bn_splits", "sync_bn", "export_backbone"],
              "kNN monitor": ["knn_k", "knn_t", "knn_features", "knn_every", "knn_bank_samples"]},

@@ -18,6 +18,7 @@ from ddp_utils.runtime.dist import LaunchEnv
 # recipe -> (script, world size it is meant for, extra flags a user must add)
 RECIPES = {
     "classifier_digits_quickstart": ("train_classifier.py", 2, []),
+    "classifier_digits_regularized": ("train_classifier.py", 2, []),
     "moco_digits_quickstart": ("train_moco.py", 2, []),
     "moco_cifar10_demo": ("train_moco.py", 1, []),
     "moco_cifar10_demo_symmetric": ("train_moco.py", 1, []),

@@ -12,7 +12,10 @@ trained on and the loss of each micro-step, and the reference trains a fresh cop
 initial network on exactly those batches. After every step: the loss, every weight and
 buffer, every EMA tensor and the LR and weight decay of every parameter group. A negative
 control (norm layers decayed like the rest; no EMA reset in the warm-up) must fail the same
-comparison. Then the pieces at larger sizes: the schedule over 30 epochs, the groups on a
+comparison. With --mixup-alpha/--cutmix-alpha the reference mixes the same micro-batches with
+torchvision's v2.MixUp/CutMix/RandomChoice under the documented seeding contract (a whole-window
+or index-free seeding must fail), and a 2-rank mixed run resumes mid-epoch bit for bit (slow
+tier; tests/mixing_probe.py records its targets). Then the pieces at larger sizes: the schedule over 30 epochs, the groups on a
 ResNet-18, each optimizer, the EMA's update, the EMA on 2 ranks, an EMA added on resume. (The
 EMA restored bit for bit on a mid-epoch resume on 2 ranks: tests/test_training.py.)"""
 from __future__ import annotations
@@ -22,12 +25,24 @@ import warnings
 
 import pytest
 import torch
-from helpers import in_process, load_ckpt, run_on_ranks
+from helpers import (
+    TINY_DIGITS,
+    assert_ok,
+    assert_same_state,
+    in_process,
+    load_ckpt,
+    resume_folder,
+    run_on_ranks,
+    run_ranks,
+)
 from torch import nn
 from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
 from torch.optim.swa_utils import AveragedModel
+from torchvision.transforms import v2
 
 import train_classifier
+from ddp_utils import hashing
+from ddp_utils.data.mixing import MIX_STREAM
 from ddp_utils.models.backbones import build_model
 from ddp_utils.train.ema import WeightsEMA, ema_decay
 from ddp_utils.train.optimization import LRSchedule, build_optimizer, parameter_groups
@@ -137,17 +152,64 @@ def train_reference(model: nn.Module, epochs: list[list[tuple]], optimizer: str 
     return records
 
 
+def reference_mixing(mixup_alpha: float, cutmix_alpha: float, num_classes: int):
+    """train.py's batch transform: v2.MixUp and/or v2.CutMix, v2.RandomChoice of the two when both."""
+    chosen = [v2.MixUp(alpha=mixup_alpha, num_classes=num_classes)] if mixup_alpha else []
+    chosen += [v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes)] if cutmix_alpha else []
+    return v2.RandomChoice(chosen) if len(chosen) == 2 else chosen[0]
+
+
+def mix_seed_contract(epoch: int, index: int, rank: int = 0, seed: int = 0) -> int:
+    """The documented seeding contract (docs/recipe.md): the CPU generator seeded from the run's
+    seed, a stream tag, the epoch, the micro-batch's index in the epoch and the rank."""
+    return hashing.seed(seed, MIX_STREAM, epoch, index, rank)
+
+
+def mix_reference_batches(epochs: list[list[tuple]], accum: int, transform, key=mix_seed_contract,
+                          whole_window: bool = False) -> list[list[tuple]]:
+    """Each epoch's micro-batches mixed by ``transform`` as torchvision's collate mixes a per-GPU
+    batch: one call per micro-batch, the global RNG seeded with ``key(epoch, index)`` before it.
+    ``whole_window`` (a negative control): the window's micro-batches mixed as one batch instead."""
+    mixed = []
+    for epoch, batches in enumerate(epochs):
+        out = []
+        for first in range(0, len(batches), accum):
+            window = batches[first:first + accum]
+            if whole_window:
+                torch.manual_seed(key(epoch, first))
+                images, targets = transform(torch.cat([x for x, _ in window]), torch.cat([t for _, t in window]))
+                out += list(zip(images.chunk(len(window)), targets.chunk(len(window))))
+                continue
+            for index, (images, targets) in enumerate(window, start=first):
+                torch.manual_seed(key(epoch, index))
+                out.append(transform(images, targets))
+        mixed.append(out)
+    return mixed
+
+
 def _copy(state: dict) -> dict:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
 # ----------------------------------------------------------------------------- the project's side
-def run_project(tmp_path, monkeypatch, capsys, extra: list[str]) -> tuple[list, list, dict[int, dict]]:
+def run_project(tmp_path, monkeypatch, capsys, extra: list[str], unmixed: list | None = None
+                ) -> tuple[list, list, dict[int, dict]]:
     """train_classifier.main on one rank: the micro-batches it trained on, in order, each micro-step's
-    loss, and what the checkpoint of every step holds (weights, EMA, parameter groups)."""
+    loss, and what the checkpoint of every step holds (weights, EMA, parameter groups). ``unmixed``:
+    gets each micro-batch as it reached the mixer (images, targets, epoch, index in the epoch, rank)."""
     inputs, targets_and_losses, checkpoints = [], [], {}
     build = train_classifier.build_network
     criterion_of = train_classifier.training_criterion
+    mixer_of = train_classifier.batch_mixer
+
+    def recording_mixer(cfg, num_classes, rank):
+        mix = mixer_of(cfg, num_classes, rank)
+
+        def spy(images, targets, epoch, index):
+            if unmixed is not None:
+                unmixed.append((images.clone(), targets.clone(), epoch, index, rank))
+            return mix(images, targets, epoch, index)
+        return spy
 
     def keep_checkpoint(run):  # what save_checkpoint puts in the file, kept here (writing 18 files is slow)
         checkpoints[run.state.step] = {"step": run.state.step, "facts": run.facts, "model": _copy(run.model.state_dict()),
@@ -173,6 +235,7 @@ def run_project(tmp_path, monkeypatch, capsys, extra: list[str]) -> tuple[list, 
     monkeypatch.setattr(train_classifier, "build_network", recording_network)
     monkeypatch.setattr(train_classifier, "training_criterion", recording_criterion)
     monkeypatch.setattr(train_classifier, "save_checkpoint", keep_checkpoint)
+    monkeypatch.setattr(train_classifier, "batch_mixer", recording_mixer)
     assert train_classifier.main(RUN + extra + ["--out", str(tmp_path / "run")]) == 0, capsys.readouterr().err
     batches = [(x, t) for x, (t, _) in zip(inputs, targets_and_losses)]
     return batches, [loss for _, loss in targets_and_losses], checkpoints
@@ -238,6 +301,86 @@ def test_the_recipe_trains_as_torchvisions_reference_step_for_step(tmp_path, mon
     wrong = compare(train_reference(fresh(), epochs, optimizer, accum, reset_in_warmup=False), losses, checkpoints,
                     accum)
     assert wrong["model"] <= TOLERANCE < wrong["ema"], wrong
+
+
+@pytest.mark.parametrize("mixup, cutmix", [(0.2, 1.0), (0.4, 0.0)])
+def test_mixup_and_cutmix_are_torchvisions_on_each_micro_batch(tmp_path, monkeypatch, capsys, mixup, cutmix):
+    """The recipe above with --mixup-alpha/--cutmix-alpha and 2 micro-batches per step: the reference
+    mixes the same micro-batches with torchvision's v2.MixUp/CutMix (RandomChoice of the two when
+    both are on), one call per micro-batch, seeded by the documented contract. The mixed images and
+    soft targets the script trained on are the reference's bit for bit, then the loss (label smoothing
+    on top of the soft targets), every weight and the EMA after every step. Negative controls: mixing a
+    whole window as one batch, or seeding without the micro-batch's index, fails the comparison."""
+    accum, unmixed = 2, []
+    extra = ["--accum-steps", str(accum), "--mixup-alpha", str(mixup), "--cutmix-alpha", str(cutmix)]
+    batches, losses, checkpoints = run_project(tmp_path, monkeypatch, capsys, extra, unmixed)
+    per_epoch = SAMPLES // BATCH
+    assert [(e, i, r) for _, _, e, i, r in unmixed] == [(e, i, 0) for e in range(EPOCHS) for i in range(per_epoch)]
+    assert all(t.dtype == torch.int64 for _, t, *_ in unmixed)  # integer targets reach the mixer
+    epochs = [[(x, t) for x, t, *_ in unmixed[e * per_epoch:(e + 1) * per_epoch]] for e in range(EPOCHS)]
+    num_classes = checkpoints[1]["facts"]["num_classes"]
+    transform = reference_mixing(mixup, cutmix, num_classes)
+    mixed = mix_reference_batches(epochs, accum, transform)
+    flat = [batch for epoch in mixed for batch in epoch]
+    for (x, t), (ref_x, ref_t) in zip(batches, flat, strict=True):
+        assert torch.equal(x, ref_x) and torch.equal(t, ref_t)
+    assert all(t.shape == (BATCH, num_classes) for _, t in batches)
+    # soft targets, a lambda of each micro-batch's own (CutMix's box may miss an 8 x 8 image: lambda 1)
+    soft = [tuple(t.unique().tolist()) for _, t in batches if ((t > 0) & (t < 1)).any()]
+    assert len(set(soft)) == len(soft) > 0.75 * len(batches), soft
+
+    def fresh() -> nn.Module:
+        torch.manual_seed(0)
+        return build_model("small_cnn", num_classes, 8)
+
+    worst = compare(train_reference(fresh(), mixed, "sgd", accum), losses, checkpoints, accum)
+    assert all(value <= TOLERANCE for key, value in worst.items() if key != "lr"), worst
+    for wrong_batches in (mix_reference_batches(epochs, accum, transform, whole_window=True),
+                          mix_reference_batches(epochs, accum, transform, key=lambda e, i: mix_seed_contract(e, 0))):
+        wrong = compare(train_reference(fresh(), wrong_batches, "sgd", accum), losses, checkpoints, accum)
+        assert wrong["loss"] > 100 * TOLERANCE and wrong["model"] > 100 * TOLERANCE, wrong
+
+
+MIXED_ON_TWO_RANKS = TINY_DIGITS + ["--lr", "0.05", "--epochs", "1", "--max-steps", "8", "--mixup-alpha", "0.2",
+                                    "--cutmix-alpha", "1.0", "--label-smoothing", "0.1", "--model-ema",
+                                    "--model-ema-steps", "3"]
+
+
+def _lambdas(seen: dict) -> dict:
+    """Each micro-batch's lambda: the soft target's weight on an image's own class, read where the
+    image before it has another class."""
+    out = {}
+    for key, (labels, soft) in seen.items():
+        b = next(b for b in range(len(labels)) if labels[b] != labels[b - 1])
+        out[key] = soft[b, labels[b]].item()
+    return out
+
+
+@pytest.mark.slow
+def test_mixing_on_two_ranks_resumes_mid_epoch_bit_for_bit(tmp_path):
+    """2 ranks x 2 micro-batches per step with MixUp and CutMix, 8 steps; step 5's checkpoint (10
+    micro-batches into the epoch) resumed to step 8: every later micro-batch is mixed as in the
+    uninterrupted run (the same soft targets), and weights, momentum and EMA end equal bit for bit.
+    The two ranks draw lambdas of their own for the same micro-batch of the epoch."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert_ok(run_ranks("mixing_probe.py", [str(tmp_path / "full_mixed"), *MIXED_ON_TWO_RANKS, "--ckpt-every", "1",
+                                            "--keep-checkpoints", "100", "--out", str(full)], tmp_path))
+    step5 = next(p for p in full.glob("checkpoint_*.pt") if load_ckpt(p)["step"] == 5)
+    resume_folder(step5, part)
+    proc = run_ranks("mixing_probe.py", [str(tmp_path / "part_mixed"), *MIXED_ON_TWO_RANKS, "--resume", "auto",
+                                         "--out", str(part)], tmp_path)
+    assert_ok(proc)
+    assert "step 5, in epoch 1, 10 batches into the epoch" in proc.stdout
+    assert_same_state(load_ckpt(part / "checkpoint_last.pt"), load_ckpt(full / "checkpoint_last.pt"))
+    for rank in (0, 1):
+        whole = torch.load(tmp_path / f"full_mixed.rank{rank}.pt")
+        resumed = torch.load(tmp_path / f"part_mixed.rank{rank}.pt")
+        assert sorted(whole) == [(0, i) for i in range(16)] and sorted(resumed) == [(0, i) for i in range(10, 16)]
+        assert all(torch.equal(resumed[key][1], whole[key][1]) for key in resumed)
+    rank0 = _lambdas(torch.load(tmp_path / "full_mixed.rank0.pt"))
+    rank1 = _lambdas(torch.load(tmp_path / "full_mixed.rank1.pt"))
+    assert sum(rank0[key] != rank1[key] for key in rank0) >= len(rank0) - 1, (rank0, rank1)
+    assert len(set(rank0.values())) >= len(rank0) - 1  # and each micro-batch its own
 
 
 # ----------------------------------------------------------------------------- the pieces, at larger sizes
