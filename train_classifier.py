@@ -372,6 +372,27 @@ def batch_mixer(cfg: ClassifierConfig, num_classes: int, rank: int) -> BatchMixe
     return BatchMixer(cfg.mixup_alpha, cfg.cutmix_alpha, num_classes, cfg.seed, rank)
 
 
+def recipe_summary(cfg: ClassifierConfig) -> str:
+    """What --check says of torchvision's recipe flags that are on (the views are on the data line)."""
+    parts = [f"{cfg.optimizer}" + (" (Nesterov)" if cfg.nesterov else "")]
+    decays = [f"{what} {cfg.weight_decay_of(name):g}" for what, name in
+              (("norm layers", "norm_weight_decay"), ("biases", "bias_weight_decay"))
+              if cfg.weight_decay_of(name) is not None]
+    parts.append(f"weight decay {cfg.weight_decay:g}" + (f" ({', '.join(decays)})" if decays else ""))
+    if cfg.lr_warmup_epochs:
+        parts.append(f"{cfg.lr_warmup_method} warm-up over {cfg.lr_warmup_epochs} epoch(s) from x{cfg.lr_warmup_decay:g}")
+    if cfg.label_smoothing:
+        parts.append(f"label smoothing {cfg.label_smoothing:g}")
+    mixes = [f"{name} {alpha:g}" for name, alpha in (("MixUp", cfg.mixup_alpha), ("CutMix", cfg.cutmix_alpha)) if alpha]
+    if mixes:
+        parts.append(" or ".join(mixes) + " per micro-batch")
+    if cfg.ra_reps > 1:
+        parts.append(f"each sample {cfg.ra_reps} times an epoch")
+    if cfg.model_ema:
+        parts.append(f"EMA of the weights every {cfg.model_ema_steps} step(s) (--model-ema-decay {cfg.model_ema_decay:g})")
+    return "; " + ", ".join(parts)
+
+
 def backbone_remarks(cfg: ClassifierConfig, trained: int | None) -> list[str]:
     """What a user should know about the backbone a probe starts from (said once, and by --check);
     ``trained``: the image side --pretrained was trained at, if known."""
@@ -567,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(ClassifierConfig, argv, __doc__, with_pretrained_size)  # bad flags: one line, exit code 2
     if cfg.check or cfg.check_data:  # every check of setup, in this one process; launch/ runs it first
         model = f"{cfg.arch}" + (", linear probe" if cfg.linear_probe else "") + \
-            (f", from {cfg.pretrained}" if cfg.pretrained else "")
+            (f", from {cfg.pretrained}" if cfg.pretrained else "") + recipe_summary(cfg)
         return check_only(cfg, SCRIPT, model, lambda train: check_classifier(cfg, train))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
         fit(setup(cfg, session))  # no name holds the run: its DDP model dies before the group (cleanup_distributed)
