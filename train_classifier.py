@@ -61,7 +61,7 @@ from ddp_utils.runtime.collectives import (
     sync_buffers_from_rank0,
 )
 from ddp_utils.runtime.dist import DistInfo, LaunchEnv, to_device, unwrap
-from ddp_utils.train.accumulation import autocast, no_sync, set_lr, unscale_and_clip
+from ddp_utils.train.accumulation import autocast, fp16_overflow, no_sync, set_lr, stepped_parameters
 from ddp_utils.train.check import check_only
 from ddp_utils.train.checkpoint import Resume, mismatch_detail
 from ddp_utils.train.ema import WeightsEMA, ema_decay
@@ -472,10 +472,12 @@ def train_one_epoch(run: ClassifierRun, meter: StepMeter) -> None:
         if not micro.is_last:
             continue
         run.batches.prepare_next()  # its augmentation runs on the device while the host waits below
-        # The optimizer step, the same on every rank. Unscale (fp16) and clip, then the ranks' one
-        # agreement (a NaN/Inf loss, an fp16 overflow, a stop signal, an undecodable file): the
-        # step's only read of the device.
-        overflow = unscale_and_clip(run.optimizer, run.scaler, cfg.clip_grad)
+        # The optimizer step, the same on every rank. Unscale (fp16: clip and test the true
+        # gradients) and clip, then the ranks' one agreement (a NaN/Inf loss, an fp16 overflow, a
+        # stop signal, an undecodable file): the step's only read of the device.
+        run.scaler.unscale_(run.optimizer)
+        grad_norm = nn.utils.clip_grad_norm_(stepped_parameters(run.optimizer), cfg.clip_grad) if cfg.clip_grad > 0 else None
+        overflow = fp16_overflow(run.scaler, run.optimizer, grad_norm)  # on the device, read by the agreement
         verdict = run.session.agree_on_step(~torch.isfinite(meter.window_loss.detach()), overflow,
                                             give_up=bool(run.loaders.unreadable))
         if verdict.given_up_ranks:  # a rank met an image file it cannot decode: the window is undone, the run stops

@@ -57,7 +57,6 @@ from ddp_utils.data.files_on_device import FinishOnDevice, collate_files, pack_t
 from ddp_utils.data.image_files import (  # noqa: E402
     FolderListing,
     ImageFiles,
-    UnreadableFiles,
     decode_cpu,
     decode_rgb,
     read_bytes,
@@ -211,7 +210,7 @@ def rows(files: ImageFiles) -> dict[str, callable]:
 def device_side(tensor_files: ImageFiles, recipe: AugmentRecipe):
     """What FinishOnDevice does per image with the CPU as the device, batches packed beforehand."""
     finish = FinishOnDevice(torch.utils.data.DataLoader([]), DeviceAugment(BatchAugment(recipe, SIZE), 0, 2),
-                            torch.device("cpu"), tensor_files, UnreadableFiles())
+                            torch.device("cpu"), tensor_files)
     dataset = SeededTransform(tensor_files, None, 0, with_key=True)
     cache: dict[tuple[int, ...], list] = {}
 
@@ -244,7 +243,10 @@ def main() -> None:
     parser.add_argument("--data-dir", help="an ImageFolder root (its train/ is read); default: a new ImageNet-like one")
     parser.add_argument("--images", type=int, default=320, help="images per row and round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="8 images, 1 round: that every row runs (the test suite's)")
     args = parser.parse_args()
+    if args.smoke:
+        args.images, args.rounds = 8, 1
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = args.data_dir

@@ -12,7 +12,7 @@ import train_classifier
 from ddp_utils.data.sets import DigitsDataset
 from ddp_utils.models.backbones import build_model
 from ddp_utils.runtime.stopping import StepGuard
-from ddp_utils.train.accumulation import MicroStep, no_sync, plan_windows, set_lr, unscale_and_clip
+from ddp_utils.train.accumulation import MicroStep, fp16_overflow, no_sync, plan_windows, set_lr
 
 DIGITS_LENET = ["--dataset", "digits", "--arch", "lenet", "--no-augment", "--device", "cpu",
                 # constant LR: a cosine schedule's length depends on how many samples drop_last
@@ -155,7 +155,7 @@ def test_fp16_scaler_and_clipping_run_only_in_the_optimizer_step(tmp_path, capsy
 
 def test_an_fp16_overflow_skips_the_step_and_lowers_the_scale():
     """The scripts' step on plain objects: a window whose scaled gradients overflow is told by
-    unscale_and_clip and the agreement (no other host read), may not step, and the scaler's
+    fp16_overflow and the agreement (no other host read), may not step, and the scaler's
     update halves the scale."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
@@ -168,7 +168,8 @@ def test_an_fp16_overflow_skips_the_step_and_lowers_the_scale():
         loss = model(x).sum() * scale
         scaler.scale(loss / 2).backward()
         window_loss = window_loss + loss.detach() / 2
-    overflow = unscale_and_clip(optimizer, scaler, clip_grad=0.0)
+    scaler.unscale_(optimizer)
+    overflow = fp16_overflow(scaler, optimizer, grad_norm=None)
     verdict = StepGuard(None, torch.device("cpu"))(~torch.isfinite(window_loss), overflow)
     assert verdict.overflow and not verdict.nonfinite_ranks and not verdict.may_step
     if verdict.may_step:
@@ -292,7 +293,7 @@ def _micro_steps(model, optimizer, batches, accum_steps: int, before_forward, af
             (loss / micro.window_size).backward()
         window_loss = window_loss + loss.detach() / micro.window_size
         if micro.is_last:
-            overflow = unscale_and_clip(optimizer, torch.amp.GradScaler("cpu", enabled=False), clip_grad=0.0)
+            overflow = fp16_overflow(torch.amp.GradScaler("cpu", enabled=False), optimizer, grad_norm=None)
             verdict = guard(~torch.isfinite(window_loss), overflow)
             set_lr(optimizer, 0.1)
             if verdict.may_step:

@@ -85,3 +85,19 @@ def test_train_view_times_every_recipe_on_both_sides():
         ours_ms, theirs_ms = float(ours), float(theirs)
         assert 0.1 < ours_ms < 1000 and 0.1 < theirs_ms < 1000, (name, ours, theirs)
         assert abs(float(ratio.rstrip("x")) - theirs_ms / ours_ms) <= 0.01 + 0.01 * theirs_ms / ours_ms, (name, ratio)
+
+
+@pytest.mark.slow  # writes JPEGs and runs every pipeline of the JPEG path's table: about 20 s
+def test_jpeg_path_runs_every_row_of_its_table():
+    """bench/jpeg_path.py, the source of docs/performance.md's JPEG-path figures, on 8 images:
+    every row with a positive rate and its ms per image, one time behind both, each row's comparison
+    with its before-row where it has one."""
+    proc = run_bench("jpeg_path.py", timeout=300)
+    rows = table_rows(proc.stdout, "| what runs per image")
+    assert len(rows) >= 10 and "MoCo v2, two views: the official pipeline (PIL transforms, PIL blur)" in rows, proc.stdout
+    for name, (rate, ms, vs_official, vs_before) in rows.items():
+        per_second, ms_each = float(rate.replace(",", "")), float(ms)
+        # one time per image behind both roundings: the rate to a unit, the milliseconds to 0.01
+        assert per_second > 0 and 1000 / (per_second + 0.5) <= ms_each + 0.005, (name, rate, ms)
+        assert per_second <= 0.5 or 1000 / (per_second - 0.5) >= ms_each - 0.005, (name, rate, ms)
+        assert vs_official.endswith("x") and (vs_before.endswith("x") or vs_before == ""), name

@@ -333,7 +333,7 @@ def _depthwise(x: Tensor, weight: Tensor) -> Tensor:
     return F.conv2d(x, weight, groups=x.shape[1])
 
 
-def to_device(host: Tensor, device: torch.device) -> Tensor:
+def pinned_to_device(host: Tensor, device: torch.device) -> Tensor:
     """A small host tensor on ``device`` without a host wait: on CUDA copied from pinned memory,
     made contiguous first (a strided pinned tensor is copied through a pageable temporary)."""
     if host.device.type == "cpu" and device.type == "cuda" and not host.is_pinned():
@@ -384,7 +384,7 @@ class BatchAugment:
             x = self._geometry(as_float_rgb(images), draw)
             return x.clone() if x is images else x  # the steps after it work in place, on a buffer of our own
 
-        return self._view(crop, to_device(u, images.device), layout)
+        return self._view(crop, pinned_to_device(u, images.device), layout)
 
     def apply_packed(self, atlas: Tensor, places: Tensor, u: Tensor,
                      layout: torch.memory_format = torch.contiguous_format) -> Tensor:
@@ -393,7 +393,7 @@ class BatchAugment:
         width, as ``files_on_device.pack`` made them, on the host or the atlas's device): each
         sample's crop drawn for its own size and resampled from its place
         (:func:`crop_from_atlas`). A recipe without a crop gives the evaluation view."""
-        r, places = self.recipe, to_device(places, atlas.device)
+        r, places = self.recipe, pinned_to_device(places, atlas.device)
 
         def crop(draw: Draw) -> Tensor:
             height, width = places[:, 2], places[:, 3]
@@ -404,7 +404,7 @@ class BatchAugment:
                 boxes = centre_boxes(height, width, self.out_size, self.eval_resize)
             return crop_from_atlas(atlas, places, boxes, self.out_size)
 
-        return self._view(crop, to_device(u, atlas.device), layout)
+        return self._view(crop, pinned_to_device(u, atlas.device), layout)
 
     @property
     def eval_resize(self) -> int:
@@ -502,13 +502,13 @@ class DeviceAugment:
             self._atlas = atlas.new_empty(atlas.numel(), dtype=torch.float64)
         x = atlas_for_resampling(atlas, out=self._atlas)  # 1 x 3 x H x W, made once for every view
         device, layout = atlas.device, memory_format(atlas.device)
-        places = to_device(places, device)
+        places = pinned_to_device(places, device)
         return self._views(epoch, index, device, lambda view, u: self.augment.apply_packed(x, places, u, layout))
 
     def _views(self, epoch: int, index: torch.Tensor, device: torch.device, make: Callable[[int, Tensor], Tensor]):
         """``make(view, u)`` for each view, ``u`` its B x VIEW_COLUMNS slice of one call's
         uniforms, copied to ``device`` in one piece."""
-        u = to_device(keyed_uniforms(self.seed, epoch, index, self.views), device)
+        u = pinned_to_device(keyed_uniforms(self.seed, epoch, index, self.views), device)
         views = [make(v, u[:, v * VIEW_COLUMNS:(v + 1) * VIEW_COLUMNS]) for v in range(self.views)]
         return views[0] if self.views == 1 else tuple(views)
 

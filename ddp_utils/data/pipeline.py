@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from .. import hashing
 from ..config import UsageError
-from .batch_augment import BatchAugment, DeviceAugment, PreparedAhead, to_device
+from .batch_augment import BatchAugment, DeviceAugment, PreparedAhead, pinned_to_device
 from .data_stream import DataStream, HandedOut
 from .host_memory import EVAL_PREFETCH, TRAIN_PREFETCH, check_shared_memory, eval_batch_size, loader_memory
 from .image_files import (
@@ -458,7 +458,7 @@ class DeviceBatches:
             host = index.pin_memory() if device.type == "cuda" else index  # held until its copy is done
 
             def make(chunk=chunk, drawn=drawn, host=host):
-                on_device = to_device(host, device)
+                on_device = pinned_to_device(host, device)
                 return self.augment(self.images[on_device], chunk[0][0], drawn), self.targets[on_device]
             yield self.stream.run(make, hold=(host,))
 

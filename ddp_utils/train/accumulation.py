@@ -6,7 +6,7 @@ backward at once on its loss divided by the window's real length (an epoch's las
 shorter), so no graph outlives its micro-step and no backward sees weights an optimizer step
 changed. Micro-steps 1..n-1 run under DDP's ``no_sync()``; the n-th all-reduces the summed
 gradients, so they cross the network once per optimizer step. The training scripts show this
-loop and the step that ends each window (:func:`unscale_and_clip`, the ranks' agreement,
+loop and the step that ends each window (unscale, clip and :func:`fp16_overflow`, the ranks' agreement,
 :func:`set_lr`, step or skip, the scaler's update, ``zero_grad``).
 
 Mixed precision is part of the step: ``--amp {auto,none,bf16,fp16}`` (auto: bf16 on CUDA, fp32
@@ -100,20 +100,23 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def unscale_and_clip(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                     clip_grad: float) -> torch.Tensor | None:
-    """fp16: unscale; ``clip_grad`` > 0: clip to that total L2 norm. Returns fp16's overflow flag
-    (None without fp16), left on the device, so that the ranks' agreement reads it with
-    everything else in its one host read."""
-    if not scaler.is_enabled() and clip_grad <= 0:
+def stepped_parameters(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The optimizer's parameters that have a gradient this step, in its groups' order (what
+    clipping measures and fp16's overflow test reads)."""
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def fp16_overflow(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer,
+                  grad_norm: torch.Tensor | None) -> torch.Tensor | None:
+    """fp16 (``scaler`` enabled): whether the unscaled gradients hold an Inf or NaN, from their
+    total norm (``grad_norm`` when clipping computed it, else computed here), left on the device
+    so that the ranks' agreement reads it with everything else in its one host read. None
+    without fp16."""
+    if not scaler.is_enabled():
         return None
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    scaler.unscale_(optimizer)  # clip and test the true gradients, not scaled ones
-    if clip_grad > 0:
-        grad_norm = nn.utils.clip_grad_norm_(params, clip_grad)
-    else:
-        grad_norm = nn.utils.get_total_norm([p.grad for p in params])
-    return ~torch.isfinite(grad_norm) if scaler.is_enabled() else None
+    if grad_norm is None:
+        grad_norm = nn.utils.get_total_norm([p.grad for p in stepped_parameters(optimizer)])
+    return ~torch.isfinite(grad_norm)
 
 
 def resolve_amp(amp: str, device: torch.device) -> str:
