@@ -50,7 +50,7 @@ from ddp_utils.data.mixing import BatchMixer
 from ddp_utils.data.object_store import is_object_store
 from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.preview import augmentation_grid
-from ddp_utils.data.recipes import AUTO_AUGMENTS, EVAL_RESIZE, AugmentRecipe, classifier_recipe
+from ddp_utils.data.recipes import AUTO_AUGMENTS, AugmentRecipe, classifier_recipe, evaluation_resize
 from ddp_utils.data.sets import IMAGE_FILES, num_classes_of
 from ddp_utils.models.backbones import CIFAR_STEM_MAX_SIZE, MIN_IMAGE_SIZE, build_model
 from ddp_utils.models.probe import LinearProbe
@@ -274,8 +274,8 @@ class ClassifierConfig(TrainConfig):
         if self.dataset not in IMAGE_FILES:
             return f"training view with {extra}" if extra else ""
         train = self.train_crop_size or image_size
-        resize = self.val_resize_size or round(image_size * EVAL_RESIZE)
-        crop = f"random resized crop {train} px, flip" if self.augment else f"resize {round(train * EVAL_RESIZE)} px, " \
+        resize = evaluation_resize(image_size, self.val_resize_size)
+        crop = f"random resized crop {train} px, flip" if self.augment else f"resize {evaluation_resize(train)} px, " \
             f"centre crop {train} px"
         return (f"training view: {crop}{', ' + extra if extra else ''}; evaluation view: resize {resize} px, centre "
                 f"crop {image_size} px")

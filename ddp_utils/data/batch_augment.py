@@ -37,7 +37,7 @@ from torch.profiler import record_function
 
 from .. import hashing
 from ..runtime.dist import memory_format
-from .recipes import EVAL_RESIZE, AugmentRecipe
+from .recipes import AugmentRecipe, evaluation_resize
 
 _ATTEMPTS = 10  # torchvision's RandomResizedCrop tries 10 boxes before its centre-crop fallback
 # The uniforms of one view: a fixed slice per purpose, so a step left out (photometric_only drops
@@ -409,7 +409,7 @@ class BatchAugment:
     @property
     def eval_resize(self) -> int:
         """The evaluation view's resize (px of the short side before the centre crop)."""
-        return self.recipe.resize or round(self.out_size * EVAL_RESIZE)
+        return evaluation_resize(self.out_size, self.recipe.resize)
 
     def crop_boxes(self, height: int, width: int, seed: int, epoch: int, index: Tensor, view: int = 0) -> Tensor:
         """B x 4 int64 (top, left, height, width) of each sample's crop in input pixels; a pad

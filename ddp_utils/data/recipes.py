@@ -22,6 +22,12 @@ JITTER_V2 = (0.4, 0.4, 0.4, 0.1)
 AUTO_AUGMENTS = ("imagenet", "cifar10", "svhn", "ra", "ta_wide", "augmix")
 
 
+
+def evaluation_resize(size: int, resize: int = 0) -> int:
+    """px of an image file's short side before the evaluation view's centre ``size`` crop:
+    ``resize`` (--val-resize-size) if set, else ``size`` x 256/224."""
+    return resize or round(size * EVAL_RESIZE)
+
 @dataclass(frozen=True)
 class AugmentRecipe:
     """One augmented view, step by step.

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2 as T
 
-from .recipes import EVAL_RESIZE, AugmentRecipe
+from .recipes import AugmentRecipe, evaluation_resize
 from .sets import IMAGE_FILES
 
 FROM_FILES = ("cifar10", *IMAGE_FILES)  # decoded from PIL images; the others are float tensors
@@ -43,7 +43,7 @@ def _fixed_geometry(dataset: str, size: int, resize: int = 0) -> list:
     rule) and centre-cropped; CIFAR-10 resized if asked for another size; digits and synthetic
     images are generated at ``size`` already."""
     if dataset in IMAGE_FILES:
-        return [T.Resize(resize or round(size * EVAL_RESIZE), antialias=True), T.CenterCrop(size)]
+        return [T.Resize(evaluation_resize(size, resize), antialias=True), T.CenterCrop(size)]
     return [T.Resize(size, antialias=True)] if dataset == "cifar10" and size != 32 else []
 
 
