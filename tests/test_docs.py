@@ -6,7 +6,9 @@ opens with its copy-paste commands."""
 from __future__ import annotations
 
 import inspect
+import os
 import re
+import sys
 import textwrap
 
 import pytest
@@ -200,3 +202,22 @@ def regenerate() -> None:
 
 if __name__ == "__main__":  # PYTHONPATH=. python tests/test_docs.py
     regenerate()
+
+
+def claimed_pythons() -> dict[str, set[str]]:
+    """The Python versions each place names: the README's "Supported" line, the interpreters
+    .ci/run builds its environments from, and pyproject.toml's requires-python range."""
+    readme = re.search(r"Python (3\.\d+) and (3\.\d+), both tested", README)
+    ci = set(re.findall(r"^PYTHON_\w+=\$\(pyenv_python (3\.\d+)\)$", (REPO / ".ci/run").read_text(), re.M))
+    low, high = re.search(r'requires-python = ">=3\.(\d+),<3\.(\d+)"', (REPO / "pyproject.toml").read_text()).groups()
+    return {"README": set(readme.groups()) if readme else set(), ".ci/run": ci,
+            "pyproject.toml": {f"3.{minor}" for minor in range(int(low), int(high))}}
+
+
+def test_the_readme_claims_the_pythons_ci_tests():
+    """The README claims exactly the Python versions `.ci/run` makes its environments from (and
+    pyproject.toml's range); under CI the suite itself runs on one of them."""
+    claims = claimed_pythons()
+    assert claims["README"] == claims[".ci/run"] == claims["pyproject.toml"] == {"3.12", "3.13"}, claims
+    if os.environ.get("CI") == "true":
+        assert f"{sys.version_info.major}.{sys.version_info.minor}" in claims["README"]
