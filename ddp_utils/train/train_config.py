@@ -48,9 +48,9 @@ RESUME_IF_RESTARTED = "if-restarted"
 
 
 def data_flag(where: str, holds: Callable[[Any], bool]) -> AppliesTo:
-    """A data flag that the data ``holds`` says alone read (``where``, in words); given with
-    other data, it is refused: "--download does nothing with --dataset digits; drop it (it
-    applies to cifar10)"."""
+    """A data flag read only where ``holds(cfg)`` (``where``, in words); given with other data,
+    it is refused: "--download does nothing with --dataset digits; drop it (it applies to
+    cifar10)"."""
     return AppliesTo(where, holds, lambda flag, cfg: f"{flag} does nothing with --dataset {cfg.dataset}; drop it (it "
                                                      f"applies to {where})")
 
