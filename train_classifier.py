@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddp_utils.config import UsageError, flag_name, opt
+from ddp_utils.config import AppliesTo, UsageError, flag_name, opt
 from ddp_utils.data.mixing import BatchMixer
 from ddp_utils.data.object_store import is_object_store
 from ddp_utils.data.pipeline import DataPlan, build_data
@@ -86,7 +86,7 @@ from ddp_utils.train.step_policy import (
     start_training,
     stop_for_signal,
 )
-from ddp_utils.train.train_config import MODEL, OUT_HELP, RUN_FOLDER, TrainConfig, parse_args
+from ddp_utils.train.train_config import MODEL, OUT_HELP, RUN_FOLDER, TrainConfig, needs_flag, parse_args
 from ddp_utils.train.unreadable_files import stop_if_files_unreadable
 
 log = logging.getLogger("train")
@@ -95,6 +95,18 @@ PRETRAINED = "pretrained backbone"  # --help's sections of this script's own fla
 RECIPE = "torchvision's recipe: loss, optimizer, weight average"
 AUGMENTATION = "torchvision's recipe: augmentation and image sizes"
 UNSET = -1.0  # --norm-weight-decay, --bias-weight-decay: torchvision's None (no group of their own)
+
+
+def auto_augment_only(policy: str) -> AppliesTo:
+    """A setting of one --auto-augment policy's operations: refused with another policy."""
+    return AppliesTo(f"--auto-augment {policy}", lambda cfg: cfg.auto_augment == policy,
+                     lambda flag, cfg: f"{flag} applies to --auto-augment {policy} only; add it, or drop {flag}")
+
+
+# the FixRes sizes: the crops of image files; the other data sets' views are --image-size itself
+IMAGE_FILE_SIZES = AppliesTo("image files (imagefolder, shards)", lambda cfg: cfg.dataset in IMAGE_FILES,
+                             lambda flag, cfg: f"{flag} applies to image files (imagefolder, shards), not --dataset "
+                                               f"{cfg.dataset}: drop it (--image-size sets the side)")
 
 
 def _after(sections: tuple[str, ...], section: str, new: str) -> tuple[str, ...]:
@@ -141,13 +153,14 @@ class ClassifierConfig(TrainConfig):
                           "every rank alike; during the LR warm-up each update copies the weights; checkpointed "
                           "beside the model and evaluated after each epoch (its own log line, val_ema/* in "
                           "TensorBoard)", group=RECIPE)
-    model_ema_steps: int = opt(32, "with --model-ema: optimizer steps between its updates (torchvision counts "
+    model_ema_steps: int = opt(32, "optimizer steps between the EMA's updates (torchvision counts "
                                "iterations, each an optimizer step), counted from each epoch's first",
-                               group=RECIPE, above=0)
-    model_ema_decay: float = opt(0.99998, "with --model-ema: D, adjusted as torchvision does: each update keeps "
+                               group=RECIPE, above=0, applies_to=needs_flag("model_ema"))
+    model_ema_decay: float = opt(0.99998, "the EMA's decay D, adjusted as torchvision does: each update keeps "
                                  "1 - min(1, (1 - D) x global batch x --model-ema-steps / --epochs) of the average, "
                                  "the global batch being world size x --accum-steps x --batch-size (torchvision's "
-                                 "world size x its per-GPU batch)", group=RECIPE, above=0, below=1)
+                                 "world size x its per-GPU batch)", group=RECIPE, above=0, below=1,
+                                 applies_to=needs_flag("model_ema"))
     mixup_alpha: float = opt(0.0, "MixUp (torchvision's transforms.v2.MixUp, its --mixup-alpha): each image of a training "
                              "micro-batch becomes lambda x itself + (1 - lambda) x the image before it (the first "
                              "takes the last), the one-hot targets likewise; lambda ~ Beta(alpha, alpha), one per "
@@ -163,10 +176,12 @@ class ClassifierConfig(TrainConfig):
                             "(--augmix-severity); bilinear interpolation; on 8-bit images (cifar10, imagefolder, "
                             "shards); per sample in the DataLoader workers (--aug-on loader); '' = none",
                             choices=("", *AUTO_AUGMENTS), group=AUGMENTATION)
-    ra_magnitude: int = opt(9, "--auto-augment ra: the magnitude of RandAugment's operations, in its 31 bins "
-                            "(0 = none, 30 = strongest)", group=AUGMENTATION, at_least=0, at_most=30)
-    augmix_severity: int = opt(3, "--auto-augment augmix: the severity of AugMix's operations (1 = weakest, 10 = "
-                               "strongest)", group=AUGMENTATION, at_least=1, at_most=10)
+    ra_magnitude: int = opt(9, "the magnitude of RandAugment's operations, in its 31 bins "
+                            "(0 = none, 30 = strongest)", group=AUGMENTATION, at_least=0, at_most=30,
+                            applies_to=auto_augment_only("ra"))
+    augmix_severity: int = opt(3, "the severity of AugMix's operations (1 = weakest, 10 = "
+                               "strongest)", group=AUGMENTATION, at_least=1, at_most=10,
+                               applies_to=auto_augment_only("augmix"))
     random_erase: float = opt(0.0, "probability P of torchvision's RandomErasing on each normalised training image "
                               "(a rectangle of 2-33%% of the area, aspect 0.3-3.3, set to 0), the view's last "
                               "step; per sample in the DataLoader workers (--aug-on loader); 0 = off",
@@ -178,12 +193,12 @@ class ClassifierConfig(TrainConfig):
                        "samples), so it sees about 1/N of the distinct images; 1 = off (docs/recipe.md)",
                        group=AUGMENTATION, at_least=1)
     train_crop_size: int = opt(0, "px of the training crops' side (FixRes: torchvision's v2 recipe trains at 176 "
-                               "and evaluates at --image-size 224); image files only (imagefolder, shards); "
-                               "0 = --image-size", group=AUGMENTATION, at_least=0)
+                               "and evaluates at --image-size 224); 0 = --image-size", group=AUGMENTATION, at_least=0,
+                               applies_to=IMAGE_FILE_SIZES)
     val_resize_size: int = opt(0, "px: the evaluation view resizes the short side of each image file to this, "
                                "then takes the centre --image-size crop (torchvision's v2 recipe: 232 for 224); "
-                               "image files only (imagefolder, shards); 0 = round(--image-size x 256/224)",
-                               group=AUGMENTATION, at_least=0)
+                               "0 = round(--image-size x 256/224)", group=AUGMENTATION, at_least=0,
+                               applies_to=IMAGE_FILE_SIZES)
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
         super().validate(launch, cuda_devices)
@@ -198,8 +213,8 @@ class ClassifierConfig(TrainConfig):
                              f"reads whole shards per rank; {fix}")
 
     def check_recipe_flags(self) -> None:
-        """The optimizer's flags that it would ignore, the EMA's without --model-ema, and a weight
-        decay below 0 other than -1 (unset), are refused."""
+        """The optimizer's flags that it would ignore, and a weight decay below 0 other than -1
+        (unset), are refused (the EMA's settings without --model-ema: ``opt(applies_to=...)``)."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in ("norm_weight_decay", "bias_weight_decay"):
             value = getattr(self, name)
@@ -212,11 +227,6 @@ class ClassifierConfig(TrainConfig):
         if self.optimizer == "adamw" and self.momentum != defaults["momentum"]:
             raise UsageError(f"--momentum does nothing with --optimizer adamw (its betas are PyTorch's 0.9, 0.999); "
                              f"drop --momentum {self.momentum:g}")
-        if not self.model_ema:
-            for name in ("model_ema_steps", "model_ema_decay"):
-                if getattr(self, name) != defaults[name]:
-                    raise UsageError(f"{flag_name(name)} does nothing without --model-ema; add it, or drop "
-                                     f"{flag_name(name)}")
         if (self.mixup_alpha or self.cutmix_alpha) and self.batch_size < 2:
             raise UsageError("--mixup-alpha/--cutmix-alpha mix the images of a micro-batch with each other: give "
                              "--batch-size 2 or more, or drop them")
@@ -232,13 +242,9 @@ class ClassifierConfig(TrainConfig):
 
     def check_augmentation_flags(self) -> None:
         """torchvision's augmentation and sizes where they apply: an automatic augmentation on
-        8-bit images, both per sample (not --aug-on device, nor --no-augment); the FixRes sizes on
-        image files, with a network that is the same at both sizes."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, policy in (("ra_magnitude", "ra"), ("augmix_severity", "augmix")):
-            if getattr(self, name) != defaults[name] and self.auto_augment != policy:
-                raise UsageError(f"{flag_name(name)} applies to --auto-augment {policy} only; add it, or drop "
-                                 f"{flag_name(name)}")
+        8-bit images, both per sample (not --aug-on device, nor --no-augment); the FixRes sizes
+        with a network that is the same at both sizes (on image files alone, and a policy's
+        settings with that policy: ``opt(applies_to=...)``)."""
         per_sample = self.per_sample_flags()
         if per_sample and not self.augment:
             raise UsageError(f"{per_sample[0]} augments the training images and --no-augment turns augmentation off; "
@@ -249,10 +255,6 @@ class ClassifierConfig(TrainConfig):
         if per_sample and self.aug_on == "device":
             raise UsageError(f"{per_sample[0]} runs per sample in the DataLoader workers, not on the device: give "
                              f"--aug-on loader (or auto)")
-        for name in ("train_crop_size", "val_resize_size"):
-            if getattr(self, name) and self.dataset not in IMAGE_FILES:
-                raise UsageError(f"{flag_name(name)} applies to image files (imagefolder, shards), not --dataset "
-                                 f"{self.dataset}: drop it (--image-size sets the side)")
         size, train = self.resolved_image_size(), self.train_crop_size
         if self.val_resize_size and self.val_resize_size < size:
             raise UsageError(f"--val-resize-size {self.val_resize_size} is smaller than the evaluation crop "

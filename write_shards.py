@@ -1,20 +1,19 @@
-"""Write an image folder's train/ and val/ as shards: tar files in WebDataset's layout with an
-index for reading any sample by its number (the layout: ``ddp_utils/data/shards.py``).
+"""Write an image folder's train/ and val/ as shards: tar files in WebDataset's layout, with an index.
 
     python write_shards.py /data/imagenet /data/imagenet-shards
     python write_shards.py SRC DST --shard-mb 256 --threads 16 --skip-unreadable
 
-Every file is read once, decoded to check it (as a run decodes it) and written with its
-original bytes, its class index, its class folder's name and its index in the folder's listing,
-in an order drawn from --seed, so that each shard holds a mix of the classes.
-A file that cannot be decoded is listed with its reason and nothing is left at DST (exit 2),
-unless --skip-unreadable leaves such files out (they are listed, and kept in index.json).
-DST appears only when both splits are written: the shards are written into DST.partial-PID
-first, which an interrupted or failed run removes. Progress, with an ETA, on stderr.
+The index reads any sample by its number (the layout: ``ddp_utils/data/shards.py``). Every file is
+read once, decoded to check it (as a run decodes it) and written with its original bytes, its class
+index, its class folder's name and its index in the folder's listing, in an order drawn from --seed,
+so that each shard holds a mix of the classes. A file that cannot be decoded is listed with its
+reason and nothing is left at DST (exit 2), unless --skip-unreadable leaves such files out (they are
+listed, and kept in index.json). DST appears only when both splits are written: the shards are
+written into DST.partial-PID first, which an interrupted or failed run removes. Progress, with an
+ETA, on stderr.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -23,12 +22,13 @@ import sys
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ddp_utils.config import OneLineErrorParser, UsageError
+from ddp_utils.config import UsageError, check_bounds, opt, parse_config, positional
 from ddp_utils.data.image_files import FolderListing, UnreadableImage, decode_rgb_bytes, device_decodable
 from ddp_utils.data.sets import check_data_dir, list_image_split
 from ddp_utils.data.shards import (
@@ -47,48 +47,51 @@ SCRIPT = "write_shards.py"
 PROGRESS_EVERY_S = 5.0
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = OneLineErrorParser(prog=SCRIPT, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("src", help="the image folder: SRC/train/CLASS/* and SRC/val/CLASS/*")
-    parser.add_argument("dst", help="a new folder for the shards (DST/train/, DST/val/)")
-    parser.add_argument("--shard-mb", type=float, default=256.0,
-                        help="MB: a shard is closed once it holds this much (default 256)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="threads that read and decode the files (0: every CPU this process may use)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="the files go into the shards in an order drawn from this seed, so that each shard "
-                             "mixes the classes (the index keeps the folder's order; default 0)")
-    parser.add_argument("--skip-unreadable", action="store_true",
-                        help="leave out files that cannot be decoded (listed) instead of stopping with exit 2")
-    args = parser.parse_args(argv)
-    if args.shard_mb <= 0:
-        parser.error(f"--shard-mb must be positive, got {args.shard_mb}")
-    if args.threads < 0:
-        parser.error(f"--threads must be >= 0, got {args.threads}")
-    return args
+@dataclass
+class ShardsConfig:
+    """write_shards.py's command line (``ddp_utils.config``: the flags, their bounds and errors)."""
+
+    src: str = positional("the image folder: SRC/train/CLASS/* and SRC/val/CLASS/*")
+    dst: str = positional("a new folder for the shards (DST/train/, DST/val/)")
+    shard_mb: float = opt(256.0, "MB: a shard is closed once it holds this much", above=0)
+    threads: int = opt(0, "threads that read and decode the files (0: every CPU this process may use)", at_least=0)
+    seed: int = opt(0, "the files go into the shards in an order drawn from this seed, so that each shard mixes the "
+                    "classes (the index keeps the folder's order)")
+    skip_unreadable: bool = opt(False, "leave out files that cannot be decoded (listed) instead of stopping with "
+                                "exit 2")
+
+
+def parse_args(argv: list[str] | None) -> ShardsConfig:
+    """The command line as a checked config; bad input: one line on stderr and exit 2."""
+    cfg = parse_config(ShardsConfig, argv, __doc__, prog=SCRIPT, config_file=False)
+    try:
+        check_bounds(cfg)
+    except UsageError as err:
+        print(f"{SCRIPT}: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    threads = args.threads or len(os.sched_getaffinity(0))
-    dst = Path(args.dst)
+    cfg = parse_args(argv)
+    threads = cfg.threads or len(os.sched_getaffinity(0))
+    dst = Path(cfg.dst)
     partial = dst.with_name(f"{dst.name}.partial-{os.getpid()}")
     try:
         if importlib.util.find_spec("webdataset") is None:
             raise UsageError("the webdataset package is missing; install it: pip install -r requirements-shards.txt")
-        problem = check_data_dir("imagefolder", args.src, download=False, named="SRC")
+        problem = check_data_dir("imagefolder", cfg.src, download=False, named="SRC")
         if problem:
             raise UsageError(problem)
         if dst.exists():
             raise UsageError(f"DST {dst} exists; choose a new folder (nothing there is changed)")
-        listings = {split: list_image_split(args.src, split == "train") for split in ("train", "val")}
+        listings = {split: list_image_split(cfg.src, split == "train") for split in ("train", "val")}
         partial.mkdir(parents=True)
         left_out = []
         for split, listing in listings.items():
-            left_out += write_split(listing, partial / split, int(args.shard_mb * 1e6), threads,
-                                    args.skip_unreadable, split, args.seed)
-        if left_out and not args.skip_unreadable:
+            left_out += write_split(listing, partial / split, int(cfg.shard_mb * 1e6), threads,
+                                    cfg.skip_unreadable, split, cfg.seed)
+        if left_out and not cfg.skip_unreadable:
             total = sum(len(listing.targets) for listing in listings.values())
             listed = "".join(f"\n  {err}" for err in left_out)
             raise UsageError(f"{len(left_out)} of {total:,} image files cannot be decoded; nothing was written; "

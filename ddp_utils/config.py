@@ -1,8 +1,10 @@
 """Config dataclasses and the command line generated from them.
 
-Every field carries its help text (unit and meaning) in ``metadata``; :func:`parse_config` turns
-the fields into ``--kebab-case`` flags, so the dataclass is the single source of truth for
-defaults, the ``--help`` table, ``config.json`` and the config stored in checkpoints.
+Every field carries its help text (unit and meaning) in ``metadata``, with its bounds and where it
+applies (``opt``); :func:`parse_config` turns the fields into ``--kebab-case`` flags, so the
+dataclass is the single source of truth for defaults, the ``--help`` table, ``config.json``, the
+config stored in checkpoints and the one-line errors of a value out of bounds or where it does
+nothing.
 
 Where a value comes from, lowest first: the field's default; the class's preset (``PRESETS``,
 chosen by a ``preset`` field); the data set's own defaults (``DATASET_DEFAULTS``, chosen by the
@@ -21,7 +23,7 @@ import subprocess
 import sys
 import typing
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -45,22 +47,42 @@ class UsageError(Exception):
 ON_RESUME = ("fixed", "experiment", "free", "invocation")
 
 
+@dataclasses.dataclass(frozen=True)
+class AppliesTo:
+    """Where a flag does something (``opt(applies_to=...)``): ``where``, in words (--help adds
+    "applies to: WHERE"); ``holds(cfg)``, true where it does; ``refusal(flag, cfg)``, the one line
+    that refuses a value other than the default where it does not (:func:`check_applies`)."""
+
+    where: str
+    holds: Callable[[Any], bool]
+    refusal: Callable[[str, Any], str]
+
+
 def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group: str | None = None,
         on_resume: str = "experiment", from_file: bool = True, at_least: float | None = None,
-        above: float | None = None, below: float | None = None, at_most: float | None = None) -> Any:
+        above: float | None = None, below: float | None = None, at_most: float | None = None,
+        applies_to: AppliesTo | None = None) -> Any:
     """A config field: its default, help text (unit and meaning) and allowed values; the --help
     section it is listed in (``group``; None: at the top, with --config); what a resume may do
     with it (``on_resume``, one of ON_RESUME); whether ``--config FILE`` may set it; the bounds of
     a number (``at_least``/``above`` below it, ``below``/``at_most`` above it), which
-    :func:`check_bounds` enforces whatever set the value."""
+    :func:`check_bounds` enforces whatever set the value; where it does something
+    (``applies_to``), which :func:`check_applies` enforces."""
     if on_resume not in ON_RESUME:
         raise ValueError(f"opt: on_resume must be one of {', '.join(ON_RESUME)}, got {on_resume!r}")
     if at_least is not None and above is not None or below is not None and at_most is not None:
         raise ValueError("opt: give at most one lower bound (at_least, above) and one upper (below, at_most)")
     bounds = {"at_least": at_least, "above": above, "below": below, "at_most": at_most}
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "group": group,
-                                                        "on_resume": on_resume, "from_file": from_file,
-                                                        "bounds": {k: v for k, v in bounds.items() if v is not None}})
+    return dataclasses.field(default=default, metadata={
+        "help": help, "choices": choices, "group": group, "on_resume": on_resume, "from_file": from_file,
+        "bounds": {k: v for k, v in bounds.items() if v is not None}, "applies_to": applies_to})
+
+
+def positional(help: str) -> Any:
+    """A config field the command line gives by its place, not as a flag: a string, required, in
+    the order the fields are declared (declare them first: they have no default)."""
+    return dataclasses.field(metadata={"help": help, "choices": None, "group": None, "on_resume": "invocation",
+                                       "from_file": False, "bounds": {}, "applies_to": None, "positional": True})
 
 
 def bounds_text(bounds: dict[str, float]) -> str:
@@ -86,6 +108,15 @@ def check_bounds(cfg: Any) -> None:
         bounds, value = f.metadata.get("bounds"), getattr(cfg, f.name)
         if bounds and not within_bounds(value, bounds):
             raise UsageError(f"{flag_name(f.name)} must be {bounds_text(bounds)}, got {value}")
+
+
+def check_applies(cfg: Any) -> None:
+    """Raise UsageError (its ``applies_to``'s refusal) for the first field of ``cfg`` given a
+    value other than its default where it does nothing."""
+    for f in dataclasses.fields(cfg):
+        applies_to = f.metadata.get("applies_to")
+        if applies_to is not None and getattr(cfg, f.name) != f.default and not applies_to.holds(cfg):
+            raise UsageError(applies_to.refusal(flag_name(f.name), cfg))
 
 
 def fields_on_resume(cls: type, *kinds: str) -> tuple[str, ...]:
@@ -182,14 +213,21 @@ def not_from_file(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("from_file", True))
 
 
-def build_parser(cls: type, doc: str = "", quiet: bool = False) -> argparse.ArgumentParser:
-    """The command line of ``cls``: one flag per field, in its section (:func:`flag_groups`); ``doc``'s
-    first line is the description, the rest (the launch examples) the epilog."""
+def build_parser(cls: type, doc: str = "", quiet: bool = False, prog: str | None = None,
+                 config_file: bool = True) -> argparse.ArgumentParser:
+    """The command line of ``cls``: its positional arguments (:func:`positional`), then
+    ``--config FILE`` (unless ``config_file`` is false) and one flag per other field, in its
+    section (:func:`flag_groups`); ``doc``'s first line is the description, the rest (the launch
+    examples) the epilog; ``prog``: the program's name (None: this process's)."""
     description, _, epilog = doc.strip().partition("\n")
     # No abbreviated flags: "--lr-s" silently meaning --lr-schedule hides typos in recipes and scripts.
-    parser = OneLineErrorParser(description=description, epilog=epilog.strip("\n") or None,
+    parser = OneLineErrorParser(prog=prog, description=description, epilog=epilog.strip("\n") or None,
                                  formatter_class=_HelpFormatter, quiet=quiet, allow_abbrev=False)
-    parser.add_argument("--config", metavar="FILE", default=None, help=CONFIG_HELP)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("positional"):
+            parser.add_argument(f.name, help=f.metadata["help"], metavar=f.name.upper())
+    if config_file:
+        parser.add_argument("--config", metavar="FILE", default=None, help=CONFIG_HELP)
     groups = flag_groups(cls)
     sections = {}
     for title, members in groups.items():
@@ -197,6 +235,8 @@ def build_parser(cls: type, doc: str = "", quiet: bool = False) -> argparse.Argu
         sections.update(dict.fromkeys(members, section))
     hints = typing.get_type_hints(cls)
     for f in sorted(ordered_fields(cls), key=lambda f: _group_position(groups, f.name)):
+        if f.metadata.get("positional"):
+            continue
         flag, where = flag_name(f.name), sections.get(f.name, parser)
         kind = field_type(hints[f.name])  # `float | None`: None = "set by the preset"
         meta = f.metadata
@@ -220,20 +260,21 @@ def _group_position(groups: dict[str, list[str]], name: str) -> tuple[int, int]:
 
 
 def parse_config(cls: type[T], argv: Sequence[str] | None = None, doc: str = "",
-                 quiet: bool = False) -> T:
-    """Parse the command line into ``cls`` over the preset and ``--config FILE``; argparse errors
-    exit 2 with one line (none if quiet), a bad file raises :class:`UsageError`."""
+                 quiet: bool = False, prog: str | None = None, config_file: bool = True) -> T:
+    """Parse the command line into ``cls`` over the preset and ``--config FILE`` (a command
+    without ``config_file`` has no such flag); argparse errors exit 2 with one line (none if
+    quiet), a bad file raises :class:`UsageError`."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(cls, doc, quiet)
+    parser = build_parser(cls, doc, quiet, prog, config_file)
     given = _pre_parsed(argv)
-    from_file = read_config_file(cls, given.config) if given.config else {}
+    from_file = read_config_file(cls, given.config) if config_file and given.config else {}
     presets = getattr(cls, "PRESETS", None) or {}
     chosen = given.preset if given.preset in presets else None  # an unknown name: argparse says so below
     dataset = given.dataset or from_file.get("dataset") or _default(cls, "dataset")
     parser.set_defaults(**{**preset_values(cls, chosen or from_file.get("preset")),
                            **dataset_values(cls, dataset), **from_file})
     args = vars(parser.parse_args(argv))
-    args.pop("config")
+    args.pop("config", None)
     return cls(**args)
 
 
@@ -259,14 +300,17 @@ def _default(cls: type, name: str) -> Any:
 
 
 def help_text(cls: type, field: dataclasses.Field) -> str:
-    """A field's help, followed by the values the presets other than its default give it and the
-    data sets' own defaults of it: "...; --preset v1: 0.07", "...; --dataset digits: 128"."""
+    """A field's help, followed by the values the presets other than its default give it, the
+    data sets' own defaults of it and where it applies: "...; --preset v1: 0.07", "...; --dataset
+    digits: 128", "...; applies to: cifar10"."""
     name = field.name
     own = [f"--preset {preset}: {_shown(values[name])}" for preset, values in
            (getattr(cls, "PRESETS", None) or {}).items() if name in values and values[name] != field.default]
     own += [f"--dataset {dataset}: {_shown(values[name])}" for dataset, values in
             (getattr(cls, "DATASET_DEFAULTS", None) or {}).items() if name in values]
-    return field.metadata["help"] + (f"; {', '.join(own)}" if own else "")
+    applies_to = field.metadata.get("applies_to")
+    return (field.metadata["help"] + (f"; {', '.join(own)}" if own else "")
+            + (f"; applies to: {applies_to.where}".replace("%", "%%") if applies_to else ""))
 
 
 def _shown(value: Any) -> str:
@@ -373,12 +417,18 @@ def save_config(cfg: Any, out_dir: str | os.PathLike, extra: dict[str, Any] | No
     return path
 
 
-def markdown_flag_table(cls: type) -> str:
-    """The README's flag table for ``cls`` (tests/test_docs.py keeps the README equal to it)."""
-    rows = ["| flag | default | meaning |", "| --- | --- | --- |", f"| `--config FILE` | none | {CONFIG_HELP} |"]
+def markdown_flag_table(cls: type, config_file: bool = True) -> str:
+    """docs/flags.md's table for ``cls`` (tests/test_docs.py keeps the page equal to it): its
+    positional arguments, ``--config FILE`` (unless ``config_file`` is false), every flag."""
+    rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{f.name.upper()}` | required | {f.metadata['help']} |" for f in dataclasses.fields(cls)
+             if f.metadata.get("positional")]
+    rows += [f"| `--config FILE` | none | {CONFIG_HELP} |"] if config_file else []
     hints = typing.get_type_hints(cls)
     for f in ordered_fields(cls):
         flag, meta = flag_name(f.name), f.metadata
+        if meta.get("positional"):
+            continue
         if field_type(hints[f.name]) is bool:
             flag = f"{flag} / --no-{flag[2:]}"
         if f.default is None:

@@ -354,9 +354,10 @@ NEEDS = {"lr_warmup_decay": ["--lr-schedule", "cosine-annealing", "--lr-warmup-e
 def applying(name: str) -> list[str]:
     """The flags a field's own flag needs to apply at all (the object store's: a bucket; a
     warm-up's start factor: the warm-up; the EMA's settings: the EMA)."""
-    from ddp_utils.train.train_config import STORE_FLAGS
+    from ddp_utils.train.train_config import IN_AN_OBJECT_STORE, TrainConfig
 
-    return IN_A_BUCKET if name in STORE_FLAGS else NEEDS.get(name, [])
+    in_a_bucket = [f.name for f in dataclasses.fields(TrainConfig) if f.metadata["applies_to"] is IN_AN_OBJECT_STORE]
+    return IN_A_BUCKET if name in in_a_bucket else NEEDS.get(name, [])
 
 
 def _numeric_cases():
@@ -479,6 +480,72 @@ def test_every_bound_is_refused_on_the_command_line_and_its_edge_accepted(capsys
         code, err = run(cls, flag, value)
         assert code == 2 and err.endswith(f": error: {flag} must be {said}\n"), err
     assert run(train_classifier.ClassifierConfig, "--momentum", 0) == (0, "")
+
+
+def _applying_fields():
+    for script, cls in CONFIGS.items():
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("applies_to") is not None:
+                yield script, cls, f
+
+
+APPLYING = list(_applying_fields())
+
+
+def _another_value(f: dataclasses.Field):
+    """A command-line value of field ``f`` other than its default, within its bounds and choices."""
+    if isinstance(f.default, bool):
+        return [flag_name_of(f, negated=f.default)]
+    if f.metadata.get("choices"):
+        return [flag_name_of(f), next(c for c in f.metadata["choices"] if c != f.default)]
+    if isinstance(f.default, str):
+        return [flag_name_of(f), "elsewhere"]
+    value = f.default + 1 if isinstance(f.default, int) else (f.default / 2 or 1.0)
+    return [flag_name_of(f), str(value)]
+
+
+def flag_name_of(f: dataclasses.Field, negated: bool = False) -> str:
+    from ddp_utils.config import flag_name
+
+    return flag_name(("no_" if negated else "") + f.name)
+
+
+@pytest.mark.parametrize("script, cls, f", APPLYING, ids=[f"{s} {f.name}" for s, _, f in APPLYING])
+def test_a_flag_where_it_does_nothing_is_one_line_that_says_where_it_applies(monkeypatch, script, cls, f):
+    """Every flag with opt(applies_to=...), given on the defaults (digits, no bucket, no warm-up in
+    epochs, no EMA, no automatic augmentation), where none applies: one line naming the flag and
+    where it applies, which its --help says too; where it applies (``applying``), no such line."""
+    from ddp_utils.config import build_parser, check_applies, flag_name, help_text, parse_config
+    from ddp_utils.runtime.dist import LaunchEnv
+
+    flag, where = flag_name(f.name), f.metadata["applies_to"].where
+    cfg = parse_config(cls, _another_value(f))
+    with pytest.raises(UsageError) as refused:
+        cfg.validate(LaunchEnv("single", 0, 0, 1, 1), cuda_devices=0)
+    said = str(refused.value)
+    assert said.startswith(flag + " ") and where in said and "\n" not in said, said
+    assert help_text(cls, f).endswith(f"; applies to: {where}")
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps help at hyphens: one line per flag
+    assert f"applies to: {where}" in build_parser(cls).format_help()
+    check_applies(parse_config(cls, []))  # the default is never refused
+    if applying(f.name):  # a bucket, the warm-up, the EMA, a policy, image files: it applies
+        check_applies(parse_config(cls, [*applying(f.name), *_another_value(f)]))
+
+
+def test_the_flags_that_apply_to_some_runs_only_are_these():
+    """By hand, so that the generated test above cannot pass on empty metadata."""
+    store = ["shard_cache_dir", "shard_cache_gb", "shard_read_ahead", "shard_downloads", "store_timeout",
+             "keep_shard_cache"]
+    shared = ["data_dir", *store, "download", "synthetic_samples", "decode_on", "lr_warmup_method", "lr_warmup_decay",
+              "check_data"]
+    assert [f.name for s, _, f in APPLYING if s == "moco"] == shared
+    assert [f.name for s, _, f in APPLYING if s == "classifier"] == [
+        *shared, "model_ema_steps", "model_ema_decay", "ra_magnitude", "augmix_severity", "train_crop_size",
+        "val_resize_size"]
+    wheres = {f.name: f.metadata["applies_to"].where for _, _, f in APPLYING}
+    assert wheres["data_dir"] == "cifar10, imagefolder and shards" and wheres["download"] == "cifar10"
+    assert wheres["store_timeout"] == "shards in an object store (s3://)" and wheres["check_data"] == \
+        "imagefolder and shards"
 
 
 def test_a_bound_is_enforced_on_a_config_files_value_too(tmp_path, capsys):

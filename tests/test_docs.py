@@ -17,9 +17,12 @@ from test_cli_errors import CASES, readme_rows
 
 import train_classifier
 import train_moco
+import write_shards
 from ddp_utils.config import markdown_flag_table
 
 SCRIPTS = {"train_classifier.py": train_classifier.ClassifierConfig, "train_moco.py": train_moco.MocoConfig}
+FLAG_TABLES = {script: markdown_flag_table(cls) for script, cls in SCRIPTS.items()} | {
+    "write_shards.py": markdown_flag_table(write_shards.ShardsConfig, config_file=False)}  # no --config FILE
 README = (REPO / "README.md").read_text()
 README_MAX_LINES = 360
 REGENERATE = "out of date: `PYTHONPATH=. python tests/test_docs.py` rewrites the generated tables in docs/"
@@ -33,11 +36,11 @@ def _section(title: str, doc: str = "README.md") -> str:
     return text.split(f"## {title}")[1].split("\n## ")[0]
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
+@pytest.mark.parametrize("script", sorted(FLAG_TABLES))
 def test_flag_table_is_the_configs(script):
     """docs/flags.md, generated from the config dataclass (ddp_utils.config.markdown_flag_table):
     every flag, its default and its help, in --help's order."""
-    assert markdown_flag_table(SCRIPTS[script]) in _section(f"Every flag of {script}", "docs/flags.md"), REGENERATE
+    assert FLAG_TABLES[script] in _section(f"Every flag of {script}", "docs/flags.md"), REGENERATE
 
 
 def test_bad_input_table_lists_every_tested_mistake():
@@ -192,8 +195,8 @@ def _replace_table(doc: str, heading: str, table: str) -> None:
 def regenerate() -> None:
     """Rewrite what is generated: the flags (docs/flags.md), the bad inputs (docs/bad-input.md) and
     the classifier's loop (docs/accumulation.md)."""
-    for script, cls in SCRIPTS.items():
-        _replace_table("docs/flags.md", f"## Every flag of {script}", markdown_flag_table(cls))
+    for script, table in FLAG_TABLES.items():
+        _replace_table("docs/flags.md", f"## Every flag of {script}", table)
     _replace_table("docs/bad-input.md", "## Bad input", "\n".join(readme_rows()))
     page = (REPO / LOOP_PAGE).read_text()
     head, rest = page.split(LOOP_INTRO, 1)

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -137,7 +138,7 @@ def test_wrong_commands_get_one_line_and_exit_2(jpeg_folder, written, tmp_path, 
                                                             f"no 'train/' folder; ImageFolder expects "
                                                             f"DIR/train/CLASS/*.jpg and DIR/val/CLASS/*.jpg"),
         ([str(jpeg_folder), str(tmp_path / "out"), "--shard-mb", "0"], "write_shards.py: error: --shard-mb must "
-                                                                        "be positive, got 0.0 (see --help)"),
+                                                                        "be positive, got 0.0"),
         ([str(jpeg_folder), str(tmp_path / "out"), "--shard-mbs", "3"], "write_shards.py: error: unrecognized "
                                                                          "arguments: --shard-mbs 3; did you mean "
                                                                          "--shard-mb? (see --help)"),
@@ -146,6 +147,33 @@ def test_wrong_commands_get_one_line_and_exit_2(jpeg_folder, written, tmp_path, 
         err = capsys.readouterr().err
         assert code == 2 and err.strip().splitlines()[-1] == said and err.count("error:") == 1, err
     assert sorted(p.name for p in (written / "train").iterdir()) == before and not (tmp_path / "out").exists()
+
+
+def test_each_bound_of_write_shards_is_one_line_and_exit_2_from_the_command_line(tmp_path):
+    """write_shards.py's flags come from ``ShardsConfig``'s fields (``ddp_utils.config``): a value
+    just past each field's bound, and a float that is not finite, refused by the real command
+    line with one line naming the flag, before anything is read or written."""
+    import dataclasses
+
+    from ddp_utils.config import bounds_text, flag_name
+
+    cases = []
+    for f in dataclasses.fields(write_shards.ShardsConfig):
+        bounds = f.metadata["bounds"]
+        if bounds:
+            value = bounds["above"] if "above" in bounds else bounds["at_least"] - 1
+            shown = float(value) if isinstance(f.default, float) else value
+            cases.append((flag_name(f.name), str(value), f"{flag_name(f.name)} must be {bounds_text(bounds)}, "
+                                                         f"got {shown}"))
+    # by hand, so that the loop cannot pass on empty metadata; nan: refused as every float flag is
+    assert [flag for flag, _, _ in cases] == ["--shard-mb", "--threads"]
+    cases.append(("--shard-mb", "nan", "argument --shard-mb: nan is not a finite number (see --help)"))
+    with ThreadPoolExecutor(len(cases)) as pool:
+        procs = list(pool.map(lambda case: write_cli("SRC", str(tmp_path / "out"), case[0], case[1]), cases))
+    for (flag, value, said), proc in zip(cases, procs):
+        assert proc.returncode == 2 and proc.stdout == "", (flag, value, proc.stderr)
+        assert proc.stderr == f"write_shards.py: error: {said}\n", proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def _exit_code(main, args: list[str]) -> int:

@@ -14,7 +14,9 @@ from typing import Any, Callable, ClassVar, Sequence, TypeVar
 import torch
 
 from ..config import (
+    AppliesTo,
     UsageError,
+    check_applies,
     check_bounds,
     config_dict,
     fields_on_resume,
@@ -43,12 +45,31 @@ from .optimization import EPOCH_WARMUP_SCHEDULES, LR_SCHEDULES, WARMUP_METHODS, 
 
 C = TypeVar("C", bound="TrainConfig")
 RESUME_IF_RESTARTED = "if-restarted"
-STORE_FLAGS = ("shard_cache_dir", "shard_cache_gb", "shard_read_ahead", "shard_downloads", "store_timeout",
-               "keep_shard_cache")  # what applies to shards in an object store alone
-DATA_FLAG_USERS = {"data_dir": "cifar10, imagefolder and shards", "download": "cifar10",
-                   "synthetic_samples": "synthetic", "check_data": "imagefolder and shards",
-                   "decode_on": "imagefolder and shards",
-                   **{name: "shards in an object store (s3://)" for name in STORE_FLAGS}}
+
+
+def data_flag(where: str, holds: Callable[[Any], bool]) -> AppliesTo:
+    """A data flag read only where ``holds(cfg)`` (``where``, in words); given with other data,
+    it is refused: "--download does nothing with --dataset digits; drop it (it applies to
+    cifar10)"."""
+    return AppliesTo(where, holds, lambda flag, cfg: f"{flag} does nothing with --dataset {cfg.dataset}; drop it (it "
+                                                     f"applies to {where})")
+
+
+def data_sets(*names: str) -> AppliesTo:
+    """A data flag that the data sets ``names`` alone read."""
+    return data_flag(", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0],
+                     lambda cfg: cfg.dataset in names)
+
+
+def needs_flag(name: str) -> AppliesTo:
+    """A flag that refines field ``name``'s: it does nothing unless that one is on (not 0, off or
+    empty)."""
+    other = flag_name(name)
+    return AppliesTo(other, lambda cfg: bool(getattr(cfg, name)),
+                     lambda flag, cfg: f"{flag} does nothing without {other}; add it, or drop {flag}")
+
+
+IN_AN_OBJECT_STORE = data_flag("shards in an object store (s3://)", lambda cfg: is_object_store(cfg.data_dir))
 
 # --help's sections, each named once; a field names its own (opt(group=...))
 DATA, MODEL, SPEED, RUN_FOLDER, DISTRIBUTED = ("data", "model and optimisation", "precision and speed",
@@ -71,37 +92,40 @@ class TrainConfig:
                        choices=DATASETS, group=DATA)
     data_dir: str = opt("./data", "where cifar10 is (or is downloaded to) / the ImageFolder root / the shards' "
                         "folder, or their s3://BUCKET/PREFIX (endpoint and credentials from the AWS_* variables)",
-                        group=DATA, on_resume="free")
+                        group=DATA, on_resume="free", applies_to=data_sets("cifar10", "imagefolder", "shards"))
     order: str = opt("auto", "training order: shards = each rank reads whole shards of its own, a window of 4 "
                      "shards shuffled at a time (shards on a file system train as from a bucket, bit for bit); "
                      "samples = one permutation of all samples shared out among the ranks (shards on a file system "
                      "train as their image folder, bit for bit); auto = shards for --dataset shards, else samples",
                      choices=("auto", *ORDERS), group=DATA)
-    shard_cache_dir: str = opt("", "shards in an object store: the node-local folder that holds the node's cache of "
-                               "them (shared by its ranks, emptied at start, deleted at the end unless "
+    shard_cache_dir: str = opt("", "the node-local folder that holds the node's cache of the shards "
+                               "(shared by its ranks, emptied at start, deleted at the end unless "
                                "--keep-shard-cache); '' = the system's temporary folder (TMPDIR)",
-                               group=DATA, on_resume="free")
-    shard_cache_gb: float = opt(0.0, "shards in an object store: GB of local disk the node's cache may fill, shared by "
+                               group=DATA, on_resume="free", applies_to=IN_AN_OBJECT_STORE)
+    shard_cache_gb: float = opt(0.0, "GB of local disk the node's cache of shards may fill, shared by "
                                 f"its ranks (the shards held least recently go first); 0 = what the read-ahead needs: "
                                 f"ranks on the node x ({SHARDS_IN_USE} + --shard-read-ahead) x the largest shard; "
-                                f"more keeps shards for later epochs", group=DATA, on_resume="free", at_least=0)
-    shard_read_ahead: int = opt(8, "shards in an object store: shards each rank downloads beyond those its workers "
+                                f"more keeps shards for later epochs", group=DATA, on_resume="free", at_least=0,
+                                applies_to=IN_AN_OBJECT_STORE)
+    shard_read_ahead: int = opt(8, "shards each rank downloads beyond those its workers "
                                 "read now (the next epoch's first ones before this epoch ends), within its share of "
-                                "the node's cache", group=DATA, on_resume="free", at_least=0)
-    shard_downloads: int = opt(4, "shards in an object store: downloads at once per rank, a connection each (one GET "
-                               "per shard)", group=DATA, on_resume="free", above=0, at_most=32)
-    store_timeout: float = opt(300.0, "shards in an object store: seconds the store may fail to answer (unreachable, "
+                                "the node's cache", group=DATA, on_resume="free", at_least=0,
+                                applies_to=IN_AN_OBJECT_STORE)
+    shard_downloads: int = opt(4, "shard downloads at once per rank, a connection each (one GET "
+                               "per shard)", group=DATA, on_resume="free", above=0, at_most=32,
+                               applies_to=IN_AN_OBJECT_STORE)
+    store_timeout: float = opt(300.0, "seconds the store may fail to answer (unreachable, "
                                "throttling) before every rank stops with exit 75 after a checkpoint, to be restarted; "
                                "shorter outages are waited out. Less than --dist-timeout - 60",
-                               group=DATA, on_resume="free", above=0)
-    keep_shard_cache: bool = opt(False, "shards in an object store: keep the node's cache folder when the run ends",
-                                 group=DATA, on_resume="free")
+                               group=DATA, on_resume="free", above=0, applies_to=IN_AN_OBJECT_STORE)
+    keep_shard_cache: bool = opt(False, "keep the node's cache folder of shards when the run ends",
+                                 group=DATA, on_resume="free", applies_to=IN_AN_OBJECT_STORE)
     download: bool = opt(False, "download cifar10 into --data-dir if it is not there (once per node, by its local rank 0)",
-                         group=DATA, on_resume="free")
+                         group=DATA, on_resume="free", applies_to=data_sets("cifar10"))
     image_size: int = opt(0, "input side in pixels; 0 = the data set's own (32, or 224 for imagefolder)",
                           group=DATA, at_least=0)
     synthetic_samples: int = opt(2048, "training samples of the synthetic data set (val: a quarter)",
-                                 group=DATA, above=0)
+                                 group=DATA, above=0, applies_to=data_sets("synthetic"))
     augment: bool = opt(True, "random crop (+ flip) on training images; off = deterministic pipeline "
                         "(train_moco.py refuses it: its two views must differ)", group=DATA)
     normalization: str = opt("auto", "input mean/std: auto = the data set's own; cifar10-demo = the MoCo "
@@ -116,7 +140,8 @@ class TrainConfig:
                          "the DataLoader workers (libjpeg-turbo); device = the workers only read the files and the "
                          "training process decodes each batch on its device (nvJPEG on CUDA; a file it may not "
                          "take, such as a CMYK or progressive JPEG or a PNG, is decoded by its worker); auto = loader",
-                         choices=("auto", "loader", "device"), group=DATA, on_resume="free")
+                         choices=("auto", "loader", "device"), group=DATA, on_resume="free",
+                         applies_to=data_sets(*IMAGE_FILES))
     workers: int = opt(-1, "data-loader worker processes per rank; -1 = auto (0 for in-memory data)",
                        group=DATA, on_resume="free", at_least=-1)
     # model and optimisation
@@ -152,10 +177,12 @@ class TrainConfig:
                                 "constant; instead of --warmup-steps): each epoch e < N (from 0) runs at one LR, "
                                 "lr x (d + (1 - d) e / N) with d = --lr-warmup-decay (--lr-warmup-method constant: "
                                 "lr x d), then the schedule starts", group=MODEL, at_least=0)
-    lr_warmup_method: str = opt("linear", "with --lr-warmup-epochs: linear (torchvision's LinearLR) or constant "
-                                "(its ConstantLR)", choices=WARMUP_METHODS, group=MODEL)
-    lr_warmup_decay: float = opt(0.01, "with --lr-warmup-epochs: the LR factor the warm-up starts at (torchvision's "
-                                 "--lr-warmup-decay)", group=MODEL, above=0, at_most=1)
+    lr_warmup_method: str = opt("linear", "linear (torchvision's LinearLR) or constant "
+                                "(its ConstantLR)", choices=WARMUP_METHODS, group=MODEL,
+                                applies_to=needs_flag("lr_warmup_epochs"))
+    lr_warmup_decay: float = opt(0.01, "the LR factor the warm-up starts at (torchvision's "
+                                 "--lr-warmup-decay)", group=MODEL, above=0, at_most=1,
+                                 applies_to=needs_flag("lr_warmup_epochs"))
     clip_grad: float = opt(0.0, "clip the global gradient L2 norm to this value; 0 = off",
                            group=MODEL, at_least=0)
     amp: str = opt("auto", "mixed precision: auto = bf16 on CUDA and fp32 on CPU; bf16, fp16 (with a "
@@ -194,10 +221,11 @@ class TrainConfig:
                       "that would start and exit 0 (or 2, naming the problem); no process group, nothing "
                       "written (launch/ scripts run it before starting the workers)",
                       group=RUN_FOLDER, on_resume="invocation", from_file=False)
-    check_data: bool = opt(False, "--check, and decode every image file of both splits (imagefolder, shards) on "
+    check_data: bool = opt(False, "--check, and decode every image file of both splits on "
                            "every CPU this process may use: each file that cannot be decoded is listed with its "
                            "reason, exit 2 if there is one; shards: each one's sha256 checked against the index first",
-                           group=RUN_FOLDER, on_resume="invocation", from_file=False)
+                           group=RUN_FOLDER, on_resume="invocation", from_file=False,
+                           applies_to=data_sets(*IMAGE_FILES))
     ckpt_every: int = opt(0, "also checkpoint every this many optimizer steps (0 = at epoch ends only)",
                           group=RUN_FOLDER, on_resume="free", at_least=0)
     keep_checkpoints: int = opt(2, "checkpoints kept in OUT: checkpoint_last.pt and N-1 older ones "
@@ -235,8 +263,8 @@ class TrainConfig:
         if self.lr_schedule != "step" and milestones:
             raise UsageError(f"--lr-milestones {self.lr_milestones} applies to --lr-schedule step only, not "
                              f"{self.lr_schedule}; drop it (a preset's: --lr-milestones '')")
+        check_applies(self)  # each flag where it does something (opt(applies_to=...))
         self.check_warmup_flags()
-        self.check_data_flags()
         if self.order == "shards" and self.dataset != "shards":
             raise UsageError(f"--order shards reads whole shards; --dataset {self.dataset} has none (drop --order, "
                              f"or train on shards: --dataset shards)")
@@ -261,14 +289,9 @@ class TrainConfig:
                              f"--aug-on device or drop --decode-on")
 
     def check_warmup_flags(self) -> None:
-        """One warm-up, in steps or in epochs, on a schedule that takes it; its method and start
-        factor only with it."""
+        """One warm-up, in steps or in epochs, on a schedule that takes it (its method and start
+        factor apply to it alone: ``opt(applies_to=...)``)."""
         if not self.lr_warmup_epochs:
-            defaults = {f.name: f.default for f in dataclasses.fields(self)}
-            for name in ("lr_warmup_method", "lr_warmup_decay"):
-                if getattr(self, name) != defaults[name]:
-                    raise UsageError(f"{flag_name(name)} does nothing without --lr-warmup-epochs; add it, or drop "
-                                     f"{flag_name(name)}")
             return
         if self.lr_schedule not in EPOCH_WARMUP_SCHEDULES:
             raise UsageError(f"--lr-warmup-epochs applies to --lr-schedule {' or '.join(EPOCH_WARMUP_SCHEDULES)} "
@@ -280,18 +303,6 @@ class TrainConfig:
         if self.lr_warmup_epochs >= self.epochs:
             raise UsageError(f"--lr-warmup-epochs {self.lr_warmup_epochs} must be less than --epochs {self.epochs}: "
                              f"the schedule runs after the warm-up")
-
-    def check_data_flags(self) -> None:
-        """Data flags that the chosen data set would silently ignore are refused."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        unused = {"data_dir": self.dataset in ("digits", "synthetic"), "download": self.dataset != "cifar10",
-                  "synthetic_samples": self.dataset != "synthetic", "check_data": self.dataset not in IMAGE_FILES,
-                  "decode_on": self.dataset not in IMAGE_FILES,
-                  **{name: not is_object_store(self.data_dir) for name in STORE_FLAGS}}
-        for name, ignored in unused.items():
-            if ignored and getattr(self, name) != defaults[name]:
-                raise UsageError(f"{flag_name(name)} does nothing with --dataset {self.dataset}; drop it (it "
-                                 f"applies to {DATA_FLAG_USERS[name]})")
 
     def per_sample_flags(self) -> list[str]:
         """The flags given that ask for steps only the loader path runs (``--aug-on auto`` then
