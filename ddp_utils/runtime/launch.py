@@ -7,7 +7,7 @@ this project is started.
    so two jobs sharing a node do not collide.
 3. ``python script.py``: one process, no process group at all.
 
-Also the node's name and the job's restart count, which the run folder and fault injection read.
+Also the name of this node and how many times the job was restarted.
 """
 from __future__ import annotations
 
