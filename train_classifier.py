@@ -60,8 +60,11 @@ from ddp_utils.runtime.collectives import (
     check_replicas_identical,
     sync_buffers_from_rank0,
 )
-from ddp_utils.runtime.dist import DistInfo, LaunchEnv, to_device, unwrap
-from ddp_utils.train.accumulation import autocast, fp16_overflow, no_sync, set_lr, stepped_parameters
+from ddp_utils.runtime.device import to_device
+from ddp_utils.runtime.dist import DistInfo, unwrap
+from ddp_utils.runtime.launch import LaunchEnv
+from ddp_utils.runtime.precision import autocast
+from ddp_utils.train.accumulation import fp16_overflow, no_sync, set_lr, stepped_parameters
 from ddp_utils.train.check import check_only
 from ddp_utils.train.checkpoint import Resume, mismatch_detail
 from ddp_utils.train.ema import WeightsEMA, ema_decay

@@ -52,8 +52,11 @@ from ddp_utils.models.backbones import build_model, feature_dim
 from ddp_utils.models.moco import Encoder, MoCo, contrastive_step
 from ddp_utils.models.shuffle_bn import split_batchnorm
 from ddp_utils.runtime.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
-from ddp_utils.runtime.dist import DistInfo, LaunchEnv, barrier, to_device
-from ddp_utils.train.accumulation import autocast, fp16_overflow, no_sync, set_lr, stepped_parameters
+from ddp_utils.runtime.device import to_device
+from ddp_utils.runtime.dist import DistInfo, barrier
+from ddp_utils.runtime.launch import LaunchEnv
+from ddp_utils.runtime.precision import autocast
+from ddp_utils.train.accumulation import fp16_overflow, no_sync, set_lr, stepped_parameters
 from ddp_utils.train.check import check_only
 from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.network import place_model, wrap_network

@@ -50,13 +50,10 @@ from ddp_utils.data.recipes import classifier_recipe, moco_recipe  # noqa: E402
 from ddp_utils.data.sets import in_memory_tensors  # noqa: E402
 from ddp_utils.data.transforms import TwoCrops, view_transform  # noqa: E402
 from ddp_utils.models.moco import contrastive_loss  # noqa: E402
-from ddp_utils.runtime.dist import (  # noqa: E402
-    detect_launch,  # noqa: E402
-    memory_format,
-    to_device,
-)
+from ddp_utils.runtime.device import memory_format, to_device  # noqa: E402
+from ddp_utils.runtime.launch import detect_launch  # noqa: E402
+from ddp_utils.runtime.precision import autocast  # noqa: E402
 from ddp_utils.runtime.stopping import RunStopped  # noqa: E402
-from ddp_utils.train.accumulation import autocast  # noqa: E402
 from ddp_utils.train.session import RunSession  # noqa: E402
 from ddp_utils.train.step_policy import start_training  # noqa: E402
 from ddp_utils.train.train_config import parse_args as parse_script_args  # noqa: E402

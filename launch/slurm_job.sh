@@ -9,7 +9,7 @@
 #   host of the allocation, at a port derived from the job id. A worker that dies makes torchrun
 #   restart the group, up to MAX_RESTARTS times (default 3), from the newest checkpoint.
 # LAUNCH_MODE=srun: srun starts one task per GPU itself (set --ntasks-per-node to the GPUs per
-#   node); each worker reads SLURM_PROCID/SLURM_NTASKS (ddp_utils.runtime.dist.init_distributed). No
+#   node); each worker reads SLURM_PROCID/SLURM_NTASKS (ddp_utils.runtime.launch.detect_launch). No
 #   restarts within the job: a failed task fails the job.
 #
 # Runs SCRIPT --check once first (bad input: one line in the job log, exit 2, no srun). Adds

@@ -384,7 +384,7 @@ def test_every_numeric_flag_at_zero_negative_nan_and_inf(capsys, script, name, v
     """Each numeric flag of both scripts: 0 and -1 are refused unless they mean something (off,
     auto), nan and +-inf always; a refusal is one line naming the flag."""
     from ddp_utils.config import flag_name, parse_config
-    from ddp_utils.runtime.dist import LaunchEnv
+    from ddp_utils.runtime.launch import LaunchEnv
 
     cls = CONFIGS[script]
     flag = flag_name(name)

@@ -418,7 +418,7 @@ def test_feature_extraction_copies_without_waiting_in_the_networks_layout_under_
     """Per batch: images and labels go to the device with non_blocking copies (a blocking one
     waits for the GPU to finish the previous batch), in the network's memory format (CUDA:
     channels_last), and the backbone runs under the run's autocast."""
-    import ddp_utils.runtime.dist as dist_mod
+    import ddp_utils.runtime.device as device_mod
 
     copies, seen = [], []
     to = torch.Tensor.to
@@ -433,7 +433,7 @@ def test_feature_extraction_copies_without_waiting_in_the_networks_layout_under_
             seen.append((x.is_contiguous(memory_format=torch.channels_last), torch.is_autocast_enabled("cpu")))
             return nn.functional.adaptive_avg_pool2d(x, 1).flatten(1)
 
-    monkeypatch.setattr(dist_mod, "memory_format", lambda device: torch.channels_last)
+    monkeypatch.setattr(device_mod, "memory_format", lambda device: torch.channels_last)
     monkeypatch.setattr(torch.Tensor, "to", recording_to)
     x, y = torch.randn(10, 3, 4, 4), torch.arange(10)
     loader = DataLoader(TensorDataset(x, y), batch_size=4)

@@ -11,7 +11,9 @@ from helpers import REPO, cli_env, free_port
 
 from ddp_utils.config import UsageError
 from ddp_utils.runtime import dist as ddp_dist
-from ddp_utils.runtime.dist import detect_launch, first_slurm_host, init_distributed
+from ddp_utils.runtime.device import cuda_index, select_device, shared_gpu_problem
+from ddp_utils.runtime.dist import init_distributed
+from ddp_utils.runtime.launch import LaunchEnv, detect_launch, first_slurm_host, tasks_on_this_node
 
 LAUNCH_VARS = ("CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_JOB_ID",
@@ -46,7 +48,7 @@ def test_torchrun_environment(clean_env):
     clean_env.setenv("MASTER_ADDR", "10.1.2.3")
     clean_env.setenv("MASTER_PORT", "4321")
     launch = detect_launch()
-    assert launch == ddp_dist.LaunchEnv("torchrun", 5, 1, 8, 4, "10.1.2.3", 4321)
+    assert launch == LaunchEnv("torchrun", 5, 1, 8, 4, "10.1.2.3", 4321)
 
 
 def test_torchrun_with_one_process_initialises_nothing(clean_env):
@@ -91,19 +93,19 @@ def test_first_slurm_host(nodelist, first):
 
 def test_uneven_tasks_per_node(clean_env):
     env = {"SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}
-    assert ddp_dist.tasks_on_this_node(env) == 3
+    assert tasks_on_this_node(env) == 3
 
 
 def test_device_cuda_requested_without_cuda_fails_clearly():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(UsageError, match="--device cpu"):
-        ddp_dist.select_device("cuda", ddp_dist.LaunchEnv("single", 0, 0, 1, 1))
+        select_device("cuda", LaunchEnv("single", 0, 0, 1, 1))
 
 
 _WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
-    from ddp_utils.runtime.dist import init_distributed, cleanup_distributed
+    from ddp_utils.runtime.dist import cleanup_distributed, init_distributed
     info = init_distributed("cpu", timeout_s=60)
     t = torch.tensor([float(info.rank + 1)])
     dist.all_reduce(t)
@@ -247,14 +249,14 @@ def test_srun_with_one_bound_gpu_per_task_uses_cuda_0(clean_env, fake_gpus):
                             SLURM_JOB_NODELIST="gpu01", SLURM_STEP_TASKS_PER_NODE="4",
                             CUDA_VISIBLE_DEVICES="3").items():
         clean_env.setenv(name, value)
-    device, backend = ddp_dist.select_device("auto", detect_launch())
+    device, backend = select_device("auto", detect_launch())
     assert (device, backend, chosen) == (torch.device("cuda", 0), "nccl", [0])
 
 
 @pytest.mark.parametrize("local_rank, local_world_size, visible, expected",
                          [(0, 4, 4, 0), (3, 4, 4, 3), (5, 8, 8, 5), (3, 4, 2, 1), (2, 4, 1, 0)])
 def test_cuda_index_is_local_rank_mod_visible_under_slurm(local_rank, local_world_size, visible, expected):
-    assert ddp_dist.cuda_index(local_rank, local_world_size, visible, "slurm") == expected
+    assert cuda_index(local_rank, local_world_size, visible, "slurm") == expected
 
 
 def test_torchrun_with_more_workers_than_gpus_fails_in_one_line(clean_env, fake_gpus):
@@ -262,17 +264,17 @@ def test_torchrun_with_more_workers_than_gpus_fails_in_one_line(clean_env, fake_
     for name, value in dict(RANK="3", LOCAL_RANK="3", WORLD_SIZE="4", LOCAL_WORLD_SIZE="4").items():
         clean_env.setenv(name, value)
     with pytest.raises(UsageError, match=r"4 processes on this node but only 2 visible GPU\(s\): start at most 2"):
-        ddp_dist.select_device("auto", detect_launch())
+        select_device("auto", detect_launch())
 
 
 def test_no_visible_gpu_with_device_cuda_fails_in_one_line():
     with pytest.raises(UsageError, match="sees no CUDA device"):
-        ddp_dist.cuda_index(0, 1, 0, "single")
+        cuda_index(0, 1, 0, "single")
 
 
 def test_two_ranks_on_one_gpu_are_found_after_the_group_forms():
     """srun without binding on a node with fewer GPUs than tasks: both see 'their' cuda:0."""
-    assert ddp_dist.shared_gpu_problem([("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-a")]) is None
-    problem = ddp_dist.shared_gpu_problem([("n1", "GPU-a"), ("n1", "GPU-b"), ("n1", "GPU-a")])
+    assert shared_gpu_problem([("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-a")]) is None
+    problem = shared_gpu_problem([("n1", "GPU-a"), ("n1", "GPU-b"), ("n1", "GPU-a")])
     assert problem.startswith("ranks 0 and 2 share one GPU on n1") and "--gpus-per-task=1" in problem
-    assert ddp_dist.shared_gpu_problem([("n1", None), ("n1", None)]) is None  # CPU ranks
+    assert shared_gpu_problem([("n1", None), ("n1", None)]) is None  # CPU ranks

@@ -1,15 +1,28 @@
-"""The package reads as a stack, and the tests use it as its users do: no module of ddp_utils
-imports itself back through others (imports inside functions and under TYPE_CHECKING counted),
-and no test touches a private name of ddp_utils or of the scripts."""
+"""The package reads as a stack, and the tests use it as its users do: a module imports only from
+its own layer and the layers below (docs/architecture.md's table, the same rows as ``LAYERS``),
+no module of ddp_utils imports itself back through others (imports inside functions and under
+TYPE_CHECKING counted), and no test touches a private name of ddp_utils or of the scripts."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from helpers import REPO
 
 PACKAGE = REPO / "ddp_utils"
 SCRIPTS = ("train_classifier", "train_moco")
+
+# The layers, bottom first, as docs/architecture.md's table names them: a module may import from
+# its own layer and those before it here, never from one after it.
+LAYERS = (
+    ("ddp_utils/config.py", "ddp_utils/hashing.py"),
+    ("ddp_utils/runtime/",),
+    ("ddp_utils/data/",),
+    ("ddp_utils/models/", "ddp_utils/eval/"),
+    ("ddp_utils/train/",),
+    ("train_classifier.py", "train_moco.py"),
+)
 
 
 def module_name(path: Path) -> str:
@@ -37,10 +50,37 @@ def imported_modules(path: Path, known: set[str]) -> set[str]:
     return found - {name}
 
 
-def import_graph() -> dict[str, set[str]]:
-    paths = sorted(PACKAGE.rglob("*.py"))
+def import_graph(with_scripts: bool = False) -> dict[str, set[str]]:
+    paths = sorted(PACKAGE.rglob("*.py")) + ([REPO / f"{s}.py" for s in SCRIPTS] if with_scripts else [])
     known = {module_name(p) for p in paths}
     return {module_name(p): imported_modules(p, known) for p in paths}
+
+
+def layer_of(module: str) -> int | None:
+    """The index in ``LAYERS`` of a module (``ddp_utils.eval.knn``), None if no row holds it. The
+    package's own ``__init__`` is the bottom layer's: Python runs it before any of its modules."""
+    if module == "ddp_utils":
+        return 0
+    for index, row in enumerate(LAYERS):
+        for entry in row:
+            name = entry.removesuffix(".py").removesuffix("/").replace("/", ".")
+            if module == name or (entry.endswith("/") and module.startswith(name + ".")):
+                return index
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a layer above the importer's, as "importer imports imported"."""
+    return [f"{module} imports {target}" for module in sorted(graph) for target in sorted(graph[module])
+            if layer_of(target) > layer_of(module)]
+
+
+def documented_layers(page: str) -> list[tuple[str, ...]]:
+    """The first column of the table in the page's section "The layers", each row's files and
+    folders in order."""
+    section = page.split("\n## The layers\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [tuple(re.findall(r"`([^`]+)`", row.split(" | ")[0])) for row in rows]
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -82,6 +122,29 @@ def test_ddp_utils_has_no_import_cycle():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_architecture_page_lists_the_layers_in_this_order():
+    assert documented_layers((REPO / "docs" / "architecture.md").read_text()) == list(LAYERS)
+
+
+def test_every_module_has_a_layer_and_none_imports_from_a_layer_above():
+    graph = import_graph(with_scripts=True)
+    assert "ddp_utils.train.run" in graph["train_moco"]  # the scan sees the scripts' imports
+    assert [module for module in graph if layer_of(module) is None] == []
+    assert upward_imports(graph) == []
+
+
+def test_the_layer_check_names_an_upward_import():
+    graph = {"ddp_utils.eval.knn": {"ddp_utils.runtime.dist", "ddp_utils.train.accumulation", "ddp_utils.models.moco"},
+             "ddp_utils.data.sets": {"ddp_utils", "ddp_utils.hashing"}, "ddp_utils.hashing": {"ddp_utils.data.sets"},
+             "ddp_utils.train.run": {"train_moco"}, "train_moco": {"ddp_utils.train.run"}}
+    assert upward_imports(graph) == ["ddp_utils.eval.knn imports ddp_utils.train.accumulation",
+                                     "ddp_utils.hashing imports ddp_utils.data.sets",
+                                     "ddp_utils.train.run imports train_moco"]
+    swapped = "# Page\n## The layers\n\n| layer | what |\n| --- | --- |\n| `b/` | x |\n| `a.py`, `c/` | y |\n\n## Next\n| `d/` | z |\n"
+    assert documented_layers(swapped) == [("b/",), ("a.py", "c/")]
+    assert (layer_of("ddp_utils.plumbing"), layer_of("ddp_utils.runtime"), layer_of("ddp_utils.runtime.dist")) == (None, 1, 1)
 
 
 def private_names() -> set[str]:

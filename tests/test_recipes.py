@@ -13,7 +13,7 @@ from helpers import REPO, in_process, load_ckpt
 import train_classifier
 import train_moco
 from ddp_utils.config import UsageError, flag_name, parse_config
-from ddp_utils.runtime.dist import LaunchEnv
+from ddp_utils.runtime.launch import LaunchEnv
 
 # recipe -> (script, world size it is meant for, extra flags a user must add, what it reached and where)
 RECIPES = {

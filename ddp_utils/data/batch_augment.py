@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from .. import hashing
-from ..runtime.dist import memory_format
+from ..runtime.device import memory_format
 from .recipes import AugmentRecipe, evaluation_resize
 
 _ATTEMPTS = 10  # torchvision's RandomResizedCrop tries 10 boxes before its centre-crop fallback

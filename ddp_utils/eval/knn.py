@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.collectives import reduce_metrics
-from ..runtime.dist import get_rank, get_world_size, is_dist, to_device
-from ..train.accumulation import autocast
+from ..runtime.device import to_device
+from ..runtime.dist import get_rank, get_world_size, is_dist
+from ..runtime.precision import autocast
 
 _TWO32 = 1 << 32
 _NO_NEIGHBOUR = -(1 << 63)  # the smallest int64: a list slot a rank with fewer than k rows cannot fill

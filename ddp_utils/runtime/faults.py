@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 from torch import nn
 
 from ..config import UsageError
-from .dist import restart_count
+from .launch import restart_count
 
 ENV = "DDP_FAULT"
 KINDS = ("kill", "raise", "nan")

@@ -11,7 +11,7 @@
 - ``resume`` (which checkpoint, does it fit, where the run starts), ``checkpoint`` (the file),
   ``run_folder`` (``--out`` and its records), ``pretrained`` (backbones for the classifier);
 - ``run``: the record of one run and where it stands; ``accumulation``: the pieces of one
-  optimizer step the scripts write out (windows, ``no_sync``, autocast, unscale and clip, LR);
+  optimizer step the scripts write out (windows, ``no_sync``, unscale and clip, LR);
   ``step_policy``: what follows a step (checkpoints, a NaN/Inf loss, a stop signal);
   ``unreadable_files``: all a run does about image files that cannot be decoded;
   ``monitor``: TensorBoard, progress lines, the step meter.

@@ -9,8 +9,8 @@ gradients, so they cross the network once per optimizer step. The training scrip
 loop and the step that ends each window (unscale, clip and :func:`fp16_overflow`, the ranks' agreement,
 :func:`set_lr`, step or skip, the scaler's update, ``zero_grad``).
 
-Mixed precision is part of the step: ``--amp {auto,none,bf16,fp16}`` (auto: bf16 on CUDA, fp32
-elsewhere) sets the forward's :func:`autocast` and the fp16 :func:`grad_scaler`.
+Mixed precision, the forward's autocast and fp16's loss scaler from ``--amp``, is in
+``runtime.precision``: the kNN monitor's forward takes it too.
 """
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ from typing import ContextManager
 
 import torch
 from torch import nn
-
-AMP_MODES = ("auto", "none", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -117,25 +115,3 @@ def fp16_overflow(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
     if grad_norm is None:
         grad_norm = nn.utils.get_total_norm([p.grad for p in stepped_parameters(optimizer)])
     return ~torch.isfinite(grad_norm)
-
-
-def resolve_amp(amp: str, device: torch.device) -> str:
-    """``auto`` -> bf16 on CUDA (when the GPU supports it), fp32 ("none") elsewhere."""
-    if amp != "auto":
-        return amp
-    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "none"
-
-
-def autocast(amp: str, device: torch.device) -> ContextManager:
-    """Autocast for the forward pass and loss only; backward runs outside it, as PyTorch advises."""
-    amp = resolve_amp(amp, device)
-    if amp == "none":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler:
-    """Loss scaling for fp16, whose small gradients underflow; bf16 has fp32's range. Disabled
-    (``scale()`` returns its input, ``unscale_`` and ``update`` do nothing) for anything else."""
-    return torch.amp.GradScaler(device.type, enabled=resolve_amp(amp, device) == "fp16")

@@ -26,7 +26,8 @@ from ..data.pipeline import (
 from ..data.recipes import AugmentRecipe
 from ..data.sets import IMAGE_FILES, check_data_dir
 from ..data.shards import shards_not_matching
-from ..runtime.dist import LaunchEnv, detect_launch, device_type, restart_count
+from ..runtime.device import device_type
+from ..runtime.launch import LaunchEnv, detect_launch, restart_count
 from ..runtime.stopping import EXIT_OK
 from .accumulation import steps_per_epoch
 from .preflight import check_cache_room, checks_before_start, describe_settings, resolved_settings

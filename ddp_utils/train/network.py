@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..runtime.dist import DistInfo, memory_format
+from ..runtime.device import memory_format
+from ..runtime.dist import DistInfo
 
 
 def configure_backends(device: torch.device, tf32: bool = True, deterministic: bool = False) -> Callable[[], None]:

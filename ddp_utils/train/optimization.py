@@ -15,7 +15,8 @@ from typing import Protocol, Sequence
 import torch
 from torch import nn
 
-from .accumulation import grad_scaler, steps_per_epoch
+from ..runtime.precision import grad_scaler
+from .accumulation import steps_per_epoch
 
 LR_SCHEDULES = ("cosine", "step", "constant", "cosine-epoch", "cosine-annealing")
 EPOCH_WARMUP_SCHEDULES = ("cosine-annealing", "constant")  # what --lr-warmup-epochs warms up

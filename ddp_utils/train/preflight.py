@@ -18,8 +18,10 @@ from ..data.sets import IMAGE_FILES, check_data_dir, download_cifar10, list_imag
 from ..data.shard_cache import NodeCache
 from ..data.shards import ShardIndex, largest_shard
 from ..runtime.collectives import all_gather_object, all_ranks_agree, broadcast_object
-from ..runtime.dist import DistInfo, gpu_identity, restart_count, shared_gpu_problem
+from ..runtime.device import gpu_identity, shared_gpu_problem
+from ..runtime.dist import DistInfo
 from ..runtime.faults import FaultPlan
+from ..runtime.launch import restart_count
 from .checkpoint import Resume
 from .resume import choose_resume
 from .run_folder import check_out_dir

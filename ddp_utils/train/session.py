@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 from ..config import UsageError
 from ..runtime.collectives import all_gather_object
-from ..runtime.dist import DistInfo, cleanup_distributed, detect_launch, init_distributed, node_name
+from ..runtime.dist import DistInfo, cleanup_distributed, init_distributed
 from ..runtime.faults import FaultPlan
+from ..runtime.launch import detect_launch, node_name
 from ..runtime.logs import release_held_logs, setup_logging
 from ..runtime.stopping import (
     EXIT_FAILURE,

@@ -31,16 +31,10 @@ from ..data.pipeline import DataPlan, StoreCache
 from ..data.recipes import AUG_ON, AugmentRecipe, augment_on_device
 from ..data.sets import DATASETS, IMAGE_FILES, NATIVE_SIZE, NORMALIZATIONS
 from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
-from ..runtime.dist import (
-    LaunchEnv,
-    check_device,
-    detect_launch,
-    device_type,
-    restart_count,
-    visible_cuda_devices,
-)
+from ..runtime.device import check_device, device_type, visible_cuda_devices
+from ..runtime.launch import LaunchEnv, detect_launch, restart_count
+from ..runtime.precision import AMP_MODES, resolve_amp
 from ..runtime.stopping import EXIT_USAGE
-from .accumulation import AMP_MODES, resolve_amp
 from .optimization import EPOCH_WARMUP_SCHEDULES, LR_SCHEDULES, WARMUP_METHODS, parse_milestones
 
 C = TypeVar("C", bound="TrainConfig")
