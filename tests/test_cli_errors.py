@@ -516,7 +516,7 @@ def test_a_flag_where_it_does_nothing_is_one_line_that_says_where_it_applies(mon
     epochs, no EMA, no automatic augmentation), where none applies: one line naming the flag and
     where it applies, which its --help says too; where it applies (``applying``), no such line."""
     from ddp_utils.config import build_parser, check_applies, flag_name, help_text, parse_config
-    from ddp_utils.runtime.dist import LaunchEnv
+    from ddp_utils.runtime.launch import LaunchEnv
 
     flag, where = flag_name(f.name), f.metadata["applies_to"].where
     cfg = parse_config(cls, _another_value(f))
