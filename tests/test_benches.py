@@ -1,6 +1,8 @@
 """Benchmarks run end to end on tiny sizes and print their tables (the object store's: moto's S3
 server behind the far network on 127.0.0.1); their timings are not checked, only what must
-hold whatever the machine (requests per shard, op counts)."""
+hold whatever the machine (requests per shard, op counts, bytes by formula, every row, ratios
+that agree with the figures they divide). Every bench/ file is named by such a run (SMOKE_TESTS),
+so that a change which breaks one fails here."""
 from __future__ import annotations
 
 import re
@@ -166,14 +168,10 @@ def test_every_bench_has_a_smoke_run():
     assert all(f"test_{bench.removesuffix('.py')}_" in SMOKE_TESTS[bench] for bench in run_by_smoke)
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory) -> dict[str, str]:
-    """{bench file: its output} of SMOKE_COMMANDS, each asserted to have exited 0."""
-    tmp = tmp_path_factory.mktemp("benches")
-    history = subprocess.run(["git", "cat-file", "-e", "6a4b01f^{commit}"], cwd=REPO, capture_output=True).returncode == 0
-    commands = [c.format(tmp=tmp, packed=2 if history else 0) for c in SMOKE_COMMANDS]  # packed: against 2 commits
+def run_benches(commands: list[str], timeout: float) -> dict[str, tuple[int, str]]:
+    """{bench file: (exit code, output)} of ``commands`` run by tests/run_benches.py in one process."""
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "run_benches.py"), *commands], cwd=REPO, env=cli_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout
     outputs = {}
     for section in proc.stdout.split("==> bench/")[1:]:
@@ -182,6 +180,23 @@ def smoke(tmp_path_factory) -> dict[str, str]:
         outputs[command.split()[0]] = (int(code), output)
     assert len(outputs) == len(commands), proc.stdout
     return outputs
+
+
+def test_a_failing_bench_gets_its_own_exit_code_and_the_next_one_still_runs():
+    """The runner's negative control, on two benches that import no torch: a usage error exits 2
+    in its own section, and the next command runs."""
+    outputs = run_benches(["quickstart.py --rounds many", "readme_figures.py --runs classifier,nothing"], timeout=60)
+    assert outputs["quickstart.py"][0] == 2 and "--rounds: invalid int value: 'many'" in outputs["quickstart.py"][1]
+    assert outputs["readme_figures.py"][0] == 2 and "unknown run ['nothing']" in outputs["readme_figures.py"][1]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """{bench file: (exit code, output)} of SMOKE_COMMANDS."""
+    tmp = tmp_path_factory.mktemp("benches")
+    history = subprocess.run(["git", "cat-file", "-e", "6a4b01f^{commit}"], cwd=REPO, capture_output=True).returncode == 0
+    commands = [c.format(tmp=tmp, packed=2 if history else 0) for c in SMOKE_COMMANDS]  # packed: against 2 commits
+    return run_benches(commands, timeout=900)
 
 
 def output_of(smoke: dict, bench: str) -> str:
