@@ -84,15 +84,16 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     cleanup_distributed()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default="resnet18")
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per variant and A")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    args = parser.parse_args()
-    spawn_local(worker, 2, args)
+    args = parser.parse_args(argv)
+    # forkserver: the ranks fork from one process that imported the bench (and torch) once
+    spawn_local(worker, 2, args, start_method="forkserver")
 
 
 if __name__ == "__main__":

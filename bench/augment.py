@@ -220,7 +220,7 @@ def benchmark(sizes=(16, 32), batch: int = 256, per_sample: int = 512, batched: 
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--batch-size", type=int, default=256)
@@ -228,15 +228,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--packed-only", action="store_true", help="only the ImageNet path's table")
-    args = parser.parse_args()
+    parser.add_argument("--packed-images", type=int, default=64,
+                        help="images of the ImageNet path's table, in batches of up to 32; 0 leaves the table out")
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = packed_views(repeats=args.repeats)
-    print("ImageNet path, both MoCo v2 views at 224 px of packed batches of 32, the CPU as the device, "
-          f"{args.threads} thread(s), best of {args.repeats}")
-    print(f"{'':>9} {'CPU ms/img':>11} {'MB written/img':>15}")
-    for name, (ms, mb) in rows.items():
-        print(f"{name:>9} {ms:>11.2f} {mb:>15.1f}")
-    print()
+    if args.packed_images > 0:
+        batch = min(32, args.packed_images)
+        rows = packed_views(images=args.packed_images, batch=batch, repeats=args.repeats)
+        print(f"ImageNet path, both MoCo v2 views at 224 px of packed batches of {batch}, the CPU as the device, "
+              f"{args.threads} thread(s), best of {args.repeats}")
+        print(f"{'':>9} {'CPU ms/img':>11} {'MB written/img':>15}")
+        for name, (ms, mb) in rows.items():
+            print(f"{name:>9} {ms:>11.2f} {mb:>15.1f}")
+        print()
     if args.packed_only:
         return
     benchmark(tuple(args.sizes), args.batch_size, args.samples, batched=8 * args.batch_size,  # eight batches

@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"tree: {args.train:,} + {args.val:,} files in {CLASSES} classes at {root} "
           f"(ready in {time.perf_counter() - started:.0f} s); {args.ranks} ranks, {os.cpu_count()} CPUs")
     results = root / "results.json"
-    spawn_local(_rank, args.ranks, str(root), args.rounds, str(results))
+    # forkserver: the ranks fork from one process that imported the bench (and torch) once
+    spawn_local(_rank, args.ranks, str(root), args.rounds, str(results), start_method="forkserver")
     slowest, sizes, n_train, n_val, world = json.loads(results.read_text())
     assert (n_train, n_val) == (args.train, args.val)
     print()

@@ -68,14 +68,14 @@ def mb(n: float) -> str:
     return f"{n / 1e6:,.0f} MB"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--data-dir", help="an ImageFolder root; default: a new ImageNet-like one")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--workers", type=int, default=2, help="workers of the measured run")
     parser.add_argument("--per-rank-workers", type=int, default=13, help="workers per rank of the computed column")
     parser.add_argument("--consume-ms", type=float, default=300, help="the consumer's time per batch")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = args.data_dir
         if root is None:

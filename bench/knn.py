@@ -177,7 +177,7 @@ def report(args: argparse.Namespace, world: int, per_rank: list) -> None:
           "of one block (0.27 GB at D 2048), whatever M.")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bank", type=int, default=20_000, help="bank rows M")
     parser.add_argument("--dim", type=int, default=512, help="feature dimension D")
@@ -185,8 +185,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    args = parser.parse_args()
-    spawn_local(worker, 2, args)
+    args = parser.parse_args(argv)
+    # forkserver: the ranks fork from one process that imported the bench (and torch) once
+    spawn_local(worker, 2, args, start_method="forkserver")
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def report(args, parts: dict[str, float], total: float, fused: float, loop: floa
           f"{loop * 1e3:.2f} ms, loop/fused = {loop / fused:.2f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default="resnet18")
     parser.add_argument("--image-size", type=int, default=32)
@@ -131,8 +131,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--momentum-repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    spawn_local(worker, 2, args)
+    args = parser.parse_args(argv)
+    # forkserver: the ranks fork from one process that imported the bench (and torch) once
+    spawn_local(worker, 2, args, start_method="forkserver")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def no_agreement(nonfinite, overflow=None, give_up=False) -> StepVerdict:
 
 def worker(rank: int, args: argparse.Namespace, out_dir: str) -> None:
     torch.set_num_threads(args.threads)
-    cfg = train_classifier.ClassifierConfig(dataset="synthetic", synthetic_samples=100_000, arch=args.arch,
+    cfg = train_classifier.ClassifierConfig(dataset="synthetic", synthetic_samples=args.samples, arch=args.arch,
                                             batch_size=args.batch_size, device="cpu", out=out_dir,
                                             keep_checkpoints=2, log_every=10**9)
     with RunSession(cfg) as session:
@@ -82,7 +82,7 @@ def measure(rank: int, args: argparse.Namespace, out_dir: str, run) -> None:
             print(f"{name:40s} {seconds:8.3f} {seconds / base:7.3f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default="resnet18")
     parser.add_argument("--batch-size", type=int, default=16)
@@ -90,9 +90,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    args = parser.parse_args()
+    parser.add_argument("--samples", type=int, default=100_000, help="synthetic training images")
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as out_dir:
-        spawn_local(worker, 2, args, str(Path(out_dir) / "run"))
+        # forkserver: the ranks fork from one process that imported the bench (and torch) once
+        spawn_local(worker, 2, args, str(Path(out_dir) / "run"), start_method="forkserver")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ Prints four markdown tables:
 2. file opens (or downloads) per rank in one epoch at ``--ranks`` ranks of ``--workers``
    DataLoader workers each, counted while one rank's epoch is read in its order;
 3. start-up: listing a tree of ImageNet's 1,281,167 + 50,000 empty files against reading a shard
-   index of as many records (the shard files are sparse: only their sizes are read);
+   index of as many records (the shard files are sparse: only their sizes are read;
+   ``--startup-images`` for a smaller tree);
 4. on paper: metadata operations per second at 64 nodes x 8 GPUs and 2,500 images/s per GPU.
 """
 from __future__ import annotations
@@ -125,7 +126,7 @@ def synthetic_index(root: Path, samples: int, shard_bytes: int, per_shard: int) 
         f"n{c:08d}" for c in range(1000)], "samples": samples, "shards": entries, "left_out": []}))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", default="", help="an image folder (default: a bench/imagenet_like.py one)")
     parser.add_argument("--images", type=int, default=3000, help="training images of the default folder")
@@ -133,14 +134,17 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8, help="ranks of the job whose epoch is counted")
     parser.add_argument("--workers", type=int, default=8, help="DataLoader workers per rank")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--startup-images", type=int, default=IMAGENET_TRAIN,
+                        help="training images of the start-up table's tree and index (default: ImageNet's)")
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "bench-shards"),
-                        help="where the folder, its shards and the 1.33M-file tree are written (kept)")
-    args = parser.parse_args()
+                        help="where the folder, its shards and the start-up table's tree are written (kept)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     work = Path(args.work)
     folder = Path(args.folder) if args.folder else work / "imagenet_like"
     if not args.folder and not (folder / "train").is_dir():
-        write_imagenet_like(folder, classes=max(1, args.images // 300), train_per_class=300, val_per_class=20)
+        classes = max(1, args.images // 300)
+        write_imagenet_like(folder, classes=classes, train_per_class=-(-args.images // classes), val_per_class=20)
     shards = work / f"shards-{args.shard_mb:g}mb"
     if not shards.exists():
         assert write_shards.main([str(folder), str(shards), "--shard-mb", str(args.shard_mb)]) == 0
@@ -192,10 +196,11 @@ def main() -> None:
         s3[0].terminate()
 
     # 3. start-up: the scan of ImageNet's tree against reading an index of as many records
-    tree, index_root = work / "tree", work / "index-1.28M"
-    write_tree(tree, IMAGENET_TRAIN, IMAGENET_VAL)
+    train = args.startup_images
+    tree, index_root = work / f"tree-{train}", work / f"index-{train}"
+    write_tree(tree, train, train * IMAGENET_VAL // IMAGENET_TRAIN)
     if not (index_root / INDEX).exists():
-        synthetic_index(index_root, IMAGENET_TRAIN, 256_000_000, 2_300)
+        synthetic_index(index_root, train, 256_000_000, 2_300)
     scan, read = [], []
     for _ in range(args.rounds):
         started = time.perf_counter()
@@ -206,10 +211,11 @@ def main() -> None:
         index = ShardIndex.read(str(index_root))
         ShardFiles(index)
         read.append(time.perf_counter() - started)
-    print(f"\n| start-up, ImageNet's train/ ({IMAGENET_TRAIN:,} images) | seconds | files and folders read |\n"
+    whose = "ImageNet's train/" if train == IMAGENET_TRAIN else "a train/ like ImageNet's"
+    print(f"\n| start-up, {whose} ({train:,} images) | seconds | files and folders read |\n"
           "| --- | --: | --: |")
     print(f"| scan the folder (one rank) | {statistics.median(scan):.2f} | {1000 + 1:,} folders, "
-          f"{IMAGENET_TRAIN + 1000:,} entries |")
+          f"{train + 1000:,} entries |")
     print(f"| read the shards' index (one rank) | {statistics.median(read):.2f} | 2 files, 1 folder of "
           f"{len(index.shards) + 2:,} entries |")
 

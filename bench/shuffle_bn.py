@@ -235,18 +235,19 @@ def report(measured: dict[int, list], args: argparse.Namespace) -> None:
                   f"{r['old_s'] / r['new_s']:.2f} |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import tempfile
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--byte-steps", type=int, default=10)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as out_dir:
         measured = {}
         for world in args.worlds:
-            spawn_local(worker, world, args, out_dir)
+            # forkserver: the ranks fork from one process that imported the bench (and torch) once
+            spawn_local(worker, world, args, out_dir, start_method="forkserver")
             measured[world] = torch.load(Path(out_dir) / f"w{world}.pt", weights_only=True)  # plain numbers
     report(measured, args)
 
