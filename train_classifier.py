@@ -66,10 +66,9 @@ from ddp_utils.runtime.launch import LaunchEnv
 from ddp_utils.runtime.precision import autocast
 from ddp_utils.train.accumulation import fp16_overflow, no_sync, set_lr, stepped_parameters
 from ddp_utils.train.check import check_only
-from ddp_utils.train.checkpoint import Resume, mismatch_detail
+from ddp_utils.train.checkpoint import Resume, mismatch_detail, save_checkpoint
 from ddp_utils.train.ema import WeightsEMA, ema_decay
 from ddp_utils.train.monitor import StepMeter
-from ddp_utils.train.network import place_model, wrap_network
 from ddp_utils.train.optimization import OPTIMIZERS, build_optimization, parameter_groups
 from ddp_utils.train.preflight import preflight
 from ddp_utils.train.pretrained import (
@@ -79,17 +78,19 @@ from ddp_utils.train.pretrained import (
     tensors_equal,
 )
 from ddp_utils.train.resume import state_to_start_from, stop_if_complete
-from ddp_utils.train.run import TrainRun
+from ddp_utils.train.run import TrainRun, start_training
 from ddp_utils.train.run_folder import open_run_folder
-from ddp_utils.train.session import RunSession
-from ddp_utils.train.step_policy import (
-    ends_the_run,
-    save_checkpoint,
-    skip_or_stop_nonfinite,
-    start_training,
-    stop_for_signal,
+from ddp_utils.train.session import RunSession, place_model, wrap_network
+from ddp_utils.train.step_policy import ends_the_run, skip_or_stop_nonfinite, stop_for_signal
+from ddp_utils.train.train_config import (
+    MODEL,
+    OUT_HELP,
+    RUN_FOLDER,
+    ResolvedSettings,
+    TrainConfig,
+    needs_flag,
+    parse_args,
 )
-from ddp_utils.train.train_config import MODEL, OUT_HELP, RUN_FOLDER, TrainConfig, needs_flag, parse_args
 from ddp_utils.train.unreadable_files import stop_if_files_unreadable
 
 log = logging.getLogger("train")
@@ -285,7 +286,7 @@ class ClassifierConfig(TrainConfig):
         return (f"training view: {crop}{', ' + extra if extra else ''}; evaluation view: resize {resize} px, centre "
                 f"crop {image_size} px")
 
-    def data_plan(self, resolved: dict, recipe: AugmentRecipe, bank_samples: int | None = None,
+    def data_plan(self, resolved: ResolvedSettings, recipe: AugmentRecipe, bank_samples: int | None = None,
                   listings: tuple | None = None) -> DataPlan:
         plan = super().data_plan(resolved, recipe, bank_samples, listings)
         return dataclasses.replace(plan, ra_reps=self.ra_reps, train_size=self.train_crop_size,
@@ -422,7 +423,7 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
     info = session.info
     resume, resolved, listings = preflight(cfg, session)  # every rank checked; "auto" resolved; files listed once
     with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
-        recipe = classifier_recipe(cfg.dataset, resolved["image_size"], cfg.augment, cfg.normalization,
+        recipe = classifier_recipe(cfg.dataset, resolved.image_size, cfg.augment, cfg.normalization,
                                    **cfg.augmentation_policy())
         loaders = session.close_at_exit(build_data(cfg.data_plan(resolved, recipe, listings=listings), rank=info.rank,
                                                    world_size=info.world_size, device=info.device,
@@ -441,7 +442,7 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
                                                                          info.device, cfg.optimizer, cfg.nesterov)
         facts = {"num_classes": loaders.num_classes}  # a checkpoint must match them
         state = state_to_start_from(resume, cfg, SCRIPT, facts, model=model, optimizer=optimizer, scaler=scaler,
-                                    sampler=loaders.train_sampler, data=resolved.get("data_fingerprint"), info=info)
+                                    sampler=loaders.train_sampler, data=resolved.data_fingerprint, info=info)
         if ema is not None:
             restore_ema(ema, resume, info)
     stop_if_complete(cfg, state, resume)  # a finished run resumed: its last metrics, exit 0

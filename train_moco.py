@@ -58,22 +58,17 @@ from ddp_utils.runtime.launch import LaunchEnv
 from ddp_utils.runtime.precision import autocast
 from ddp_utils.train.accumulation import fp16_overflow, no_sync, set_lr, stepped_parameters
 from ddp_utils.train.check import check_only
+from ddp_utils.train.checkpoint import save_checkpoint
 from ddp_utils.train.monitor import StepMeter
-from ddp_utils.train.network import place_model, wrap_network
 from ddp_utils.train.optimization import LR_SCHEDULES, build_optimization, cosine_to_one
 from ddp_utils.train.preflight import preflight
 from ddp_utils.train.pretrained import export_backbone
 from ddp_utils.train.resume import state_to_start_from, stop_if_complete
-from ddp_utils.train.run import TrainRun, is_complete
+from ddp_utils.train.run import TrainRun, start_training
 from ddp_utils.train.run_folder import open_run_folder
-from ddp_utils.train.session import RunSession
-from ddp_utils.train.step_policy import (
-    ends_the_run,
-    save_checkpoint,
-    skip_or_stop_nonfinite,
-    start_training,
-    stop_for_signal,
-)
+from ddp_utils.train.run_state import is_complete
+from ddp_utils.train.session import RunSession, place_model, wrap_network
+from ddp_utils.train.step_policy import ends_the_run, skip_or_stop_nonfinite, stop_for_signal
 from ddp_utils.train.train_config import MODEL, OUT_HELP, RUN_FOLDER, TrainConfig, parse_args
 from ddp_utils.train.unreadable_files import stop_if_files_unreadable
 
@@ -233,7 +228,7 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
     with all_ranks_agree():  # every check that can fail, before the first collective
         # Two views per training sample; the kNN monitor's bank: the un-augmented train split (or
         # --knn-bank-samples of it).
-        recipe = moco_recipe(cfg.dataset, resolved["image_size"], cfg.aug, cfg.crop_min, cfg.normalization)
+        recipe = moco_recipe(cfg.dataset, resolved.image_size, cfg.aug, cfg.crop_min, cfg.normalization)
         plan = cfg.data_plan(resolved, recipe, bank_samples=cfg.knn_bank_samples, listings=listings)
         loaders = session.close_at_exit(build_data(plan, rank=info.rank, world_size=info.world_size, device=info.device,
                                                    ranks_on_node=info.local_world_size))
@@ -246,7 +241,7 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
         optimizer, lr_schedule, scaler, total_steps = build_optimization(
             cfg, moco.encoder_q.parameters(), loaders.batches_per_epoch, info.device)  # never encoder_k
         state = state_to_start_from(resume, cfg, SCRIPT, {}, model=moco, optimizer=optimizer, scaler=scaler,
-                                    sampler=loaders.train_sampler, data=resolved.get("data_fingerprint"), info=info)
+                                    sampler=loaders.train_sampler, data=resolved.data_fingerprint, info=info)
     if resume is not None and is_complete(cfg, state) and cfg.export_backbone and info.is_main:
         export_finished_backbone(moco, cfg.export_backbone)  # a finished run's backbone, as asked
     stop_if_complete(cfg, state, resume)  # a finished run resumed: its last metrics, exit 0
@@ -256,10 +251,14 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
     if cfg.compile:
         moco.compile_key_encoder()
     tb = open_run_folder(cfg, session, resume, state.step, resolved, preview)  # nothing was written before
-    return MocoRun(
+    run = MocoRun(
         cfg=cfg, info=info, session=session, loaders=loaders, model=moco, network=query_encoder,
         optimizer=optimizer, lr_schedule=lr_schedule, scaler=scaler, total_steps=total_steps, state=state,
         tb=tb, script=SCRIPT, resolved=resolved, moco=moco)
+    # The shuffle count advances in each forward: a window given up must put it back (as it does
+    # BatchNorm statistics and RNG streams), which only what is registered gets.
+    run.batches.window_undo.register(moco)
+    return run
 
 
 # ----------------------------------------------------------------------------- training

@@ -25,8 +25,8 @@ import train_classifier  # noqa: E402
 from ddp_utils.runtime.collectives import all_gather_object  # noqa: E402
 from ddp_utils.runtime.spawn import spawn_local  # noqa: E402
 from ddp_utils.runtime.stopping import StepVerdict  # noqa: E402
+from ddp_utils.train.run import start_training  # noqa: E402
 from ddp_utils.train.session import RunSession  # noqa: E402
-from ddp_utils.train.step_policy import start_training  # noqa: E402
 
 
 def modes(ckpt_every: int) -> list[tuple[str, bool, int]]:

@@ -54,8 +54,8 @@ from ddp_utils.runtime.device import memory_format, to_device  # noqa: E402
 from ddp_utils.runtime.launch import detect_launch  # noqa: E402
 from ddp_utils.runtime.precision import autocast  # noqa: E402
 from ddp_utils.runtime.stopping import RunStopped  # noqa: E402
+from ddp_utils.train.run import start_training  # noqa: E402
 from ddp_utils.train.session import RunSession  # noqa: E402
-from ddp_utils.train.step_policy import start_training  # noqa: E402
 from ddp_utils.train.train_config import parse_args as parse_script_args  # noqa: E402
 
 SCRIPTS = {"classifier": ("train_classifier", "ClassifierConfig"), "moco": ("train_moco", "MocoConfig")}

@@ -13,6 +13,8 @@ from ddp_utils.data.sets import DigitsDataset
 from ddp_utils.models.backbones import build_model
 from ddp_utils.runtime.stopping import StepGuard
 from ddp_utils.train.accumulation import MicroStep, fp16_overflow, no_sync, plan_windows, set_lr
+from ddp_utils.train.batches import TrainingBatches, WindowUndo
+from ddp_utils.train.run_state import RunState
 
 DIGITS_LENET = ["--dataset", "digits", "--arch", "lenet", "--no-augment", "--device", "cpu",
                 # constant LR: a cosine schedule's length depends on how many samples drop_last
@@ -78,6 +80,72 @@ class StepRecorder:
     def __exit__(self, *exc):
         for handle in self.handles:
             handle.remove()
+
+
+class CountingForward(nn.Module):
+    """A module whose forward changes state the optimizer does not hold: a count of forwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        return x
+
+    def forward_state(self) -> int:
+        return self.forwards
+
+    def restore_forward_state(self, forwards: int) -> None:
+        self.forwards = forwards
+
+
+class ListLoaders:
+    """What TrainingBatches reads of data.pipeline.Loaders: one epoch of fixed batches."""
+
+    def __init__(self, batches: list[torch.Tensor]):
+        self.train, self.batches_per_epoch = batches, len(batches)
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        pass
+
+
+def test_an_undone_window_restores_what_is_registered_and_only_that():
+    """A window given up (TrainingBatches.undo_window) puts back the BatchNorm statistics, the RNG
+    stream and the count of a registered module as the window began; a module with the same
+    methods that is not registered (a negative control: nothing is found by its methods) keeps
+    the window's count."""
+    torch.manual_seed(0)
+    registered, unregistered = CountingForward(), CountingForward()
+    model = nn.Sequential(registered, unregistered, nn.BatchNorm1d(3))
+    state = RunState()
+    batches = TrainingBatches(ListLoaders([torch.randn(4, 3) for _ in range(4)]), state, accum_steps=2,
+                              model=model, device=torch.device("cpu"))
+    batches.window_undo.register(registered)
+    epoch = batches.this_epoch()
+    for _ in range(2):  # the first window, completed
+        _, batch = next(epoch)
+        model(batch)
+    kept = {name: b.clone() for name, b in model[2].named_buffers()}
+    draw = torch.get_rng_state()
+    for _ in range(2):  # the second window, given up after its forwards
+        _, batch = next(epoch)
+        model(batch)
+        torch.rand(5)
+    assert registered.forwards == unregistered.forwards == 4 and state.batches_done == 4
+    assert not torch.equal(model[2].running_mean, kept["running_mean"])
+    batches.undo_window()
+    assert state.batches_done == 2
+    assert registered.forwards == 2  # registered: restored
+    assert unregistered.forwards == 4  # not registered: left as the window changed it
+    for name, value in model[2].named_buffers():
+        assert torch.equal(value, kept[name]), name
+    assert torch.equal(torch.get_rng_state(), draw)
+
+
+def test_the_window_undo_refuses_a_module_without_its_interface():
+    with pytest.raises(TypeError, match="Linear has no forward_state"):
+        WindowUndo().register(nn.Linear(2, 2))
 
 
 def test_short_final_window_is_scaled_by_its_real_size(tmp_path, capsys):

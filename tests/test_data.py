@@ -167,6 +167,7 @@ def _listing_worker(info, data_dir: str, empty_class_dir: str):
     from ddp_utils.data.pipeline import raw_splits
     from ddp_utils.data.recipes import AugmentRecipe
     from ddp_utils.train.preflight import list_image_files_once
+    from ddp_utils.train.train_config import ResolvedSettings
     from train_classifier import ClassifierConfig
 
     scans = []
@@ -179,7 +180,7 @@ def _listing_worker(info, data_dir: str, empty_class_dir: str):
     datasets.DatasetFolder.make_dataset = staticmethod(counted)
     cfg = ClassifierConfig(dataset="imagefolder", data_dir=data_dir, device="cpu")
     listings = list_image_files_once(cfg, info)
-    resolved = {"image_size": 32, "workers": 0, "aug_on": "loader", "decode_on": "loader", "order": "samples"}
+    resolved = ResolvedSettings(image_size=32, workers=0, aug_on="loader", decode_on="loader", order="samples")
     train, val = raw_splits(cfg.data_plan(resolved, AugmentRecipe(), listings=listings))
     results = {"scans": [str(Path(path).relative_to(data_dir)) for path in scans],
                "samples": (train.samples, val.samples), "classes": (train.classes, val.classes)}
@@ -455,7 +456,7 @@ def test_auto_workers_count_the_cpus_this_process_may_use(tmp_path, monkeypatch,
     cfg = train_classifier.ClassifierConfig(dataset="imagefolder", workers=-1)
     for launcher, per_rank in (("torchrun", 7), ("slurm", 15)):  # torchrun's 2 workers share the CPUs
         resolved = resolved_settings(cfg, launcher, 2, torch.device("cpu"))
-        assert resolved["workers"] == per_rank
+        assert resolved.workers == per_rank
     assert describe_settings(cfg, resolved_settings(cfg, "torchrun", 2, torch.device("cpu")), "torchrun", 2).endswith(
         "7 DataLoader worker(s) per rank (--workers -1: 16 usable CPUs shared by 2 rank(s))")
 

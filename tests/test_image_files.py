@@ -132,7 +132,7 @@ def test_cmyk_grayscale_and_png_named_jpeg_are_rgb_on_every_path(jpeg_folder, au
     cfg = train_moco.MocoConfig(dataset="imagefolder", data_dir=str(jpeg_folder), image_size=32, batch_size=13,
                                 workers=0, aug_on=aug_on, decode_on=decode_on, device="cpu", moco_k=64)
     resolved = resolved_settings(cfg, "single", 1, CPU.device)
-    recipe = moco_recipe(cfg.dataset, resolved["image_size"], cfg.aug, cfg.crop_min, cfg.normalization)
+    recipe = moco_recipe(cfg.dataset, resolved.image_size, cfg.aug, cfg.crop_min, cfg.normalization)
     loaders = build_data(cfg.data_plan(resolved, recipe, bank_samples=cfg.knn_bank_samples), rank=0, world_size=1,
                          device=CPU.device)
     loaders.set_epoch(0)
@@ -293,7 +293,7 @@ def test_the_log_config_json_and_checkpoint_say_what_auto_resolved_to(jpeg_folde
                                               "--out", str(out)], capsys)
     assert_ok(proc)
     workers = resolved_settings(train_classifier.ClassifierConfig(dataset="imagefolder"), "single", 1,
-                                CPU.device)["workers"]
+                                CPU.device).workers
     assert re.search(rf"INFO resolved: 224 px \(--image-size 0\), augmentation on the loader \(--aug-on auto\), "
                      rf"decoding on the loader \(--decode-on auto\), {workers} DataLoader worker\(s\) per rank "
                      rf"\(--workers -1: \d+ usable CPUs shared by 1 rank\(s\)\)", proc.stdout)

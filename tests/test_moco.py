@@ -38,8 +38,8 @@ from ddp_utils.models.shuffle_bn import (
 )
 from ddp_utils.runtime.dist import DistInfo
 from ddp_utils.train.pretrained import export_backbone
+from ddp_utils.train.run import start_training
 from ddp_utils.train.session import RunSession
-from ddp_utils.train.step_policy import start_training
 
 TINY = dict(dataset="digits", arch="small_cnn", image_size=16, batch_size=8, moco_k=40, device="cpu",
             knn_every=0, log_every=1000, epochs=1)

@@ -12,7 +12,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from ddp_utils.train.accumulation import set_lr
 from ddp_utils.train.optimization import LRSchedule, warmup_cosine_factor, warmup_step_factor
-from ddp_utils.train.run import RunState
+from ddp_utils.train.run_state import RunState
 
 PEAK, TOTAL, MILESTONES = 0.05, 300, (120, 210)  # 0.05: not a power of two, so rounding would show
 KINDS = [("cosine", 0), ("cosine", 25), ("step", 0), ("step", 25), ("constant", 0), ("constant", 25)]

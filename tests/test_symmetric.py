@@ -35,8 +35,8 @@ from ddp_utils.config import parse_config
 from ddp_utils.models.moco import Encoder, MoCo, contrastive_loss, symmetric_contrastive_loss
 from ddp_utils.models.shuffle_bn import split_batchnorm
 from ddp_utils.runtime.dist import DistInfo
+from ddp_utils.train.run import start_training
 from ddp_utils.train.session import RunSession
-from ddp_utils.train.step_policy import start_training
 
 N, C, K, T = 8, 16, 40, 0.2  # one-process checks: batch, key size, queue length, temperature
 

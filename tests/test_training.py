@@ -193,7 +193,7 @@ def test_a_cpu_run_on_a_gpu_machine_leaves_cuda_alone(monkeypatch):
 def test_backend_switches_for_cuda_and_their_restore(monkeypatch, tf32, deterministic):
     """What a CUDA run sets (the switches exist without a GPU), and that the session puts the
     previous process-wide state back."""
-    from ddp_utils.train.network import configure_backends
+    from ddp_utils.train.session import configure_backends
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul

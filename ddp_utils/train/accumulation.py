@@ -34,42 +34,6 @@ class MicroStep:
         return self.index == self.window_size - 1
 
 
-class WindowStart:
-    """What a window changes besides the gradients, kept as it begins, so that a window that must
-    be given up can be undone exactly: the BatchNorm statistics its forwards update, the RNG
-    streams, and the counters of modules that keep one (``forward_state()`` /
-    ``restore_forward_state(state)``: MoCo's shuffle count). Keeping them
-    is one foreach copy of the statistics per window (kilobytes) and no device read."""
-
-    _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-    def __init__(self, model: nn.Module, device: torch.device):
-        modules = list(model.modules())
-        self.statistics = [b for m in modules if isinstance(m, self._NORMS) for b in m.buffers(recurse=False)]
-        self.kept = [torch.empty_like(b) for b in self.statistics]
-        self.counted = [m for m in modules if hasattr(m, "forward_state")]
-        self.device = device
-        self.rng: tuple = ()
-        self.counts: list = []
-
-    def save(self) -> None:
-        if self.statistics:
-            torch._foreach_copy_(self.kept, self.statistics)
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        self.rng = (torch.get_rng_state(), cuda)
-        self.counts = [m.forward_state() for m in self.counted]
-
-    def restore(self) -> None:
-        if self.statistics:
-            torch._foreach_copy_(self.statistics, self.kept)
-        cpu, cuda = self.rng
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, self.device)
-        for module, count in zip(self.counted, self.counts):
-            module.restore_forward_state(count)
-
-
 def plan_windows(num_micro_batches: int, accum_steps: int) -> list[MicroStep]:
     """The micro-step plan for an epoch: full windows of ``accum_steps``, then the remainder."""
     plan = []

@@ -32,7 +32,7 @@ from ..runtime.stopping import EXIT_OK
 from .accumulation import steps_per_epoch
 from .preflight import check_cache_room, checks_before_start, describe_settings, resolved_settings
 from .resume import check_resume_fits
-from .run import describe_position
+from .run_state import describe_position
 from .train_config import RESUME_IF_RESTARTED, TrainConfig
 
 ScriptCheck = Callable[[Dataset], tuple[dict[str, Any], list[str]]]
@@ -63,7 +63,7 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
     settings = describe_settings(cfg, resolved, launch.launcher, launch.local_world_size)
     global_batch = world_size * cfg.accum_steps * cfg.batch_size
     lines = [f"launch: world size {world_size}, {device}, precision {'fp32' if cfg.amp == 'none' else cfg.amp}"]
-    hazard = worker_start_hazard(resolved["workers"])
+    hazard = worker_start_hazard(resolved.workers)
     if hazard:
         lines.append(f"warning: {hazard}")
     if cfg.dataset == "cifar10" and cfg.download and check_data_dir(cfg.dataset, cfg.data_dir, False):

@@ -1,5 +1,5 @@
-"""Checkpoints: what one holds, written atomically by rank 0 with a short history, read back
-as data only (``torch.load(..., weights_only=True)``).
+"""Checkpoints: what one holds, a run's saved (:func:`save_checkpoint`), written atomically by
+rank 0 with a short history, read back as data only (``torch.load(..., weights_only=True)``).
 
 ``OUT/checkpoint_last.pt`` is the newest; ``checkpoint_prev1.pt`` ... ``checkpoint_prev{N-1}.pt``
 are older ones (``--keep-checkpoints N``). A new checkpoint is written to a temp file and fsynced;
@@ -15,16 +15,20 @@ import pickle
 import random
 import re
 import zipfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config import UsageError
+from ..config import UsageError, config_dict
 from ..runtime.collectives import all_gather_object, all_reduce_sum, broadcast_object
 from ..runtime.dist import get_rank, unwrap
-from ..runtime.stopping import EXIT_FAILURE, RunStopped
+from ..runtime.stopping import EXIT_FAILURE, EXIT_NONFINITE, RunStopped
+from .train_config import ResolvedSettings
+
+if TYPE_CHECKING:
+    from .run import TrainRun
 
 log = logging.getLogger("train")
 LAST = "checkpoint_last.pt"
@@ -42,19 +46,6 @@ class Resume:
 
     path: Path
     checkpoint: dict[str, Any]
-
-
-@dataclass
-class SavedCheckpoint:
-    """The newest checkpoint this process wrote or resumed from: what a failure message names."""
-
-    step: int | None = None
-    path: Path | None = None
-
-    def describe(self) -> str:
-        if self.path is None:
-            return "no checkpoint was written yet"
-        return f"the last good checkpoint is {self.path} (step {self.step})"
 
 
 def history_names(keep: int) -> list[str]:
@@ -81,8 +72,28 @@ def newest_checkpoint_in(folder: str | Path, flag: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- writing
+def save_checkpoint(run: TrainRun) -> None:
+    """Checkpoint the run, unless this very step is on disk already (every rank calls; rank 0
+    writes). Weights that are NaN or Inf are never written over a good checkpoint."""
+    step = run.state.step
+    if run.session.saved.step == step:
+        return
+    if not weights_finite(run.model, run.info.device):
+        raise RunStopped(f"step {step}: the weights are NaN or Inf, so no checkpoint was written; "
+                         f"{run.session.saved.describe()}. Lower --lr or add --clip-grad", EXIT_NONFINITE)
+    order = run.loaders.train_sampler.state_dict(run.state.epoch, run.state.batches_done)  # how far the epoch went
+    contents = checkpoint_contents(state={**asdict(run.state), "order": order}, script=run.script, facts=run.facts,
+                                   world_size=run.info.world_size, config=config_dict(run.cfg),
+                                   resolved=run.resolved, model=run.model, optimizer=run.optimizer,
+                                   scaler=run.scaler, device=run.info.device)
+    contents.update(run.checkpoint_extras())
+    path = write_checkpoint(contents, run.cfg.out, run.cfg.keep_checkpoints)
+    run.session.saved.step, run.session.saved.path = step, path
+    log.info("saved checkpoint %s (%s)", path, run.state.describe())
+
+
 def checkpoint_contents(*, state: dict[str, Any], script: str, facts: dict[str, Any], world_size: int,
-                        config: dict[str, Any], resolved: dict[str, Any], model: torch.nn.Module,
+                        config: dict[str, Any], resolved: ResolvedSettings, model: torch.nn.Module,
                         optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                         device: torch.device) -> dict[str, Any]:
     """Everything a resume needs, as plain data (every rank must call: RNG states are gathered).
@@ -94,7 +105,7 @@ def checkpoint_contents(*, state: dict[str, Any], script: str, facts: dict[str, 
         "facts": facts,
         "world_size": world_size,
         "config": config,
-        "resolved": resolved,
+        "resolved": resolved.as_record(),  # plain data: a weights_only load reads it
         "model": unwrap(model).state_dict(),
         "optimizer": optimizer.state_dict(),
         "grad_scaler": scaler.state_dict(),  # empty unless fp16

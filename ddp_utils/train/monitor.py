@@ -1,17 +1,23 @@
-"""What rank 0 reports while training: TensorBoard scalars and a progress line."""
+"""What rank 0 reports while training: TensorBoard scalars, a progress line, the time the loop
+waits for its batches and what to do when that time is too long (:func:`input_advice`)."""
 from __future__ import annotations
 
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from ..data.sets import IMAGE_FILES
 from ..runtime.collectives import all_reduce_sum
 
+if TYPE_CHECKING:
+    from .train_config import ResolvedSettings, TrainConfig
+
 log = logging.getLogger("train")
+INPUT_BOUND = 0.2  # an epoch that waited for its batches longer than this share of its time is input-bound
 
 
 class TensorBoard:
@@ -118,6 +124,18 @@ class WaitClock:
             return fn()
         finally:
             self.seconds += time.perf_counter() - started
+
+
+def input_advice(cfg: TrainConfig, resolved: ResolvedSettings) -> str:
+    """What feeds an input-bound run faster, given where its batches are made; "" where nothing
+    does: in-memory data augmented on the device waits only for that augmentation's own work,
+    which on a CPU is the training process's (the epoch's line still says how long)."""
+    tips = []
+    if resolved.aug_on == "loader" or cfg.dataset in IMAGE_FILES:  # DataLoader workers make (part of) each batch
+        tips.append(f"more --workers (now {resolved.workers} per rank; -1 sizes them to the CPUs this process may use)")
+    if resolved.aug_on == "loader":
+        tips.append("--aug-on device (augmentation as whole batches on the training device)")
+    return "try " + "; ".join(tips) if tips else ""
 
 
 class StepMeter:

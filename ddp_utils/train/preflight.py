@@ -2,10 +2,11 @@
 and ``--check`` (``train.check``), and what the data flags left to the machine resolve to."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,7 +26,7 @@ from ..runtime.launch import restart_count
 from .checkpoint import Resume
 from .resume import choose_resume
 from .run_folder import check_out_dir
-from .train_config import TrainConfig
+from .train_config import ResolvedSettings, TrainConfig
 from .unreadable_files import forget_unreadable, refuse_unfixed_files
 
 if TYPE_CHECKING:
@@ -35,12 +36,12 @@ log = logging.getLogger("train")
 Listings = tuple[FolderListing, FolderListing] | tuple[ShardIndex, ShardIndex]  # image files' train/ and val/
 
 
-def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dict[str, Any], Listings | None]:
+def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, ResolvedSettings, Listings | None]:
     """The checks every rank must pass before anything is built (folders, data, the fault plan,
     the checkpoint to resume, GPUs not shared), agreed by all ranks so that all stop together,
     the CIFAR-10 download and an image folder's listing. Returns the checkpoint to resume (or
     None), what the "auto" data flags resolve to (:func:`resolved_settings`, logged; with image
-    files, what identifies them: "data_fingerprint") and the image files' train and val
+    files, what identifies them: ``data_fingerprint``) and the image files' train and val
     listings (:func:`list_image_files_once`; None for other data).
     Nothing is written into --out."""
     info = session.info
@@ -60,10 +61,10 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, dic
             raise UsageError(problem)
     resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
     if listings is not None:
-        resolved["data_fingerprint"] = data_fingerprint(*listings)
+        resolved = dataclasses.replace(resolved, data_fingerprint=data_fingerprint(*listings))
     if info.is_main:
         log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size))
-        hazard = worker_start_hazard(resolved["workers"])
+        hazard = worker_start_hazard(resolved.workers)
         if hazard:
             log.warning(hazard)
     return resume, resolved, listings
@@ -158,33 +159,31 @@ def empty_shard_cache_once_per_node(cfg: TrainConfig, info: DistInfo, indexes: L
             NodeCache(store.node_folder(info.rank // info.local_world_size), 0, info.rank, 0.0).start_empty()
 
 
-def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, device: torch.device) -> dict[str, Any]:
+def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int,
+                      device: torch.device) -> ResolvedSettings:
     """What the data flags left to this machine resolve to: the image side (``--image-size 0``),
-    DataLoader workers per rank (``--workers -1``) and where augmentation runs (``--aug-on
-    auto``); and under "dataset_defaults", the settings at the data set's own defaults
-    (``DATASET_DEFAULTS``), however they came. The start-up log, ``--check``, config.json and checkpoints give them
-    beside the flags as asked, which stay what a ``--config`` re-run reads."""
+    DataLoader workers per rank (``--workers -1``), where augmentation runs (``--aug-on auto``),
+    where image files are decoded and their order; and the settings at the data set's own
+    defaults (``DATASET_DEFAULTS``), however they came. The start-up log, ``--check``,
+    config.json and checkpoints give them beside the flags as asked."""
     # torchrun's workers share the agent's CPUs; srun gives each task its own (--cpus-per-task)
     sharing = 1 if launcher == "slurm" else local_world_size
-    resolved = {"image_size": cfg.resolved_image_size(),
-                "workers": cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing),
-                "aug_on": "device" if augment_on_device(cfg.aug_on, cfg.dataset, device, bool(cfg.per_sample_flags()))
-                else "loader",
-                "decode_on": "device" if cfg.decode_on == "device" else "loader",
-                "order": cfg.resolved_order()}
     own = {name: value for name, value in dataset_values(type(cfg), cfg.dataset).items()
            if getattr(cfg, name) == value}
-    if own:  # the settings at the data set's own defaults (the script's DATASET_DEFAULTS)
-        resolved["dataset_defaults"] = own
-    return resolved
+    on_device = augment_on_device(cfg.aug_on, cfg.dataset, device, bool(cfg.per_sample_flags()))
+    return ResolvedSettings(image_size=cfg.resolved_image_size(),
+                            workers=cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing),
+                            aug_on="device" if on_device else "loader",
+                            decode_on="device" if cfg.decode_on == "device" else "loader",
+                            order=cfg.resolved_order(), dataset_defaults=own)
 
 
-def describe_settings(cfg: TrainConfig, resolved: dict[str, Any], launcher: str, local_world_size: int) -> str:
+def describe_settings(cfg: TrainConfig, resolved: ResolvedSettings, launcher: str, local_world_size: int) -> str:
     """The resolved data settings in words, each followed by the flag it came from where that
     was left to the machine: "224 px (--image-size 0), augmentation on the loader (--aug-on
     auto), 3 DataLoader workers per rank (--workers -1: ...)"."""
     sharing = 1 if launcher == "slurm" else local_world_size
-    why_workers = "in-memory data needs none" if resolved["workers"] == 0 else \
+    why_workers = "in-memory data needs none" if resolved.workers == 0 else \
         f"{usable_cpus()} usable CPUs shared by {sharing} rank(s)"
     auto = {"image_size": cfg.image_size == 0 and "--image-size 0",
             "aug_on": cfg.aug_on == "auto" and "--aug-on auto" + (
@@ -192,19 +191,19 @@ def describe_settings(cfg: TrainConfig, resolved: dict[str, Any], launcher: str,
             "decode_on": cfg.decode_on == "auto" and "--decode-on auto",
             "workers": cfg.workers < 0 and f"--workers -1: {why_workers}",
             "order": cfg.order == "auto" and "--order auto"}
-    said = {"image_size": f"{resolved['image_size']} px", "aug_on": f"augmentation on the {resolved['aug_on']}",
-            "decode_on": f"decoding on the {resolved['decode_on']}",
-            "workers": f"{resolved['workers']} DataLoader worker(s) per rank",
-            "order": f"the {resolved['order']} order"}
+    said = {"image_size": f"{resolved.image_size} px", "aug_on": f"augmentation on the {resolved.aug_on}",
+            "decode_on": f"decoding on the {resolved.decode_on}",
+            "workers": f"{resolved.workers} DataLoader worker(s) per rank",
+            "order": f"the {resolved.order} order"}
     if cfg.dataset != "imagefolder":
         del said["decode_on"]  # only image files are decoded
     if cfg.dataset != "shards":
         del said["order"]  # the one order there is
     text = ", ".join(text + (f" ({auto[name]})" if auto[name] else "") for name, text in said.items())
-    views = cfg.describe_views(resolved["image_size"])
+    views = cfg.describe_views(resolved.image_size)
     if views:
         text += f"; {views}"
-    own = resolved.get("dataset_defaults")
+    own = resolved.dataset_defaults
     if own:
         text += f"; at the {cfg.dataset} data set's own defaults: " + ", ".join(f"{flag_name(name)} {value}" for name, value in own.items())
     return text

@@ -1,120 +1,29 @@
-"""The record of one training run, built once by each script's ``setup``: what it is made of
-(:class:`TrainRun`) and where it stands (:class:`RunState`)."""
+"""The record of one training run, built once by each script's ``setup`` (:class:`TrainRun`:
+what it is made of, where it stands, its batches), and its start (:func:`start_training`)."""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..data.pipeline import Loaders
-from ..data.sets import IMAGE_FILES
 from ..runtime.dist import DistInfo, unwrap
-from .accumulation import MicroStep, WindowStart, plan_windows
-from .monitor import TensorBoard, WaitClock
+from ..runtime.logs import release_held_logs
+from .accumulation import steps_per_epoch
+from .batches import TrainingBatches
+from .monitor import INPUT_BOUND, Progress, StepMeter, TensorBoard, input_advice
 from .optimization import LRSchedule
-from .train_config import TrainConfig
+from .run_state import RunState, is_complete
+from .train_config import ResolvedSettings, TrainConfig
 
 if TYPE_CHECKING:
     from .session import RunSession
 
 log = logging.getLogger("train")
-INPUT_BOUND = 0.2  # an epoch that waited for its batches longer than this share of its time is input-bound
-
-
-@dataclass
-class RunState:
-    """Where a run stands: the position every checkpoint records and every message counts by."""
-
-    epoch: int = 0              # epochs completed (0-based index of the epoch in progress)
-    step: int = 0               # optimizer steps taken, applied or skipped: the one step counter
-    batches_done: int = 0       # micro-batches of `epoch` this rank consumed (a multiple of accum_steps)
-    nonfinite_skipped: int = 0  # optimizer steps skipped for a non-finite loss (--skip-nonfinite)
-
-    def next_epoch(self) -> None:
-        self.epoch, self.batches_done = self.epoch + 1, 0
-
-    @property
-    def epoch_number(self) -> int:
-        """The epoch of the last step, counted from 1, as every message counts epochs (0 = none yet)."""
-        return self.epoch if self.batches_done == 0 else self.epoch + 1
-
-    def describe(self) -> str:
-        return describe_position(self.step, self.epoch, self.batches_done)
-
-
-def is_complete(cfg: TrainConfig, state: RunState) -> bool:
-    """Nothing left to train: every epoch done, or --max-steps reached."""
-    return state.epoch >= cfg.epochs or bool(cfg.max_steps and state.step >= cfg.max_steps)
-
-
-def describe_position(step: int, epoch: int, batches_done: int) -> str:
-    if batches_done == 0:
-        return f"step {step}, end of epoch {epoch}" if epoch else f"step {step}"
-    return f"step {step}, in epoch {epoch + 1}"
-
-
-def input_advice(cfg: TrainConfig, resolved: dict[str, Any]) -> str:
-    """What feeds an input-bound run faster, given where its batches are made; "" where nothing
-    does: in-memory data augmented on the device waits only for that augmentation's own work,
-    which on a CPU is the training process's (the epoch's line still says how long)."""
-    workers, where = resolved.get("workers", cfg.workers), resolved.get("aug_on", "loader")
-    tips = []
-    if where == "loader" or cfg.dataset in IMAGE_FILES:  # DataLoader workers make (part of) each batch
-        tips.append(f"more --workers (now {workers} per rank; -1 sizes them to the CPUs this process may use)")
-    if where == "loader":
-        tips.append("--aug-on device (augmentation as whole batches on the training device)")
-    return "try " + "; ".join(tips) if tips else ""
-
-
-class TrainingBatches:
-    """This rank's training batches, epoch by epoch, in accumulation windows. A batch counts as
-    consumed (``state.batches_done``) when it is handed out; the window in progress can be given
-    up (:meth:`undo_window`); the time the loop waits for batches is measured (``data_wait``)."""
-
-    def __init__(self, loaders: Loaders, state: RunState, accum_steps: int, model: nn.Module, device: torch.device):
-        self.loaders, self.state, self.accum_steps = loaders, state, accum_steps
-        self.data_wait = WaitClock()
-        self.epoch_started = (0.0, 0, 0.0)  # this epoch's start here: time, batches done, data wait
-        self._window_start = 0  # state.batches_done before the window in progress
-        self._window_undo = WindowStart(model, device)  # the rest of what the window changes
-        self._batches: Iterator | None = None
-
-    def this_epoch(self) -> Iterator[tuple[MicroStep, Any]]:
-        """The rest of this epoch's batches, each with its place in its accumulation window."""
-        state = self.state
-        self.loaders.set_epoch(state.epoch, skip_batches=state.batches_done)
-        if state.batches_done >= self.loaders.batches_per_epoch:  # resumed with fewer batches per epoch
-            state.next_epoch()
-            self.loaders.set_epoch(state.epoch)
-        self.epoch_started = (time.perf_counter(), state.batches_done, self.data_wait.seconds)
-        self._batches = self.data_wait.call(lambda: iter(self.loaders.train))  # may start the workers
-        for micro in plan_windows(len(self.loaders.train), self.accum_steps):
-            batch = self.data_wait.next(self._batches)
-            if batch is None:
-                return
-            if micro.index == 0:
-                self._window_start = state.batches_done
-                self._window_undo.save()
-            state.batches_done += 1
-            yield micro, batch
-
-    def prepare_next(self) -> None:
-        """Batches made on the device: queue the next one's augmentation now, so the device
-        works on it while the host waits (a no-op for DataLoader workers, which run ahead anyway)."""
-        prepare = getattr(self._batches, "prepare_next", None)
-        if prepare is not None:
-            self.data_wait.call(prepare)
-
-    def undo_window(self) -> None:
-        """Every rank: give up the window in progress (its optimizer step was not taken): its
-        batches count as unseen again, and BatchNorm statistics, RNG streams and counters are as
-        the last completed step left them."""
-        self.state.batches_done = self._window_start
-        self._window_undo.restore()
 
 
 @dataclass(kw_only=True)
@@ -135,8 +44,8 @@ class TrainRun:
     state: RunState
     tb: TensorBoard
     script: str                        # "train_classifier.py" / "train_moco.py"
+    resolved: ResolvedSettings         # what the "auto" data flags became (preflight.resolved_settings)
     facts: dict[str, Any] = field(default_factory=dict)  # must match on resume (e.g. the class count)
-    resolved: dict[str, Any] = field(default_factory=dict)  # what the "auto" data flags became (preflight.resolved_settings)
     preempted: bool = False
     batches: TrainingBatches = field(init=False, repr=False)
     said_input_bound: bool = False
@@ -178,3 +87,18 @@ class TrainRun:
     def finished(self) -> bool:
         """All epochs done, --max-steps reached, or stopped by a preemption signal."""
         return self.preempted or is_complete(self.cfg, self.state)
+
+
+def start_training(run: TrainRun) -> StepMeter:
+    """Everything is built and checked: show the start-up log, arm Ctrl-C's checkpoint, and
+    return the meter of the training steps."""
+    cfg, info = run.cfg, run.info
+    log.info("global batch %d = %d rank(s) x %d accum steps x %d per micro-batch; %d optimizer "
+             "steps per epoch, %d in all", info.world_size * cfg.accum_steps * cfg.batch_size,
+             info.world_size, cfg.accum_steps, cfg.batch_size,
+             steps_per_epoch(run.loaders.batches_per_epoch, cfg.accum_steps), run.total_steps)
+    release_held_logs(show=True)
+    run.session.signals.training_started()
+    progress = Progress(min(run.total_steps, cfg.max_steps or run.total_steps), cfg.epochs, info.is_main,
+                        start_step=run.state.step)
+    return StepMeter(run.tb, progress, info.device, info.world_size, cfg.log_every, run.batches.data_wait)

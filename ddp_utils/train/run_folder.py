@@ -18,7 +18,7 @@ from ..runtime.dist import barrier
 from ..runtime.stopping import MARKER
 from .checkpoint import LAST, Resume, checkpoint_files
 from .monitor import TensorBoard
-from .train_config import TrainConfig, config_changes
+from .train_config import ResolvedSettings, TrainConfig, config_changes
 
 if TYPE_CHECKING:
     from .session import RunSession
@@ -67,7 +67,7 @@ def prepare_run_folder(out: str, overwrite: bool, resuming: bool) -> None:
 
 
 def write_run_record(cfg: TrainConfig, world_size: int, resume: Resume | None, step: int,
-                     resolved: dict | None = None) -> None:
+                     resolved: ResolvedSettings | None = None) -> None:
     """OUT/config.json: the run's config as it started (``--config`` on this file repeats that
     run), what its "auto" data flags resolved to (``resolved``), its world size, command and git
     revision; every resume appends to its "history" when, where from, with which command, what
@@ -79,7 +79,7 @@ def write_run_record(cfg: TrainConfig, world_size: int, resume: Resume | None, s
         entry = {"resumed": datetime.now(timezone.utc).isoformat(timespec="seconds"), "at_step": step,
                  "from": str(resume.path), "world_size": world_size, "command": command_line(),
                  "git_revision": git_revision(), "changes": {flag_name(k): v for k, v in changes.items()},
-                 "resolved": resolved or {}}
+                 "resolved": resolved.as_record() if resolved else {}}
         try:
             record = json.loads(path.read_text()) if resume.path.parent.resolve() == path.parent.resolve() else None
         except (OSError, json.JSONDecodeError):
@@ -88,12 +88,12 @@ def write_run_record(cfg: TrainConfig, world_size: int, resume: Resume | None, s
             record["history"] = [*record.get("history", []), entry]
             write_json(path, record)
             return
-    save_config(cfg, cfg.out, {"world_size": world_size, "resolved": resolved or {},
+    save_config(cfg, cfg.out, {"world_size": world_size, "resolved": resolved.as_record() if resolved else {},
                                "history": [entry] if entry else []})
 
 
 def open_run_folder(cfg: TrainConfig, session: RunSession, resume: Resume | None, step: int,
-                    resolved: dict | None = None, preview: torch.Tensor | None = None) -> TensorBoard:
+                    resolved: ResolvedSettings | None = None, preview: torch.Tensor | None = None) -> TensorBoard:
     """Rank 0, once every check has passed: the folder (an old run cleared on --overwrite), its
     config.json, TensorBoard from ``step`` on, and ``preview`` (``data.preview.augmentation_grid``).
     Returns the TensorBoard writer (a no-op on other ranks). A resumed checkpoint in this folder

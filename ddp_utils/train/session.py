@@ -5,7 +5,11 @@
         fit(setup(cfg, session))
     return session.exit_code
 
-Every way a run can end becomes one exit code (``runtime.stopping.EXIT_CODES``), said once.
+Every way a run can end becomes one exit code (``runtime.stopping.EXIT_CODES``), said once. The
+process's device and process group also set how the network runs: the process-wide switches of
+the GPU fast path (:func:`configure_backends`: TF32, cuDNN's autotuner; on the CPU only what
+changes nothing numerically), the model's placement (:func:`place_model`) and DDP with
+``torch.compile`` around it (:func:`wrap_network`).
 """
 from __future__ import annotations
 
@@ -15,15 +19,20 @@ import os
 import re
 import sys
 import traceback
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import UsageError
 from ..runtime.collectives import all_gather_object
+from ..runtime.device import memory_format
 from ..runtime.dist import DistInfo, cleanup_distributed, init_distributed
 from ..runtime.faults import FaultPlan
 from ..runtime.launch import detect_launch, node_name
@@ -38,8 +47,6 @@ from ..runtime.stopping import (
     StepGuard,
     StopSignals,
 )
-from .checkpoint import SavedCheckpoint
-from .network import configure_backends
 from .train_config import TrainConfig
 
 log = logging.getLogger("train")
@@ -48,6 +55,19 @@ log = logging.getLogger("train")
 # anything else, a size mismatch or an out-of-memory inside NCCL included, is this rank's error.
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Timed out waiting \d+ms|"
                         r"collective operation timeout|remote process exited|communicator was aborted")
+
+
+@dataclass
+class SavedCheckpoint:
+    """The newest checkpoint this process wrote or resumed from: what a failure message names."""
+
+    step: int | None = None
+    path: Path | None = None
+
+    def describe(self) -> str:
+        if self.path is None:
+            return "no checkpoint was written yet"
+        return f"the last good checkpoint is {self.path} (step {self.step})"
 
 
 class RunSession:
@@ -184,3 +204,41 @@ def warn_if_restarts_can_hang(info: DistInfo) -> None:
         log.warning("torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted "
                     "group can hang at start-up (pytorch/pytorch#135712); set it in torchrun's "
                     "environment (launch/*.sh do)")
+
+
+def configure_backends(device: torch.device, tf32: bool = True, deterministic: bool = False) -> Callable[[], None]:
+    """Process-wide switches: on CUDA TF32 and cuDNN's autotuner (every training batch has the
+    same shape), unless ``deterministic``, which also makes PyTorch use (or demand) deterministic
+    kernels on every device. Returns a function that puts the previous switches back."""
+    cuda, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    before = (torch.are_deterministic_algorithms_enabled(), cuda.allow_tf32, cudnn.allow_tf32, cudnn.benchmark,
+              cudnn.deterministic)
+
+    def restore() -> None:
+        torch.use_deterministic_algorithms(before[0])
+        cuda.allow_tf32, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic = before[1:]
+
+    if deterministic:
+        # cuBLAS repeats its results only with a fixed workspace; read when its handle is made
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    if device.type == "cuda":
+        cuda.allow_tf32 = cudnn.allow_tf32 = tf32 and not deterministic
+        cudnn.benchmark = not deterministic
+        cudnn.deterministic = deterministic
+    return restore
+
+
+def place_model(model: nn.Module, device: torch.device) -> nn.Module:
+    return model.to(device=device, memory_format=memory_format(device))
+
+
+def wrap_network(module: nn.Module, info: DistInfo, compile: bool) -> nn.Module:
+    """DDP around ``module`` when distributed, then torch.compile when asked. Every rank must
+    call it (DDP broadcasts rank 0's weights). Gradients live in DDP's all-reduce buckets
+    (``gradient_as_bucket_view``): one copy of them fewer. The compiled wrapper forwards
+    attributes: DDP's ``no_sync``."""
+    if info.is_distributed:
+        module = DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+                     gradient_as_bucket_view=True)
+    return torch.compile(module) if compile else module

@@ -1,5 +1,6 @@
 """The settings both training scripts share (each script's config dataclass extends this one),
-and the command line that fills them in."""
+the command line that fills them in, and what the settings left to the machine resolve to
+(:class:`ResolvedSettings`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +8,7 @@ import hashlib
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
@@ -313,7 +314,7 @@ class TrainConfig:
         checks them); the data and --out are checked on their own."""
         return {}
 
-    def resolved(self: C, cuda_devices: int) -> C:
+    def for_machine(self: C, cuda_devices: int) -> C:
         """The config with what "auto" means with ``cuda_devices`` visible devices filled in
         (``--amp auto``)."""
         return dataclasses.replace(self, amp=resolve_amp(self.amp, torch.device(device_type(self.device, cuda_devices))))
@@ -324,18 +325,18 @@ class TrainConfig:
     def resolved_image_size(self) -> int:
         return self.image_size or NATIVE_SIZE[self.dataset]
 
-    def data_plan(self, resolved: dict[str, Any], recipe: AugmentRecipe, bank_samples: int | None = None,
+    def data_plan(self, resolved: ResolvedSettings, recipe: AugmentRecipe, bank_samples: int | None = None,
                   listings: tuple | None = None) -> DataPlan:
         """The run's data, as ``data.pipeline.build_data`` takes it: these flags with what the
         "auto" ones resolved to (``resolved``), the script's training view (``recipe``, ``VIEWS``
         per sample), MoCo's kNN bank (``bank_samples``; None: no bank) and an image folder's
         listings made once for the job (``listings``, from ``train.preflight``)."""
-        return DataPlan(dataset=self.dataset, data_dir=self.data_dir, image_size=resolved["image_size"],
+        return DataPlan(dataset=self.dataset, data_dir=self.data_dir, image_size=resolved.image_size,
                         synthetic_samples=self.synthetic_samples, debug=self.debug, seed=self.seed,
-                        batch_size=self.batch_size, workers=resolved["workers"], normalization=self.normalization,
-                        recipe=recipe, views=self.VIEWS, aug_on_device=resolved["aug_on"] == "device",
-                        decode_on_device=resolved["decode_on"] == "device", bank_samples=bank_samples,
-                        order=resolved["order"], store=self.store_cache(), listings=listings)
+                        batch_size=self.batch_size, workers=resolved.workers, normalization=self.normalization,
+                        recipe=recipe, views=self.VIEWS, aug_on_device=resolved.aug_on == "device",
+                        decode_on_device=resolved.decode_on == "device", bank_samples=bank_samples,
+                        order=resolved.order, store=self.store_cache(), listings=listings)
 
     def resolved_order(self) -> str:
         """``--order auto``: the shards order for shards, the samples order for anything else."""
@@ -357,6 +358,34 @@ class TrainConfig:
         return os.path.join(self.shard_cache_dir or tempfile.gettempdir(), f"ddp-shards-{run}")
 
 
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """What the data settings left to this machine ("auto", 0, -1) came to for one run, made once
+    by ``train.preflight.resolved_settings`` (``--check`` makes the same): the data plan, the
+    start-up log, the input-bound advice, config.json and checkpoints read it. The flags as asked
+    stay in the config, which is what a ``--config`` re-run reads."""
+
+    image_size: int   # px, the evaluation views' side (and the training views' by default); --image-size 0: the data set's native size
+    workers: int      # DataLoader worker processes per rank; --workers -1: sized to the CPUs this rank may use
+    aug_on: str       # where training augmentation runs: "device" (whole batches) or "loader" (per sample in the workers)
+    decode_on: str    # where image files are decoded: "device" or "loader" (only image folders decode)
+    order: str        # the training order: "samples" or "shards" (--order auto: "shards" for shards)
+    # {config field: value} of the settings at the data set's own defaults (the script's
+    # DATASET_DEFAULTS), however they came; empty when none is
+    dataset_defaults: dict[str, Any] = field(default_factory=dict)
+    data_fingerprint: str | None = None  # image files: what identifies both splits (a resume on other files is refused)
+
+    def as_record(self) -> dict[str, Any]:
+        """As plain data for config.json and checkpoints (``torch.load(..., weights_only=True)``
+        reads it back), the fields that do not apply left out."""
+        record = asdict(self)
+        if not self.dataset_defaults:
+            del record["dataset_defaults"]
+        if self.data_fingerprint is None:
+            del record["data_fingerprint"]
+        return record
+
+
 def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[Any]]:
     """{field: [saved value, ``cfg``'s]} for every setting that differs from a saved config (a
     checkpoint's), this invocation's own choices (``on_resume="invocation"``: --out, --resume,
@@ -376,7 +405,7 @@ def parse_args(cls: type[C], argv: Sequence[str] | None, doc: str,
     says = launch.rank == 0 and restart_count() == 0
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = parse_config(cls, argv, doc, quiet=not says).resolved(cuda_devices)  # argparse exits 2 itself
+        cfg = parse_config(cls, argv, doc, quiet=not says).for_machine(cuda_devices)  # argparse exits 2 itself
         cfg = resolve(cfg) if resolve is not None else cfg
         cfg.validate(launch, cuda_devices)
         recorded = recorded_run(argv)

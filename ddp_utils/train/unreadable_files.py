@@ -42,7 +42,7 @@ from ..config import UsageError
 from ..data.image_files import UnreadableImage, decode_again, describe_unreadable, fix_hint
 from ..data.object_store import StoreError
 from ..runtime.stopping import EXIT_USAGE, STORE_MARKER, RunStopped
-from .step_policy import save_checkpoint
+from .checkpoint import save_checkpoint
 
 if TYPE_CHECKING:
     from .checkpoint import Resume
