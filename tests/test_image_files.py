@@ -259,7 +259,8 @@ def test_the_knn_bank_and_the_preview_name_a_damaged_file_before_training(jpeg_f
 # One MoCo batch of an ImageFolder on the CUDA default path (--aug-on auto is device there, --decode-on
 # auto the loader), from the sampler's keys to the loss: the ddp_utils files it enters, in
 # docs/architecture.md's walk. "worker": what a DataLoader worker runs (under its fetch);
-# "training process": the rest, the thread that finishes batches ahead included.
+# "training process": the rest, the thread that finishes batches ahead included (on CUDA the
+# loader's pin-memory thread also calls PackedImages.pin_memory: files_on_device.py, listed).
 ONE_BATCH_FILES = {
     "worker": {"data/pipeline.py", "data/image_files.py", "data/decoding.py", "data/files_on_device.py"},
     "training process": {
@@ -292,7 +293,7 @@ def files_one_batch_enters(monkeypatch, args: list[str]) -> dict[str, dict[str, 
                 break
             caller = caller.f_back
         name = frame.f_code.co_filename[len(package):]
-        entered[part].setdefault(name, set()).add(frame.f_code.co_qualname)
+        entered[part].setdefault(name, set()).add(getattr(frame.f_code, "co_qualname", frame.f_code.co_name))
 
     one_epoch, backward = train_moco.train_one_epoch, torch.Tensor.backward
 

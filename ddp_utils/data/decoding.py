@@ -114,7 +114,6 @@ def decode_rgb_bytes(data: bytes, name: str) -> Image.Image:
         raise UnreadableImage(name, _reason(err, empty=not data)) from None
 
 
-
 class UnreadableImage(Exception):
     """A file that cannot be decoded; ``str()`` is "PATH (reason)"."""
 
@@ -128,4 +127,3 @@ def _reason(err: Exception, empty: bool) -> str:
         return "empty file" if empty else "not an image file PIL can read"
     text = str(err).split(". ")[0].strip() or type(err).__name__
     return text[0].lower() + text[1:]
-

@@ -245,4 +245,3 @@ def sample_path(raw: Dataset, index: int) -> str:
     while isinstance(raw, Subset):
         raw, index = raw.dataset, raw.indices[index]
     return raw.name(index)
-

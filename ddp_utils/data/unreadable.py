@@ -49,6 +49,30 @@ def why_unreadable(files: ImageFiles, index: int) -> UnreadableImage:
                                                            "could not be decoded where the run decoded it")
 
 
+def decode_again(name: str, indexes: dict[str, ShardIndex]) -> UnreadableImage | None:
+    """Decode once more the image file or shard record that a run named ``name``
+    (``ImageFiles.name``); None when it decodes now or is gone. ``indexes``: the shard indexes
+    read so far, by folder (each is read once)."""
+    if not os.path.exists(name):
+        return _decode_record_again(name, indexes) if IN_SHARD in name else None
+    try:
+        decode_rgb(name)
+    except UnreadableImage as err:
+        return err
+    return None
+
+
+def _decode_record_again(name: str, indexes: dict[str, ShardIndex]) -> UnreadableImage | None:
+    """Decode once more the shard record a run named ``name`` ("PATH in SHARD"); None when it
+    decodes now or is gone (its shards written again without it)."""
+    path, shard = name.rsplit(IN_SHARD, 1)
+    root = shard.rsplit("/", 1)[0]
+    if root not in indexes:
+        indexes[root] = ShardIndex.read(root)
+    paths = indexes[root].paths.split("\0")
+    return decode_problem(ShardFiles(indexes[root]), paths.index(path)) if path in paths else None
+
+
 @dataclass
 class UnreadableFiles:
     """What this rank could not read so far (training, evaluation and kNN-bank batches): files
@@ -154,29 +178,3 @@ def describe_unreadable(files: list[UnreadableImage], shown: int = 3) -> str:
 
 def fix_hint(files: list[UnreadableImage]) -> str:
     return f"fix or remove {'it' if len(files) == 1 else 'them'} (--check-data lists every such file)"
-
-
-def decode_again(name: str, indexes: dict[str, ShardIndex]) -> UnreadableImage | None:
-    """Decode once more the image file or shard record that a run named ``name``
-    (``ImageFiles.name``); None when it decodes now or is gone. ``indexes``: as
-    the splits' shard indexes read so far, by
-    folder (each is read once)."""
-    if not os.path.exists(name):
-        return _decode_record_again(name, indexes) if IN_SHARD in name else None
-    try:
-        decode_rgb(name)
-    except UnreadableImage as err:
-        return err
-    return None
-
-
-
-def _decode_record_again(name: str, indexes: dict[str, ShardIndex]) -> UnreadableImage | None:
-    """Decode once more the shard record a run named ``name`` ("PATH in SHARD"); None when it
-    decodes now or is gone (its shards written again without it)."""
-    path, shard = name.rsplit(IN_SHARD, 1)
-    root = shard.rsplit("/", 1)[0]
-    if root not in indexes:
-        indexes[root] = ShardIndex.read(root)
-    paths = indexes[root].paths.split("\0")
-    return decode_problem(ShardFiles(indexes[root]), paths.index(path)) if path in paths else None
