@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -29,20 +30,13 @@ from helpers import (
 
 import train_classifier
 import train_moco
-from ddp_utils.data.image_files import (
-    PLACEHOLDER_SIDE,
-    FolderListing,
-    ImageFiles,
-    UnreadableFiles,
-    UnreadableImage,
-    data_fingerprint,
-    decode_rgb,
-    record_unreadable,
-)
+from ddp_utils.data.decoding import UnreadableImage, decode_rgb
+from ddp_utils.data.image_files import PLACEHOLDER_SIDE, FolderListing, ImageFiles, data_fingerprint
 from ddp_utils.data.order import ResumableDistributedSampler
 from ddp_utils.data.pipeline import SeededTransform, build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import moco_recipe
+from ddp_utils.data.unreadable import UnreadableFiles, record_unreadable
 from ddp_utils.runtime.dist import DistInfo
 from ddp_utils.train.preflight import resolved_settings
 
@@ -259,6 +253,89 @@ def test_the_knn_bank_and_the_preview_name_a_damaged_file_before_training(jpeg_f
     proc = in_process(train_moco.main, moco + ["--knn-every", "0", "--out", str(tmp_path / "p")], capsys)
     assert proc.returncode == 2 and not (tmp_path / "p/checkpoint_last.pt").exists()
     assert f"ERROR step 1 (not taken): cannot decode {in_preview} (empty file)" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- one batch's path through the files
+# One MoCo batch of an ImageFolder on the CUDA default path (--aug-on auto is device there, --decode-on
+# auto the loader), from the sampler's keys to the loss: the ddp_utils files it enters, in
+# docs/architecture.md's walk. "worker": what a DataLoader worker runs (under its fetch);
+# "training process": the rest, the thread that finishes batches ahead included (on CUDA the
+# loader's pin-memory thread also calls PackedImages.pin_memory: files_on_device.py, listed).
+ONE_BATCH_FILES = {
+    "worker": {"data/pipeline.py", "data/image_files.py", "data/decoding.py", "data/files_on_device.py"},
+    "training process": {
+        "data/order.py", "data/image_files.py", "data/pipeline.py", "data/files_on_device.py",
+        "data/data_stream.py", "data/batch_augment.py", "hashing.py", "data/unreadable.py",  # the batch
+        "train/run.py", "train/monitor.py", "train/accumulation.py",  # handed to the loop
+        "runtime/dist.py", "models/moco.py", "models/shuffle_bn.py", "models/backbones.py",
+        "runtime/collectives.py",  # the forward and the loss
+    },
+}
+
+
+def files_one_batch_enters(monkeypatch, args: list[str]) -> dict[str, dict[str, set[str]]]:
+    """{"worker" | "training process": {file below ddp_utils/: functions entered}} for the first
+    training batch of ``train_moco.main(args)`` (one process, ``--workers 0``: the workers' part
+    runs here, under the DataLoader's fetch), from the start of ``train_one_epoch`` to the first
+    ``backward()``: sys.setprofile on this thread, threading.setprofile on the thread that
+    makes batches ahead (started in between)."""
+    package = str(Path(train_moco.__file__).with_name("ddp_utils")) + "/"
+    entered: dict[str, dict[str, set[str]]] = {"worker": {}, "training process": {}}
+    recording = [False]
+
+    def profile(frame, event, arg):
+        if not recording[0] or event != "call" or not frame.f_code.co_filename.startswith(package):
+            return
+        caller, part = frame.f_back, "training process"
+        while caller is not None:
+            if caller.f_code.co_filename.endswith("torch/utils/data/_utils/fetch.py"):
+                part = "worker"
+                break
+            caller = caller.f_back
+        name = frame.f_code.co_filename[len(package):]
+        entered[part].setdefault(name, set()).add(getattr(frame.f_code, "co_qualname", frame.f_code.co_name))
+
+    one_epoch, backward = train_moco.train_one_epoch, torch.Tensor.backward
+
+    def recorded_epoch(run, meter):
+        recording[0] = True
+        threading.setprofile(profile)
+        sys.setprofile(profile)
+        try:
+            return one_epoch(run, meter)
+        finally:
+            sys.setprofile(None)
+            threading.setprofile(None)
+
+    def backward_ends_it(tensor, *a, **kw):
+        recording[0] = False
+        return backward(tensor, *a, **kw)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train_moco, "train_one_epoch", recorded_epoch)
+        patch.setattr(torch.Tensor, "backward", backward_ends_it)
+        assert train_moco.main(args) == 0
+    return entered
+
+
+def test_one_moco_batch_on_the_cuda_default_path_enters_the_files_the_architecture_page_walks(
+        monkeypatch, jpeg_folder, tmp_path):
+    """The CPU stand-in of the CUDA default path: the flags as on CUDA, where auto resolves to
+    device augmentation and decoding in the workers. The documented list, file for file, and
+    docs/architecture.md names each; the loader path (the control) enters other files."""
+    cuda = resolved_settings(train_moco.MocoConfig(dataset="imagefolder"), "single", 1, torch.device("cuda"))
+    assert (cuda["aug_on"], cuda["decode_on"]) == ("device", "loader")
+    args = ["--dataset", "imagefolder", "--data-dir", str(jpeg_folder), "--device", "cpu", "--workers", "0",
+            "--image-size", "32", "--batch-size", "8", "--moco-k", "64", "--max-steps", "1", "--knn-every", "0",
+            "--log-every", "1000"]
+    entered = files_one_batch_enters(monkeypatch, args + ["--aug-on", "device", "--out", str(tmp_path / "device")])
+    assert {part: set(files) for part, files in entered.items()} == ONE_BATCH_FILES
+    walk = (REPO / "docs/architecture.md").read_text().split("## One MoCo batch")[1].split("\n## ")[0]
+    every = set.union(*ONE_BATCH_FILES.values())
+    assert [name for name in sorted(every) if name not in walk] == []
+    assert f"{len(every)} files" in walk
+    loader = files_one_batch_enters(monkeypatch, args + ["--aug-on", "loader", "--out", str(tmp_path / "loader")])
+    assert "data/transforms.py" in loader["worker"] and "data/batch_augment.py" not in loader["training process"]
 
 
 # ----------------------------------------------------------------------------- the wait for data

@@ -11,10 +11,12 @@
    and the in-memory path's batches on the device (``DeviceBatches``).
 3. ``sets``: the raw splits (digits, CIFAR-10, synthetic noise, ImageFolder), the ``--debug``
    and kNN-bank subsets, in-memory splits as tensors.
-4. ``image_files``: ImageFolder's files (their ``FolderListing``, made once per job by rank 0 in
-   ``train.preflight`` and sent to every rank), each read as PIL, decoded or encoded bytes;
-   decoding on the CPU; and a file that cannot be decoded (its placeholder, the registry of such
-   files, the loader wrapper that records them, ``--check-data``'s check). ``ShardFiles`` reads
+4. ``image_files``: ImageFolder's files as data sets (their ``FolderListing``, made once per job
+   by rank 0 in ``train.preflight`` and sent to every rank), each file read as PIL, decoded
+   pixels or encoded bytes; ``decoding``: a file's bytes to pixels on the CPU (torchvision's
+   JPEG decoder, PIL) and the JPEG marker test that says what the device's decoder is given;
+   ``unreadable``: a file that cannot be decoded (the rank's registry of such files, the wrapper
+   that records them as batches are handed out, ``--check-data``'s pass). ``ShardFiles`` reads
    the same files from an image folder's shards (``shards``: the layout ``write_shards.py``
    writes, its index, any sample by number), on a file system or in an S3 bucket
    (``object_store``: the requests and their faults; ``shard_cache``: the node's bounded cache of

@@ -1,23 +1,11 @@
-"""Image files (``--dataset imagefolder``): the data set (:class:`ImageFiles`), each file read
-as the path that uses it needs it; decoding on the CPU; and everything about a file that
-cannot be decoded, in one place: its placeholder, the run's registry of such files, the
-loader wrapper that records them, the data check that decodes whole splits, and the hints.
+"""Image files (``--dataset imagefolder`` and ``shards``) as data sets: an image folder's listing
+(:class:`FolderListing`, made once per job), its files (:class:`ImageFiles`) or the same files
+read from its shards (:class:`ShardFiles`), each file read as the path that uses it needs it (PIL,
+pixels decoded on the CPU, or its bytes: ``decoding``), and the helpers that find the files under
+a run's wrappers.
 
-Every file is decoded to RGB whatever it holds (CMYK, grayscale, a PNG named ``.JPEG``:
-ImageNet has all three). JPEGs are decoded by ``torchvision.io.decode_jpeg`` (libjpeg-turbo;
-its output equals PIL's, pixel for pixel), any other file by PIL. torchvision 0.29 deprecates
-its image decoding in favour of TorchCodec; it is what both supported torchvision releases
-(0.26 on the GPU machines, 0.29 here) have, batched on CUDA, so its deprecation warning is
-silenced here, once. torchvision is imported on first use only: a run without image files
-never pays for it (about 2 s a process).
-
-A file that cannot be decoded never raises inside a DataLoader worker: the traceback would name no
-file, and the rank that met it would leave while its peers wait in a collective. It comes as a
-black placeholder with target ``-1 - index``; :class:`RecordingUnreadable` finds such targets on
-the host, records the file in the run's :class:`UnreadableFiles` and hands on the batch with a
-valid target, so every rank finishes the step and the per-step agreement stops them together.
-A shard that an object store did not give travels the same way, and is recorded as the store's
-fault (``object_store.StoreError``), never as an image that cannot be decoded.
+A file that cannot be decoded comes as a black placeholder with target ``-1 - index``
+(``unreadable``: why, and who records it).
 """
 from __future__ import annotations
 
@@ -25,20 +13,17 @@ import copy
 import functools
 import hashlib
 import os
-import warnings
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from io import BytesIO
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset, Subset
 
-from ..config import UsageError
-from ..runtime.collectives import all_gather_object
+from .decoding import UnreadableImage, decode_cpu, decode_rgb, decode_rgb_bytes, device_decodable, read_bytes
 from .object_store import StoreError, is_object_store
 from .shard_cache import NodeCache
 from .shards import ShardIndex, ShardReader
@@ -48,7 +33,6 @@ IN_SHARD = " in "  # a shard record's name: "PATH in SHARD" (ShardFiles.name)
 READS = ("pil", "decoded", "encoded")
 
 
-# ----------------------------------------------------------------------------- the data set
 @dataclass(frozen=True)
 class FolderListing:
     """One split of an image folder as torchvision's ImageFolder lists it: ``classes`` (the
@@ -213,18 +197,6 @@ class ShardFiles(ImageFiles):
         shard = self.index.shards[int(self.index.shard[index])]["name"]
         return f"{self.index.path(index)}{IN_SHARD}{self.root}/{shard}"
 
-    @staticmethod
-    def decode_record_again(name: str, indexes: dict[str, ShardIndex]) -> UnreadableImage | None:
-        """Decode once more the record a run named ``name`` ("PATH in SHARD"); None when it
-        decodes now or is gone (its shards written again without it). ``indexes``: the splits'
-        indexes read so far, by folder (each is read once)."""
-        path, shard = name.rsplit(IN_SHARD, 1)
-        root = shard.rsplit("/", 1)[0]
-        if root not in indexes:
-            indexes[root] = ShardIndex.read(root)
-        paths = indexes[root].paths.split("\0")
-        return decode_problem(ShardFiles(indexes[root]), paths.index(path)) if path in paths else None
-
     def target(self, index: int) -> int:
         return int(self.index.label[index])
 
@@ -273,249 +245,3 @@ def sample_path(raw: Dataset, index: int) -> str:
     while isinstance(raw, Subset):
         raw, index = raw.dataset, raw.indices[index]
     return raw.name(index)
-
-
-# ----------------------------------------------------------------------------- decoding on the CPU
-@functools.lru_cache(maxsize=None)
-def jpeg_decoder():
-    """(torchvision.io.decode_jpeg, its RGB mode), imported on first use, its deprecation warning
-    silenced once."""
-    warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision are "
-                                              "deprecated")
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    return decode_jpeg, ImageReadMode.RGB
-
-
-_SOI, _EOI = b"\xff\xd8", b"\xff\xd9"
-_BASELINE = (0xC0, 0xC1)  # SOF0, SOF1: Huffman-coded sequential DCT, what nvJPEG's batched path decodes
-_OTHER_FRAMES = (0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF)  # progressive, lossless, ...
-
-
-def read_bytes(path: str) -> Tensor:
-    """The file's bytes as a 1-D uint8 tensor (read straight into it, no copy)."""
-    with open(path, "rb") as f:
-        data = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
-        f.readinto(data.numpy())
-    return data
-
-
-def is_jpeg(data: Tensor) -> bool:
-    return data.numel() > 3 and bytes(data[:2].tolist()) == _SOI
-
-
-def device_decodable(data: Tensor) -> bool:
-    """Whether the bytes are a whole baseline JPEG with 3 components (YCbCr), the kind the device
-    decoder is given (progressive, arithmetic-coded, CMYK or grayscale JPEGs are not): it starts
-    with SOI, ends with EOI, and its first frame header is SOF0 or SOF1 with 3 components at 8
-    bits. Reads the markers only, not the image data."""
-    raw = data.numpy().tobytes() if data.numel() < 65536 else data[:65536].numpy().tobytes()
-    if not raw.startswith(_SOI) or bytes(data[-2:].tolist()) != _EOI:
-        return False
-    at = 2
-    while at + 4 <= len(raw):
-        if raw[at] != 0xFF:
-            return False
-        marker = raw[at + 1]
-        if marker == 0xFF:  # fill byte
-            at += 1
-            continue
-        length = int.from_bytes(raw[at + 2:at + 4], "big")
-        if marker in _BASELINE:
-            precision, components = raw[at + 4], raw[at + 9] if at + 9 < len(raw) else 0
-            return precision == 8 and components == 3
-        if marker in _OTHER_FRAMES or marker == 0xDA:  # another frame type, or scan data before a frame
-            return False
-        at += 2 + length
-    return False
-
-
-def decode_cpu(data: Tensor) -> Tensor:
-    """3 x H x W uint8 RGB of an image file's bytes: torchvision for JPEG, PIL for the rest (a PNG
-    named .JPEG, say) and for a JPEG torchvision refuses, so that what PIL reads is read
-    (:func:`decode_rgb` decides what cannot be decoded). Raises on such a file."""
-    if is_jpeg(data):
-        decode_jpeg, rgb = jpeg_decoder()
-        try:
-            return decode_jpeg(data, mode=rgb)
-        except RuntimeError:
-            pass
-    with Image.open(BytesIO(data.numpy().tobytes())) as image:
-        image.load()
-        return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
-
-
-def decode_rgb(path: str) -> Image.Image:
-    """The whole image, decoded (a truncated file fails here, not later) and converted to RGB."""
-    try:
-        with open(path, "rb") as f:
-            image = Image.open(f)
-            image.load()
-            return image.convert("RGB")
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise UnreadableImage(path, _reason(err, empty=os.path.isfile(path) and os.path.getsize(path) == 0)) from None
-
-
-def decode_rgb_bytes(data: bytes, name: str) -> Image.Image:
-    """:func:`decode_rgb` of an image file's bytes; ``name`` says which file in the error."""
-    try:
-        with Image.open(BytesIO(data)) as image:
-            image.load()
-            return image.convert("RGB")
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise UnreadableImage(name, _reason(err, empty=not data)) from None
-
-
-# ----------------------------------------------------------------------------- files that cannot be decoded
-def decode_again(name: str, indexes: dict[str, ShardIndex]) -> UnreadableImage | None:
-    """Decode once more the image file or shard record that a run named ``name``
-    (``ImageFiles.name``); None when it decodes now or is gone. ``indexes``: as
-    :meth:`ShardFiles.decode_record_again` takes it."""
-    if not os.path.exists(name):
-        return ShardFiles.decode_record_again(name, indexes) if IN_SHARD in name else None
-    try:
-        decode_rgb(name)
-    except UnreadableImage as err:
-        return err
-    return None
-
-
-class UnreadableImage(Exception):
-    """A file that cannot be decoded; ``str()`` is "PATH (reason)"."""
-
-    def __init__(self, path: str, reason: str):
-        super().__init__(f"{path} ({reason})")
-        self.path, self.reason = path, reason
-
-
-def _reason(err: Exception, empty: bool) -> str:
-    if isinstance(err, UnidentifiedImageError):
-        return "empty file" if empty else "not an image file PIL can read"
-    text = str(err).split(". ")[0].strip() or type(err).__name__
-    return text[0].lower() + text[1:]
-
-
-def decode_problem(files: ImageFiles, index: int) -> UnreadableImage | None:
-    """Why sample ``index`` cannot be decoded (PIL's reason, or why its bytes could not be read:
-    a shard cut short), or None when it decodes. A shard the object store does not give raises
-    its :class:`object_store.StoreError`."""
-    try:
-        files.decode_pil(index)
-    except UnreadableImage as err:
-        return err
-    except OSError as err:
-        return UnreadableImage(files.name(index), str(err))
-    return None
-
-
-def why_unreadable(files: ImageFiles, index: int) -> UnreadableImage:
-    """A sample that could not be decoded, with the reason PIL gives when it decodes it once more."""
-    return decode_problem(files, index) or UnreadableImage(files.name(index),
-                                                           "could not be decoded where the run decoded it")
-
-
-@dataclass
-class UnreadableFiles:
-    """What this rank could not read so far (training, evaluation and kNN-bank batches): files
-    it could not decode, and shards the object store did not give (``store_faults``)."""
-
-    found: list[UnreadableImage] = field(default_factory=list)
-    store_faults: list[StoreError] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.found or self.store_faults)
-
-    def on_every_rank(self) -> tuple[list[UnreadableImage], list[StoreError]]:
-        """Every rank's files and store faults, each once (every rank must call: one all_gather_object)."""
-        everyone = all_gather_object(([(e.path, e.reason) for e in self.found], self.store_faults))
-        unique = dict.fromkeys(item for files, _ in everyone for item in files)
-        faults = {str(fault): fault for _, rank_faults in everyone for fault in rank_faults}
-        return [UnreadableImage(path, reason) for path, reason in unique], list(faults.values())
-
-
-class RecordingUnreadable:
-    """Batches of image files (a loader's, or the device path's finished ones) with the
-    placeholders found as each batch is handed out: ``batch[1]`` (targets, on the host) comes with
-    valid labels, the files behind the placeholders go into ``unreadable``. A batch made early
-    (prepared ahead) is recorded when it is taken. Has its batches' length and batch size."""
-
-    def __init__(self, batches, files: ImageFiles, unreadable: UnreadableFiles):
-        self.batches, self.files, self.unreadable = batches, files, unreadable
-        self.batch_size = batches.batch_size
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self) -> _Recorded:
-        return _Recorded(iter(self.batches), self)
-
-    def record(self, batch: list | tuple) -> list | tuple:
-        """``batch`` with each placeholder target replaced by a valid label, its file recorded
-        (or the store's fault that kept it from being read)."""
-        targets = batch[1]
-        if not (targets < 0).any():  # a host tensor: no device is read
-            return batch
-        for code in targets[targets < 0].tolist():
-            try:
-                self.unreadable.found.append(why_unreadable(self.files, -1 - code))
-            except StoreError as fault:
-                self.unreadable.store_faults.append(fault)
-        return [batch[0], targets.clamp(min=0), *batch[2:]]
-
-
-class _Recorded:
-    """The iterator of :class:`RecordingUnreadable`; ``prepare_next`` reaches the batches' own."""
-
-    def __init__(self, batches: Iterator, recorder: RecordingUnreadable):
-        self._batches, self._recorder = batches, recorder
-
-    def __iter__(self) -> _Recorded:
-        return self
-
-    def __next__(self):
-        return self._recorder.record(next(self._batches))
-
-    def prepare_next(self) -> None:
-        prepare = getattr(self._batches, "prepare_next", None)
-        if prepare is not None:
-            prepare()
-
-
-def record_unreadable(batches, raw: Dataset, unreadable: UnreadableFiles):
-    """``batches`` (of ``raw``) with the files they could not decode recorded in ``unreadable``,
-    when ``raw`` is image files; other data's batches as they are."""
-    files = image_files_of(raw)
-    return batches if files is None else RecordingUnreadable(batches, files, unreadable)
-
-
-def check_decodes(files: ImageFiles, threads: int) -> list[UnreadableImage]:
-    """Decode every file of ``files`` on ``threads`` threads (PIL's decoder releases the GIL);
-    the files that fail, in the data set's order."""
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        found = pool.map(lambda index: decode_problem(files, index), range(len(files)))
-        return [err for err in found if err is not None]
-
-
-def decode_every_file(*splits: Dataset, threads: int) -> int:
-    """``--check-data``: decode every image file of the splits on ``threads`` threads; the number
-    of files, or UsageError listing each file that fails on a line of its own."""
-    files = [image_files_of(split) for split in splits]
-    bad = [err for f in files if f is not None for err in check_decodes(f, threads)]
-    total = sum(len(f) for f in files if f is not None)
-    if bad:
-        listed = "".join(f"\n  {err}" for err in bad)
-        raise UsageError(f"--check-data: {len(bad)} of {total:,} image files cannot be decoded; fix or remove "
-                         f"them:{listed}")
-    return total
-
-
-def describe_unreadable(files: list[UnreadableImage], shown: int = 3) -> str:
-    """"cannot decode PATH (reason)", or "cannot decode 5 files: A (..); B (..); C (..) and 2 more"."""
-    if len(files) == 1:
-        return f"cannot decode {files[0]}"
-    more = f" and {len(files) - shown} more" if len(files) > shown else ""
-    return f"cannot decode {len(files)} files: {'; '.join(map(str, files[:shown]))}{more}"
-
-
-def fix_hint(files: list[UnreadableImage]) -> str:
-    return f"fix or remove {'it' if len(files) == 1 else 'them'} (--check-data lists every such file)"

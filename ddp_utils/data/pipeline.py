@@ -39,14 +39,7 @@ from ..config import UsageError
 from .batch_augment import BatchAugment, DeviceAugment, PreparedAhead, pinned_to_device
 from .data_stream import DataStream, HandedOut
 from .host_memory import EVAL_PREFETCH, TRAIN_PREFETCH, check_shared_memory, eval_batch_size, loader_memory
-from .image_files import (
-    FolderListing,
-    RecordingUnreadable,
-    UnreadableFiles,
-    image_files_of,
-    read_as,
-    record_unreadable,
-)
+from .image_files import FolderListing, image_files_of, read_as
 from .order import (
     SHARDS_IN_USE,
     Key,
@@ -60,6 +53,7 @@ from .recipes import AugmentRecipe, eval_recipe
 from .sets import bank_subset, in_memory_tensors, load_raw_splits, num_classes_of
 from .shard_cache import NodeCache, ReadAhead, ReadAheadLoader, SplitShards
 from .shards import largest_shard
+from .unreadable import RecordingUnreadable, UnreadableFiles, record_unreadable
 
 if TYPE_CHECKING:
     from .files_on_device import DecodeFallbacks, FinishOnDevice

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 from ..config import UsageError
 from ..data.host_memory import check_shared_memory, describe_memory
-from ..data.image_files import data_fingerprint, decode_every_file, image_files_of
+from ..data.image_files import data_fingerprint, image_files_of
 from ..data.pipeline import (
     plan_memory,
     raw_splits,
@@ -26,6 +26,7 @@ from ..data.pipeline import (
 from ..data.recipes import AugmentRecipe
 from ..data.sets import IMAGE_FILES, check_data_dir
 from ..data.shards import shards_not_matching
+from ..data.unreadable import decode_every_file
 from ..runtime.device import device_type
 from ..runtime.launch import LaunchEnv, detect_launch, restart_count
 from ..runtime.stopping import EXIT_OK

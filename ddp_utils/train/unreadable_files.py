@@ -1,9 +1,9 @@
 """Data a run cannot read: image files that cannot be decoded, and shards an object store did not
-give. The whole of what a run does about them, in six files (and ``data/shard_cache.py`` for the
+give. The whole of what a run does about them, in seven files (and ``data/shard_cache.py`` for the
 store's side).
 
-Data side (``data/image_files.py``; ``data/pipeline.py`` wraps every kind of batch of image
-files in its recorder):
+Data side (``data/image_files.py`` makes the placeholder, ``data/unreadable.py`` records it;
+``data/pipeline.py`` wraps every kind of batch of image files in the recorder):
 
 * a DataLoader worker never raises on such a file (the traceback would name no file, and the
   rank would leave while its peers wait in a collective): the file comes as a black placeholder
@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import UsageError
-from ..data.image_files import UnreadableImage, decode_again, describe_unreadable, fix_hint
+from ..data.decoding import UnreadableImage
 from ..data.object_store import StoreError
+from ..data.unreadable import decode_again, describe_unreadable, fix_hint
 from ..runtime.stopping import EXIT_USAGE, STORE_MARKER, RunStopped
 from .checkpoint import save_checkpoint
 

@@ -1,0 +1,180 @@
+"""Image files that cannot be decoded, on the data side: the rank's registry of them
+(:class:`UnreadableFiles`), the wrapper that records them as batches are handed out
+(:class:`RecordingUnreadable`), their reason found by decoding them once more, how they are
+named to a user, and ``--check-data``'s pass that decodes whole splits. What a run then does
+(stop, list them, refuse to resume until they decode) is ``train/unreadable_files.py``.
+
+A file that cannot be decoded never raises inside a DataLoader worker: the traceback would name no
+file, and the rank that met it would leave while its peers wait in a collective. It comes as a
+black placeholder with target ``-1 - index`` (``image_files.ImageFiles``); :class:`RecordingUnreadable`
+finds such targets on the host, records the file in the run's :class:`UnreadableFiles` and hands
+on the batch with a valid target, so every rank finishes the step and the per-step agreement
+stops them together. A shard that an object store did not give travels the same way, and is
+recorded as the store's fault (``object_store.StoreError``), never as an image that cannot be
+decoded.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from torch.utils.data import Dataset
+
+from ..config import UsageError
+from ..runtime.collectives import all_gather_object
+from .decoding import UnreadableImage, decode_rgb
+from .image_files import IN_SHARD, ImageFiles, ShardFiles, image_files_of
+from .object_store import StoreError
+from .shards import ShardIndex
+
+
+def decode_problem(files: ImageFiles, index: int) -> UnreadableImage | None:
+    """Why sample ``index`` cannot be decoded (PIL's reason, or why its bytes could not be read:
+    a shard cut short), or None when it decodes. A shard the object store does not give raises
+    its :class:`object_store.StoreError`."""
+    try:
+        files.decode_pil(index)
+    except UnreadableImage as err:
+        return err
+    except OSError as err:
+        return UnreadableImage(files.name(index), str(err))
+    return None
+
+
+def why_unreadable(files: ImageFiles, index: int) -> UnreadableImage:
+    """A sample that could not be decoded, with the reason PIL gives when it decodes it once more."""
+    return decode_problem(files, index) or UnreadableImage(files.name(index),
+                                                           "could not be decoded where the run decoded it")
+
+
+def decode_again(name: str, indexes: dict[str, ShardIndex]) -> UnreadableImage | None:
+    """Decode once more the image file or shard record that a run named ``name``
+    (``ImageFiles.name``); None when it decodes now or is gone. ``indexes``: the shard indexes
+    read so far, by folder (each is read once)."""
+    if not os.path.exists(name):
+        return _decode_record_again(name, indexes) if IN_SHARD in name else None
+    try:
+        decode_rgb(name)
+    except UnreadableImage as err:
+        return err
+    return None
+
+
+def _decode_record_again(name: str, indexes: dict[str, ShardIndex]) -> UnreadableImage | None:
+    """Decode once more the shard record a run named ``name`` ("PATH in SHARD"); None when it
+    decodes now or is gone (its shards written again without it)."""
+    path, shard = name.rsplit(IN_SHARD, 1)
+    root = shard.rsplit("/", 1)[0]
+    if root not in indexes:
+        indexes[root] = ShardIndex.read(root)
+    paths = indexes[root].paths.split("\0")
+    return decode_problem(ShardFiles(indexes[root]), paths.index(path)) if path in paths else None
+
+
+@dataclass
+class UnreadableFiles:
+    """What this rank could not read so far (training, evaluation and kNN-bank batches): files
+    it could not decode, and shards the object store did not give (``store_faults``)."""
+
+    found: list[UnreadableImage] = field(default_factory=list)
+    store_faults: list[StoreError] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.found or self.store_faults)
+
+    def on_every_rank(self) -> tuple[list[UnreadableImage], list[StoreError]]:
+        """Every rank's files and store faults, each once (every rank must call: one all_gather_object)."""
+        everyone = all_gather_object(([(e.path, e.reason) for e in self.found], self.store_faults))
+        unique = dict.fromkeys(item for files, _ in everyone for item in files)
+        faults = {str(fault): fault for _, rank_faults in everyone for fault in rank_faults}
+        return [UnreadableImage(path, reason) for path, reason in unique], list(faults.values())
+
+
+class RecordingUnreadable:
+    """Batches of image files (a loader's, or the device path's finished ones) with the
+    placeholders found as each batch is handed out: ``batch[1]`` (targets, on the host) comes with
+    valid labels, the files behind the placeholders go into ``unreadable``. A batch made early
+    (prepared ahead) is recorded when it is taken. Has its batches' length and batch size."""
+
+    def __init__(self, batches, files: ImageFiles, unreadable: UnreadableFiles):
+        self.batches, self.files, self.unreadable = batches, files, unreadable
+        self.batch_size = batches.batch_size
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> _Recorded:
+        return _Recorded(iter(self.batches), self)
+
+    def record(self, batch: list | tuple) -> list | tuple:
+        """``batch`` with each placeholder target replaced by a valid label, its file recorded
+        (or the store's fault that kept it from being read)."""
+        targets = batch[1]
+        if not (targets < 0).any():  # a host tensor: no device is read
+            return batch
+        for code in targets[targets < 0].tolist():
+            try:
+                self.unreadable.found.append(why_unreadable(self.files, -1 - code))
+            except StoreError as fault:
+                self.unreadable.store_faults.append(fault)
+        return [batch[0], targets.clamp(min=0), *batch[2:]]
+
+
+class _Recorded:
+    """The iterator of :class:`RecordingUnreadable`; ``prepare_next`` reaches the batches' own."""
+
+    def __init__(self, batches: Iterator, recorder: RecordingUnreadable):
+        self._batches, self._recorder = batches, recorder
+
+    def __iter__(self) -> _Recorded:
+        return self
+
+    def __next__(self):
+        return self._recorder.record(next(self._batches))
+
+    def prepare_next(self) -> None:
+        prepare = getattr(self._batches, "prepare_next", None)
+        if prepare is not None:
+            prepare()
+
+
+def record_unreadable(batches, raw: Dataset, unreadable: UnreadableFiles):
+    """``batches`` (of ``raw``) with the files they could not decode recorded in ``unreadable``,
+    when ``raw`` is image files; other data's batches as they are."""
+    files = image_files_of(raw)
+    return batches if files is None else RecordingUnreadable(batches, files, unreadable)
+
+
+def check_decodes(files: ImageFiles, threads: int) -> list[UnreadableImage]:
+    """Decode every file of ``files`` on ``threads`` threads (PIL's decoder releases the GIL);
+    the files that fail, in the data set's order."""
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        found = pool.map(lambda index: decode_problem(files, index), range(len(files)))
+        return [err for err in found if err is not None]
+
+
+def decode_every_file(*splits: Dataset, threads: int) -> int:
+    """``--check-data``: decode every image file of the splits on ``threads`` threads; the number
+    of files, or UsageError listing each file that fails on a line of its own."""
+    files = [image_files_of(split) for split in splits]
+    bad = [err for f in files if f is not None for err in check_decodes(f, threads)]
+    total = sum(len(f) for f in files if f is not None)
+    if bad:
+        listed = "".join(f"\n  {err}" for err in bad)
+        raise UsageError(f"--check-data: {len(bad)} of {total:,} image files cannot be decoded; fix or remove "
+                         f"them:{listed}")
+    return total
+
+
+def describe_unreadable(files: list[UnreadableImage], shown: int = 3) -> str:
+    """"cannot decode PATH (reason)", or "cannot decode 5 files: A (..); B (..); C (..) and 2 more"."""
+    if len(files) == 1:
+        return f"cannot decode {files[0]}"
+    more = f" and {len(files) - shown} more" if len(files) > shown else ""
+    return f"cannot decode {len(files)} files: {'; '.join(map(str, files[:shown]))}{more}"
+
+
+def fix_hint(files: list[UnreadableImage]) -> str:
+    return f"fix or remove {'it' if len(files) == 1 else 'them'} (--check-data lists every such file)"
