@@ -324,7 +324,7 @@ def test_one_moco_batch_on_the_cuda_default_path_enters_the_files_the_architectu
     device augmentation and decoding in the workers. The documented list, file for file, and
     docs/architecture.md names each; the loader path (the control) enters other files."""
     cuda = resolved_settings(train_moco.MocoConfig(dataset="imagefolder"), "single", 1, torch.device("cuda"))
-    assert (cuda["aug_on"], cuda["decode_on"]) == ("device", "loader")
+    assert (cuda.aug_on, cuda.decode_on) == ("device", "loader")
     args = ["--dataset", "imagefolder", "--data-dir", str(jpeg_folder), "--device", "cpu", "--workers", "0",
             "--image-size", "32", "--batch-size", "8", "--moco-k", "64", "--max-steps", "1", "--knn-every", "0",
             "--log-every", "1000"]
