@@ -140,11 +140,12 @@ def free_port() -> int:
     """A port on 127.0.0.1 for a rendezvous (or a server) of this test process: each pytest-xdist
     worker hands out its own band of [20000, 32768), below Linux's ephemeral range, from which
     every ``bind(0)`` and gloo connection gets its port; so no other test process can take it
-    between this choice and the bind. A port in use is passed over."""
+    between this choice and the bind. A port in use is passed over. Each process starts at its own
+    place in its band (from its pid), so that two pytest sessions at once rarely meet."""
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     band = (32768 - 20000) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     while True:
-        port = 20000 + worker * band + next(_next_port) % band
+        port = 20000 + worker * band + (os.getpid() * 97 + next(_next_port)) % band
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))
