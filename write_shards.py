@@ -29,8 +29,7 @@ import numpy as np
 import torch
 
 from ddp_utils.config import UsageError, check_bounds, opt, parse_config, positional
-from ddp_utils.data.decoding import UnreadableImage, decode_rgb_bytes, device_decodable
-from ddp_utils.data.image_files import FolderListing
+from ddp_utils.data.image_files import FolderListing, UnreadableImage, decode_rgb_bytes, device_decodable
 from ddp_utils.data.sets import check_data_dir, list_image_split
 from ddp_utils.data.shards import (
     FORMAT,

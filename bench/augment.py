@@ -122,9 +122,8 @@ def packed_views(images: int = 64, batch: int = 32, repeats: int = 3) -> dict[st
 
     from bench.at_commit import module_at
     from bench.imagenet_like import write_imagenet_like
-    from ddp_utils.data.decoding import decode_cpu, read_bytes
     from ddp_utils.data.files_on_device import pack
-    from ddp_utils.data.image_files import FolderListing, ImageFiles
+    from ddp_utils.data.image_files import FolderListing, ImageFiles, decode_cpu, read_bytes
 
     with tempfile.TemporaryDirectory() as root:
         write_imagenet_like(root, classes=4, train_per_class=-(-images // 4), val_per_class=1)

@@ -60,8 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ddp_utils.config import UsageError  # noqa: E402
 from ddp_utils.data import files_on_device  # noqa: E402
 from ddp_utils.data.batch_augment import BatchAugment, DeviceAugment  # noqa: E402
-from ddp_utils.data.decoding import decode_cpu, device_decodable, read_bytes  # noqa: E402
 from ddp_utils.data.files_on_device import EncodedBatch, decode_on, pack  # noqa: E402
+from ddp_utils.data.image_files import decode_cpu, device_decodable, read_bytes  # noqa: E402
 from ddp_utils.data.pipeline import DataPlan, build_data, default_workers  # noqa: E402
 from ddp_utils.data.recipes import moco_recipe  # noqa: E402
 

@@ -53,9 +53,8 @@ from bench.at_commit import module_at  # noqa: E402
 from bench.imagenet_like import write_imagenet_like  # noqa: E402
 from ddp_utils import hashing  # noqa: E402
 from ddp_utils.data.batch_augment import BatchAugment, DeviceAugment  # noqa: E402
-from ddp_utils.data.decoding import decode_cpu, decode_rgb, read_bytes  # noqa: E402
 from ddp_utils.data.files_on_device import FinishOnDevice, collate_files, pack_to_share  # noqa: E402
-from ddp_utils.data.image_files import FolderListing, ImageFiles  # noqa: E402
+from ddp_utils.data.image_files import FolderListing, ImageFiles, decode_cpu, decode_rgb, read_bytes  # noqa: E402
 from ddp_utils.data.pipeline import SeededTransform  # noqa: E402
 from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, eval_recipe, moco_recipe  # noqa: E402
 from ddp_utils.data.sets import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402

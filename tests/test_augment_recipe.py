@@ -20,8 +20,8 @@ from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
 from ddp_utils.data.batch_augment import BatchAugment, as_float_rgb, atlas_for_resampling, keyed_uniforms
-from ddp_utils.data.decoding import decode_cpu, read_bytes
 from ddp_utils.data.files_on_device import pack
+from ddp_utils.data.image_files import decode_cpu, read_bytes
 from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.recipes import (
     AUTO_AUGMENTS,

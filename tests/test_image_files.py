@@ -30,13 +30,19 @@ from helpers import (
 
 import train_classifier
 import train_moco
-from ddp_utils.data.decoding import UnreadableImage, decode_rgb
-from ddp_utils.data.image_files import PLACEHOLDER_SIDE, FolderListing, ImageFiles, data_fingerprint
+from ddp_utils.data.image_files import (
+    PLACEHOLDER_SIDE,
+    FolderListing,
+    ImageFiles,
+    UnreadableImage,
+    data_fingerprint,
+    decode_rgb,
+)
 from ddp_utils.data.order import ResumableDistributedSampler
-from ddp_utils.data.pipeline import SeededTransform, build_data
+from ddp_utils.data.pipeline import SeededTransform, build_data, record_unreadable
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import moco_recipe
-from ddp_utils.data.unreadable import UnreadableFiles, record_unreadable
+from ddp_utils.data.unreadable import UnreadableFiles
 from ddp_utils.runtime.dist import DistInfo
 from ddp_utils.train.preflight import resolved_settings
 
@@ -262,15 +268,19 @@ def test_the_knn_bank_and_the_preview_name_a_damaged_file_before_training(jpeg_f
 # "training process": the rest, the thread that finishes batches ahead included (on CUDA the
 # loader's pin-memory thread also calls PackedImages.pin_memory: files_on_device.py, listed).
 ONE_BATCH_FILES = {
-    "worker": {"data/pipeline.py", "data/image_files.py", "data/decoding.py", "data/files_on_device.py"},
+    "worker": {"data/pipeline.py", "data/image_files.py", "data/files_on_device.py"},
     "training process": {
         "data/order.py", "data/image_files.py", "data/pipeline.py", "data/files_on_device.py",
-        "data/data_stream.py", "data/batch_augment.py", "hashing.py", "data/unreadable.py",  # the batch
-        "train/run.py", "train/monitor.py", "train/accumulation.py",  # handed to the loop
-        "runtime/dist.py", "models/moco.py", "models/shuffle_bn.py", "models/backbones.py",
-        "runtime/collectives.py",  # the forward and the loss
+        "data/data_stream.py", "data/batch_augment.py", "hashing.py",  # the batch
+        "train/batches.py", "train/accumulation.py",  # handed to the loop
+        "runtime/device.py", "runtime/precision.py", "runtime/dist.py", "models/moco.py", "models/shuffle_bn.py",
+        "models/backbones.py", "runtime/collectives.py",  # the forward and the loss
     },
 }
+# The data's own part (steps 1 to 4 of the walk), from the sampler's keys to the loop's hand-out;
+# train/accumulation.py places the batch in its window but is counted with the step.
+DATA_PART = {"data/order.py", "data/pipeline.py", "data/image_files.py", "data/files_on_device.py",
+             "data/data_stream.py", "data/batch_augment.py", "hashing.py", "train/batches.py"}
 
 
 def files_one_batch_enters(monkeypatch, args: list[str]) -> dict[str, dict[str, set[str]]]:
@@ -334,6 +344,7 @@ def test_one_moco_batch_on_the_cuda_default_path_enters_the_files_the_architectu
     every = set.union(*ONE_BATCH_FILES.values())
     assert [name for name in sorted(every) if name not in walk] == []
     assert f"{len(every)} files" in walk
+    assert DATA_PART <= every and f"steps 1 to 4: {len(DATA_PART)} files" in walk
     loader = files_one_batch_enters(monkeypatch, args + ["--aug-on", "loader", "--out", str(tmp_path / "loader")])
     assert "data/transforms.py" in loader["worker"] and "data/batch_augment.py" not in loader["training process"]
 

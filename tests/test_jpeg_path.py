@@ -19,7 +19,6 @@ from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
 from ddp_utils.data.batch_augment import BatchAugment, as_float_rgb, atlas_for_resampling, keyed_uniforms
-from ddp_utils.data.decoding import decode_cpu, device_decodable, read_bytes
 from ddp_utils.data.files_on_device import (
     PackedImages,
     SharedBuffers,
@@ -29,7 +28,7 @@ from ddp_utils.data.files_on_device import (
     unpack,
 )
 from ddp_utils.data.host_memory import KEPT_PER_WORKER
-from ddp_utils.data.image_files import FolderListing, ImageFiles
+from ddp_utils.data.image_files import FolderListing, ImageFiles, decode_cpu, device_decodable, read_bytes
 from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.recipes import AugmentRecipe, classifier_recipe, moco_recipe
 from ddp_utils.data.transforms import SeparableGaussianBlur

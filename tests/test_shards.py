@@ -26,8 +26,7 @@ import train_classifier
 import write_shards
 from ddp_utils.config import UsageError
 from ddp_utils.data import shards as shards_module
-from ddp_utils.data.decoding import UnreadableImage
-from ddp_utils.data.image_files import FolderListing, ShardFiles
+from ddp_utils.data.image_files import FolderListing, ShardFiles, UnreadableImage
 from ddp_utils.data.shards import INDEX, ShardIndex, ShardReader
 
 SHARD_MB = "0.5"  # as conftest's ``written`` shards: the test folder's 39 training images make several

@@ -8,15 +8,18 @@
    validation and MoCo's kNN bank with one function, on each rank's share (``order``: the
    samples order, or for shards the one in which each rank reads whole shards, each resumable
    with its own state; sharded evaluation), per-sample seeding, the DataLoader (written once),
-   and the in-memory path's batches on the device (``DeviceBatches``).
+   the in-memory path's batches on the device (``DeviceBatches``), and the recorder wrapped
+   around every kind of batch of image files (``RecordingUnreadable``: the files a batch could
+   not decode).
 3. ``sets``: the raw splits (digits, CIFAR-10, synthetic noise, ImageFolder), the ``--debug``
    and kNN-bank subsets, in-memory splits as tensors.
-4. ``image_files``: ImageFolder's files as data sets (their ``FolderListing``, made once per job
-   by rank 0 in ``train.preflight`` and sent to every rank), each file read as PIL, decoded
-   pixels or encoded bytes; ``decoding``: a file's bytes to pixels on the CPU (torchvision's
-   JPEG decoder, PIL) and the JPEG marker test that says what the device's decoder is given;
-   ``unreadable``: a file that cannot be decoded (the rank's registry of such files, the wrapper
-   that records them as batches are handed out, ``--check-data``'s pass). ``ShardFiles`` reads
+4. ``image_files``: image files as samples, listed, read and decoded on the CPU: ImageFolder's
+   files as data sets (their ``FolderListing``, made once per job by rank 0 in
+   ``train.preflight`` and sent to every rank), each file read as PIL, decoded pixels
+   (torchvision's JPEG decoder, PIL) or encoded bytes (the JPEG marker test says what the
+   device's decoder is given); ``unreadable``: files that cannot be decoded (the rank's registry
+   of them, which ``pipeline.RecordingUnreadable`` fills as batches are handed out, their
+   reasons, ``--check-data``'s pass). ``ShardFiles`` reads
    the same files from an image folder's shards (``shards``: the layout ``write_shards.py``
    writes, its index, any sample by number), on a file system or in an S3 bucket
    (``object_store``: the requests and their faults; ``shard_cache``: the node's bounded cache of

@@ -48,9 +48,8 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from .batch_augment import DeviceAugment, PreparedAhead
 from .data_stream import CudaCalls, DataStream, HandedOut, Made
-from .decoding import jpeg_decoder
 from .host_memory import KEPT_PER_WORKER
-from .image_files import sample_path
+from .image_files import jpeg_decoder, sample_path
 from .order import augmentation_index
 
 ATLAS_WIDTH = 2048  # px: rows of the atlas are at least this wide (wider for a wider image)
@@ -346,7 +345,7 @@ class DecodeFallbacks:
     """Images the device's decoder refused (``--decode-on device``), which the training process
     then decoded on the CPU, counted on this rank: a WARNING when the first comes, the count in
     each epoch's line (``train.run``). A file the CPU cannot decode either is not one of them: it
-    is the run's unreadable file (``unreadable.RecordingUnreadable``), named there."""
+    is the run's unreadable file (``pipeline.RecordingUnreadable``), named there."""
 
     def __init__(self):
         self.count = 0

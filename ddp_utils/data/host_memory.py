@@ -108,7 +108,7 @@ def mean_image_pixels(files) -> float:
 
 def mean_encoded_bytes(files) -> float:
     """Mean bytes per image of an ``--decode-on device`` batch over an even sample of the files:
-    the file's, or the pixels' of a file its worker decodes (``decoding.device_decodable``)."""
+    the file's, or the pixels' of a file its worker decodes (``image_files.device_decodable``)."""
     sizes = [facts.bytes if facts.device_decodable else 3 * facts.size[0] * facts.size[1] for facts in _facts(files)]
     return sum(sizes) / len(sizes) if sizes else 0.0
 

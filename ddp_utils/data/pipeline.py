@@ -20,6 +20,9 @@ as ``DistributedSampler``'s; or, for shards, the shards order, in which each ran
 shards); augmentation is a function of (seed, epoch, sample index), so a resumed or re-sharded
 run applies exactly the crops and flips of an uninterrupted one. Shards in an object store are
 read through the node's cache, filled ahead by each rank's read-ahead (``shard_cache``).
+
+Every kind of batch of image files is handed out through :class:`RecordingUnreadable`, which
+records the files a batch could not decode in the rank's ``unreadable.UnreadableFiles``.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, TypeAlias
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypeAlias
 
 import numpy as np
 import torch
@@ -39,7 +42,8 @@ from ..config import UsageError
 from .batch_augment import BatchAugment, DeviceAugment, PreparedAhead, pinned_to_device
 from .data_stream import DataStream, HandedOut
 from .host_memory import EVAL_PREFETCH, TRAIN_PREFETCH, check_shared_memory, eval_batch_size, loader_memory
-from .image_files import FolderListing, image_files_of, read_as
+from .image_files import FolderListing, ImageFiles, image_files_of, read_as
+from .object_store import StoreError
 from .order import (
     SHARDS_IN_USE,
     Key,
@@ -53,7 +57,7 @@ from .recipes import AugmentRecipe, eval_recipe
 from .sets import bank_subset, in_memory_tensors, load_raw_splits, num_classes_of
 from .shard_cache import NodeCache, ReadAhead, ReadAheadLoader, SplitShards
 from .shards import largest_shard
-from .unreadable import RecordingUnreadable, UnreadableFiles, record_unreadable
+from .unreadable import UnreadableFiles, why_unreadable
 
 if TYPE_CHECKING:
     from .files_on_device import DecodeFallbacks, FinishOnDevice
@@ -382,6 +386,62 @@ def plan_memory(plan: DataPlan, train_raw: Dataset):
     return loader_memory(train_raw, batch_size=plan.batch_size, workers=plan.workers, views=plan.views,
                          image_size=max(plan.image_size, plan.train_image_size), aug_on_device=plan.aug_on_device,
                          decode_on_device=plan.decode_on_device)
+
+
+# ----------------------------------------------------------------------------- image files that cannot be decoded, recorded
+class RecordingUnreadable:
+    """Batches of image files (a loader's, or the device path's finished ones) with the
+    placeholders found as each batch is handed out: ``batch[1]`` (targets, on the host) comes with
+    valid labels, the files behind the placeholders go into ``unreadable``. A batch made early
+    (prepared ahead) is recorded when it is taken. Has its batches' length and batch size."""
+
+    def __init__(self, batches, files: ImageFiles, unreadable: UnreadableFiles):
+        self.batches, self.files, self.unreadable = batches, files, unreadable
+        self.batch_size = batches.batch_size
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> _Recorded:
+        return _Recorded(iter(self.batches), self)
+
+    def record(self, batch: list | tuple) -> list | tuple:
+        """``batch`` with each placeholder target replaced by a valid label, its file recorded
+        (or the store's fault that kept it from being read)."""
+        targets = batch[1]
+        if not (targets < 0).any():  # a host tensor: no device is read
+            return batch
+        for code in targets[targets < 0].tolist():
+            try:
+                self.unreadable.found.append(why_unreadable(self.files, -1 - code))
+            except StoreError as fault:
+                self.unreadable.store_faults.append(fault)
+        return [batch[0], targets.clamp(min=0), *batch[2:]]
+
+
+class _Recorded:
+    """The iterator of :class:`RecordingUnreadable`; ``prepare_next`` reaches the batches' own."""
+
+    def __init__(self, batches: Iterator, recorder: RecordingUnreadable):
+        self._batches, self._recorder = batches, recorder
+
+    def __iter__(self) -> _Recorded:
+        return self
+
+    def __next__(self):
+        return self._recorder.record(next(self._batches))
+
+    def prepare_next(self) -> None:
+        prepare = getattr(self._batches, "prepare_next", None)
+        if prepare is not None:
+            prepare()
+
+
+def record_unreadable(batches, raw: Dataset, unreadable: UnreadableFiles):
+    """``batches`` (of ``raw``) with the files they could not decode recorded in ``unreadable``,
+    when ``raw`` is image files; other data's batches as they are."""
+    files = image_files_of(raw)
+    return batches if files is None else RecordingUnreadable(batches, files, unreadable)
 
 
 # ----------------------------------------------------------------------------- samples and their order

@@ -121,7 +121,7 @@ class ShardIndex:
     fingerprint: str = ""        # sha256 of index.json and records.npz: the data a run read
     width: np.ndarray | None = None   # int32 per sample, px (None: an index written without them)
     height: np.ndarray | None = None  # int32 per sample, px
-    device_decodable: np.ndarray | None = None  # bool per sample (decoding.device_decodable)
+    device_decodable: np.ndarray | None = None  # bool per sample (image_files.device_decodable)
 
     @classmethod
     def read(cls, root: str, patience: float = 0.0) -> ShardIndex:

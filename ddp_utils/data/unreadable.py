@@ -1,31 +1,28 @@
 """Image files that cannot be decoded, on the data side: the rank's registry of them
-(:class:`UnreadableFiles`), the wrapper that records them as batches are handed out
-(:class:`RecordingUnreadable`), their reason found by decoding them once more, how they are
-named to a user, and ``--check-data``'s pass that decodes whole splits. What a run then does
-(stop, list them, refuse to resume until they decode) is ``train/unreadable_files.py``.
+(:class:`UnreadableFiles`, which ``pipeline.RecordingUnreadable`` fills as batches are handed
+out), their reason found by decoding them once more, how they are named to a user, and
+``--check-data``'s pass that decodes whole splits. What a run then does (stop, list them, refuse
+to resume until they decode) is ``train/unreadable_files.py``.
 
 A file that cannot be decoded never raises inside a DataLoader worker: the traceback would name no
 file, and the rank that met it would leave while its peers wait in a collective. It comes as a
-black placeholder with target ``-1 - index`` (``image_files.ImageFiles``); :class:`RecordingUnreadable`
-finds such targets on the host, records the file in the run's :class:`UnreadableFiles` and hands
-on the batch with a valid target, so every rank finishes the step and the per-step agreement
-stops them together. A shard that an object store did not give travels the same way, and is
-recorded as the store's fault (``object_store.StoreError``), never as an image that cannot be
-decoded.
+black placeholder with target ``-1 - index`` (``image_files.ImageFiles``); the recorder finds such
+targets on the host, records the file here and hands on the batch with a valid target, so every
+rank finishes the step and the per-step agreement stops them together. A shard that an object
+store did not give travels the same way, and is recorded as the store's fault
+(``object_store.StoreError``), never as an image that cannot be decoded.
 """
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from torch.utils.data import Dataset
 
 from ..config import UsageError
 from ..runtime.collectives import all_gather_object
-from .decoding import UnreadableImage, decode_rgb
-from .image_files import IN_SHARD, ImageFiles, ShardFiles, image_files_of
+from .image_files import IN_SHARD, ImageFiles, ShardFiles, UnreadableImage, decode_rgb, image_files_of
 from .object_store import StoreError
 from .shards import ShardIndex
 
@@ -90,61 +87,6 @@ class UnreadableFiles:
         unique = dict.fromkeys(item for files, _ in everyone for item in files)
         faults = {str(fault): fault for _, rank_faults in everyone for fault in rank_faults}
         return [UnreadableImage(path, reason) for path, reason in unique], list(faults.values())
-
-
-class RecordingUnreadable:
-    """Batches of image files (a loader's, or the device path's finished ones) with the
-    placeholders found as each batch is handed out: ``batch[1]`` (targets, on the host) comes with
-    valid labels, the files behind the placeholders go into ``unreadable``. A batch made early
-    (prepared ahead) is recorded when it is taken. Has its batches' length and batch size."""
-
-    def __init__(self, batches, files: ImageFiles, unreadable: UnreadableFiles):
-        self.batches, self.files, self.unreadable = batches, files, unreadable
-        self.batch_size = batches.batch_size
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self) -> _Recorded:
-        return _Recorded(iter(self.batches), self)
-
-    def record(self, batch: list | tuple) -> list | tuple:
-        """``batch`` with each placeholder target replaced by a valid label, its file recorded
-        (or the store's fault that kept it from being read)."""
-        targets = batch[1]
-        if not (targets < 0).any():  # a host tensor: no device is read
-            return batch
-        for code in targets[targets < 0].tolist():
-            try:
-                self.unreadable.found.append(why_unreadable(self.files, -1 - code))
-            except StoreError as fault:
-                self.unreadable.store_faults.append(fault)
-        return [batch[0], targets.clamp(min=0), *batch[2:]]
-
-
-class _Recorded:
-    """The iterator of :class:`RecordingUnreadable`; ``prepare_next`` reaches the batches' own."""
-
-    def __init__(self, batches: Iterator, recorder: RecordingUnreadable):
-        self._batches, self._recorder = batches, recorder
-
-    def __iter__(self) -> _Recorded:
-        return self
-
-    def __next__(self):
-        return self._recorder.record(next(self._batches))
-
-    def prepare_next(self) -> None:
-        prepare = getattr(self._batches, "prepare_next", None)
-        if prepare is not None:
-            prepare()
-
-
-def record_unreadable(batches, raw: Dataset, unreadable: UnreadableFiles):
-    """``batches`` (of ``raw``) with the files they could not decode recorded in ``unreadable``,
-    when ``raw`` is image files; other data's batches as they are."""
-    files = image_files_of(raw)
-    return batches if files is None else RecordingUnreadable(batches, files, unreadable)
 
 
 def check_decodes(files: ImageFiles, threads: int) -> list[UnreadableImage]:

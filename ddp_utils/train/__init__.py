@@ -13,10 +13,12 @@
   and a run's checkpoint saved), ``run_folder`` (``--out`` and its records), ``pretrained``
   (backbones for the classifier);
 - ``run``: the record of one run (what it is made of) and its start; ``run_state``: where it
-  stands; ``batches``: its training batches in accumulation windows, and the window's undo
-  (what a window given up puts back, registered explicitly); ``accumulation``: the pieces of one
-  optimizer step the scripts write out (windows, ``no_sync``, the fp16 overflow, LR);
+  stands; ``batches``: its training batches in accumulation windows, the clock of the loop's
+  wait for them, and the window's undo (what a window given up puts back, registered
+  explicitly); ``accumulation``: the pieces of one optimizer step the scripts write out
+  (windows, ``no_sync``, the fp16 overflow, LR);
   ``step_policy``: what follows a step (the run's end, a NaN/Inf loss, a stop signal);
   ``unreadable_files``: all a run does about image files that cannot be decoded;
-  ``monitor``: TensorBoard, progress lines, the step meter, the input-bound advice.
+  ``monitor``: TensorBoard, progress lines, the step meter (which logs the share of time the
+  loop waited), the input-bound advice.
 """

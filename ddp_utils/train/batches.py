@@ -1,17 +1,17 @@
 """A rank's training batches, epoch by epoch, in accumulation windows (:class:`TrainingBatches`),
-and the window's undo (:class:`WindowUndo`): what a window changes besides the gradients, kept as
-it begins so that a window given up leaves the run as the last completed step left it."""
+the clock of the time the loop waits for them (:class:`WaitClock`), and the window's undo
+(:class:`WindowUndo`): what a window changes besides the gradients, kept as it begins so that a
+window given up leaves the run as the last completed step left it."""
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from ..data.pipeline import Loaders
 from .accumulation import MicroStep, plan_windows
-from .monitor import WaitClock
 from .run_state import RunState
 
 NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -110,11 +110,34 @@ class WindowUndo:
             entry.restore()
 
 
+class WaitClock:
+    """Seconds the training loop spent waiting for its next batch: in the loader's ``next()``
+    (workers behind, or decoding and augmenting in this process) and making device batches.
+    A host clock: reading it never waits for a device."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def next(self, batches: Iterator, default: Any = None) -> Any:
+        started = time.perf_counter()
+        try:
+            return next(batches, default)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
 class TrainingBatches:
     """This rank's training batches, epoch by epoch, in accumulation windows. A batch counts as
     consumed (``state.batches_done``) when it is handed out; the window in progress can be given
     up (:meth:`undo_window`, by ``window_undo``); the time the loop waits for batches is measured
-    (``data_wait``)."""
+    (``data_wait``, its :class:`WaitClock`, which the step meter reads)."""
 
     def __init__(self, loaders: Loaders, state: RunState, accum_steps: int, model: nn.Module, device: torch.device):
         self.loaders, self.state, self.accum_steps = loaders, state, accum_steps

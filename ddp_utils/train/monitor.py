@@ -1,12 +1,13 @@
-"""What rank 0 reports while training: TensorBoard scalars, a progress line, the time the loop
-waits for its batches and what to do when that time is too long (:func:`input_advice`)."""
+"""What rank 0 reports while training: TensorBoard scalars, a progress line, the share of time the
+loop waited for its batches (``batches.WaitClock`` measures it) and what to do when that share is
+too high (:func:`input_advice`)."""
 from __future__ import annotations
 
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,7 @@ from ..data.sets import IMAGE_FILES
 from ..runtime.collectives import all_reduce_sum
 
 if TYPE_CHECKING:
+    from .batches import WaitClock
     from .train_config import ResolvedSettings, TrainConfig
 
 log = logging.getLogger("train")
@@ -103,29 +105,6 @@ class Progress:
             sys.stdout.write("\n")
 
 
-class WaitClock:
-    """Seconds the training loop spent waiting for its next batch: in the loader's ``next()``
-    (workers behind, or decoding and augmenting in this process) and making device batches.
-    A host clock: reading it never waits for a device."""
-
-    def __init__(self):
-        self.seconds = 0.0
-
-    def next(self, batches: Iterator, default: Any = None) -> Any:
-        started = time.perf_counter()
-        try:
-            return next(batches, default)
-        finally:
-            self.seconds += time.perf_counter() - started
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        started = time.perf_counter()
-        try:
-            return fn()
-        finally:
-            self.seconds += time.perf_counter() - started
-
-
 def input_advice(cfg: TrainConfig, resolved: ResolvedSettings) -> str:
     """What feeds an input-bound run faster, given where its batches are made; "" where nothing
     does: in-memory data augmented on the device waits only for that augmentation's own work,
@@ -143,14 +122,15 @@ class StepMeter:
 
     Micro-step values are summed on the device (no host read per micro-step), each as
     value / window size, so a step contributes its mean; one all_reduce per logged step. The
-    share of wall time spent waiting for batches (``wait``, this rank's) is logged beside them.
+    share of wall time spent waiting for batches (``wait``: the clock of this rank's
+    ``TrainingBatches``) is logged beside them.
     """
 
     def __init__(self, tb: TensorBoard, progress: Progress, device, world_size: int, log_every: int,
-                 wait: WaitClock | None = None):
+                 wait: WaitClock):
         self.tb, self.progress, self.device = tb, progress, device
         self.world_size, self.log_every = world_size, log_every
-        self.wait = wait or WaitClock()
+        self.wait = wait
         self.window: dict = {}  # this optimizer step's sums so far
         self._reset()
 

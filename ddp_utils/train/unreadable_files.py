@@ -1,9 +1,12 @@
 """Data a run cannot read: image files that cannot be decoded, and shards an object store did not
-give. The whole of what a run does about them, in seven files (and ``data/shard_cache.py`` for the
-store's side).
+give. The whole of what a run does about them, in seven files: ``data/image_files.py``,
+``data/pipeline.py`` and ``data/unreadable.py`` on the data side, this module,
+``train/batches.py`` and the two scripts on the training side (``train/preflight.py`` calls this
+module's refusal; ``data/shard_cache.py`` holds the store's side).
 
-Data side (``data/image_files.py`` makes the placeholder, ``data/unreadable.py`` records it;
-``data/pipeline.py`` wraps every kind of batch of image files in the recorder):
+Data side (``data/image_files.py`` makes the placeholder; ``data/pipeline.py`` wraps every kind of
+batch of image files in ``RecordingUnreadable``, which records it in ``data/unreadable.py``'s
+registry):
 
 * a DataLoader worker never raises on such a file (the traceback would name no file, and the
   rank would leave while its peers wait in a collective): the file comes as a black placeholder
@@ -12,7 +15,7 @@ Data side (``data/image_files.py`` makes the placeholder, ``data/unreadable.py``
   the file with its reason in the rank's ``UnreadableFiles`` and hands on valid labels, so the
   rank finishes its micro-steps like its peers.
 
-Training side (here and the two scripts' ``train_one_epoch``):
+Training side (here, ``train/batches.py`` and the two scripts' ``train_one_epoch``):
 
 1. the ranks' one agreement per optimizer step carries a "give up this window" flag; a rank
    that met such a file raises it, and on every rank the training loop zeroes the gradients,
@@ -39,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import UsageError
-from ..data.decoding import UnreadableImage
+from ..data.image_files import UnreadableImage
 from ..data.object_store import StoreError
 from ..data.unreadable import decode_again, describe_unreadable, fix_hint
 from ..runtime.stopping import EXIT_USAGE, STORE_MARKER, RunStopped
