@@ -52,8 +52,7 @@ from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import AUTO_AUGMENTS, AugmentRecipe, classifier_recipe, evaluation_resize
 from ddp_utils.data.sets import IMAGE_FILES, num_classes_of
-from ddp_utils.models.backbones import CIFAR_STEM_MAX_SIZE, MIN_IMAGE_SIZE, build_model
-from ddp_utils.models.probe import LinearProbe
+from ddp_utils.models.backbones import CIFAR_STEM_MAX_SIZE, MIN_IMAGE_SIZE, LinearProbe, build_model
 from ddp_utils.runtime.collectives import (
     all_ranks_agree,
     all_reduce_sum,

@@ -1,2 +1,2 @@
-"""Networks: the backbones (``backbones``), MoCo (``moco``) and its shuffle BN (``shuffle_bn``),
-and the linear probe (``probe``)."""
+"""Networks: the backbones and the linear probe (``backbones``), MoCo (``moco``) and its shuffle
+BN (``shuffle_bn``)."""

@@ -1,5 +1,6 @@
-"""Backbones. Every model ends in a linear layer named ``fc`` so MoCo can swap it for a
-projection head and the linear probe can swap it for a new classifier."""
+"""Backbones, and the linear probe around a trained one. Every model ends in a linear layer named
+``fc`` so MoCo can swap it for a projection head and the linear probe (:class:`LinearProbe`, MoCo's
+linear-classification protocol) for a new classifier."""
 from __future__ import annotations
 
 import torch
@@ -77,3 +78,32 @@ def build_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
 def feature_dim(model: nn.Module) -> int:
     """Width of the features that enter ``model.fc``."""
     return model.fc.in_features
+
+
+class LinearProbe(nn.Module):
+    """``model``'s backbone, frozen and always in eval mode (its BatchNorm statistics never move),
+    under a new linear ``fc``; ``feature_norm`` puts a parameter-free BatchNorm on the features
+    first (MAE's probe), so that ordinary LRs work whatever their scale."""
+
+    def __init__(self, model: nn.Module, num_classes: int, feature_norm: bool = False):
+        super().__init__()
+        width = model.fc.in_features
+        self.feature_norm = nn.BatchNorm1d(width, affine=False) if feature_norm else nn.Identity()
+        self.fc = nn.Linear(width, num_classes)
+        nn.init.normal_(self.fc.weight, std=0.01)  # as in MoCo's main_lincls
+        nn.init.zeros_(self.fc.bias)
+        model.fc = nn.Identity()
+        self.backbone = model.requires_grad_(False)
+
+    def train(self, mode: bool = True) -> "LinearProbe":
+        super().train(mode)
+        self.backbone.eval()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # no graph through the frozen part: less memory, no stray gradients
+            features = self.backbone(x)
+        return self.fc(self.feature_norm(features))
+
+    def backbone_snapshot(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.backbone.state_dict().items()}
