@@ -104,7 +104,10 @@ case "${SMOKE:+--cpu-smoke}" in
     DEVICE=cpu; ARCH18=small_cnn; BATCH18=64; ARCH50=small_cnn; SIZE50=64; BATCH50=16
     STEPS=(--steps 2 --warmup 1 --rounds 1)
     CIFAR_TRAIN=1024; CIFAR_TEST=256; RECIPE_SIZE=(--arch small_cnn --batch-size 128 --bn-splits 2)
-    COMPILE=(); SMOKE_ARCH=small_cnn; SMOKE_BATCH=32; SMOKE_SAMPLES=128
+    COMPILE=(); SMOKE_ARCH=small_cnn; SMOKE_BATCH=32
+    # the classifier's smoke run: 2 optimizer steps of 2 micro-batches, small, as fp16 convolutions
+    # run an order of magnitude slower than fp32 ones on a CPU
+    CLASSIFIER_SMOKE=(--image-size 16 --batch-size 8 --synthetic-samples 32)
     SMOKE_WARMUP=2; SMOKE_STEPS=6  # the MoCo smoke run: steps not counted for syncs, steps in all
     JPEG_PER_CLASS=4; JPEG_BATCH=8; JPEG_STEPS=4; JPEG_LOG=2  # 5 steps an epoch: steps 3-4 parsed
     DF_FILES=0; RACE=(--iterations 2 --arch resnet18); RACE_CONTROL=(--iterations 2 --arch resnet18)
@@ -118,7 +121,8 @@ case "${SMOKE:+--cpu-smoke}" in
     DEVICE=cuda; ARCH18=resnet18; BATCH18=512; ARCH50=resnet50; SIZE50=224; BATCH50=${BATCH50:-256}
     STEPS=(--steps 20 --warmup 5 --rounds 3)
     CIFAR_TRAIN=50000; CIFAR_TEST=10000; RECIPE_SIZE=()
-    COMPILE=(--compile); SMOKE_ARCH=resnet18; SMOKE_BATCH=256; SMOKE_SAMPLES=4096
+    COMPILE=(--compile); SMOKE_ARCH=resnet18; SMOKE_BATCH=256
+    CLASSIFIER_SMOKE=(--image-size 32 --batch-size "$SMOKE_BATCH" --synthetic-samples 4096)
     SMOKE_WARMUP=10; SMOKE_STEPS=40
     JPEG_PER_CLASS=256; JPEG_BATCH=128; JPEG_STEPS=18; JPEG_LOG=9  # 20 steps an epoch: steps 10-18 parsed
     # bench/device_finish.py: decode-diff's files, the race probe's and its control's iterations, the
@@ -510,11 +514,11 @@ part_recipe() {
     fi
 }
 
-SMOKE_ARGS=(--device "$DEVICE" --arch "$SMOKE_ARCH" --image-size 32 --batch-size "$SMOKE_BATCH" --log-every 1000)
+SMOKE_ARGS=(--device "$DEVICE" --arch "$SMOKE_ARCH" --log-every 1000)
 part_smoke_classifier() {
     local what="classifier ${COMPILE[*]:-(no --compile on the CPU)} --amp fp16 --clip-grad 1 --accum-steps 2, one epoch + evaluate()"
     if run_part "smoke: classifier" "$TMP/smoke_classifier.log" "$PY" train_classifier.py "${SMOKE_ARGS[@]}" "${COMPILE[@]}" \
-        --dataset synthetic --synthetic-samples "$SMOKE_SAMPLES" --amp fp16 --clip-grad 1 --accum-steps 2 --epochs 1 \
+        "${CLASSIFIER_SMOKE[@]}" --dataset synthetic --amp fp16 --clip-grad 1 --accum-steps 2 --epochs 1 \
         --out "$TMP/smoke_classifier"; then
         local acc
         acc=$(field "$TMP/smoke_classifier.log" 'final val acc1 ([0-9.]+)%')
@@ -533,8 +537,8 @@ part_smoke_moco() {
         return
     fi
     if PYTHONPATH="$CIFAR_PATH" run_part "smoke: MoCo loader path" "$TMP/smoke_moco.log" "$PY" bench/cuda_syncs.py \
-        --warmup-steps "$SMOKE_WARMUP" train_moco.py "${SMOKE_ARGS[@]}" --dataset cifar10 --data-dir "$CIFAR" --aug-on loader \
-        --workers "$SMOKE_FIT" --knn-every 1 --max-steps "$SMOKE_STEPS" --out "$TMP/smoke_moco"; then
+        --warmup-steps "$SMOKE_WARMUP" train_moco.py "${SMOKE_ARGS[@]}" --image-size 32 --batch-size "$SMOKE_BATCH" --dataset cifar10 \
+        --data-dir "$CIFAR" --aug-on loader --workers "$SMOKE_FIT" --knn-every 1 --max-steps "$SMOKE_STEPS" --out "$TMP/smoke_moco"; then
         local knn syncs
         knn=$(field "$TMP/smoke_moco.log" 'step 0: kNN acc1 .* in ([0-9.]+) s')
         syncs=$(field "$TMP/smoke_moco.log" 'CUDA syncs per optimizer step: (.*)')
