@@ -65,7 +65,8 @@
 # that a console that keeps only its last lines still holds the complete table.
 #
 # --cpu-smoke: the same parts in the same order with tiny sizes on the CPU, in two lanes side by
-# side (lane 1: the JPEG folder and the parts that read it; lane 2: the others), each lane in the
+# side (lane 1: the JPEG folder, the parts that read it and the JPEG path's MoCo rows; lane 2: the
+# others, and the JPEG path's linear probe rows once lane 1 has fitted /dev/shm), each lane in the
 # order above, planned per lane; the table in the order above.
 #
 # Exit code: 0 when every part that ran passed (a line names those left out for the budget), 1 when
@@ -104,7 +105,10 @@ case "${SMOKE:+--cpu-smoke}" in
     DEVICE=cpu; ARCH18=small_cnn; BATCH18=64; ARCH50=small_cnn; SIZE50=64; BATCH50=16
     STEPS=(--steps 2 --warmup 1 --rounds 1)
     CIFAR_TRAIN=1024; CIFAR_TEST=256; RECIPE_SIZE=(--arch small_cnn --batch-size 128 --bn-splits 2)
-    COMPILE=(); SMOKE_ARCH=small_cnn; SMOKE_BATCH=32; SMOKE_SAMPLES=128
+    COMPILE=(); SMOKE_ARCH=small_cnn; SMOKE_BATCH=32
+    # the classifier's smoke run: 2 optimizer steps of 2 micro-batches, kept small because fp16
+    # convolutions are far slower than fp32 ones on a CPU
+    CLASSIFIER_SMOKE=(--image-size 16 --batch-size 8 --synthetic-samples 32)
     SMOKE_WARMUP=2; SMOKE_STEPS=6  # the MoCo smoke run: steps not counted for syncs, steps in all
     JPEG_PER_CLASS=4; JPEG_BATCH=8; JPEG_STEPS=4; JPEG_LOG=2  # 5 steps an epoch: steps 3-4 parsed
     DF_FILES=0; RACE=(--iterations 2 --arch resnet18); RACE_CONTROL=(--iterations 2 --arch resnet18)
@@ -118,7 +122,8 @@ case "${SMOKE:+--cpu-smoke}" in
     DEVICE=cuda; ARCH18=resnet18; BATCH18=512; ARCH50=resnet50; SIZE50=224; BATCH50=${BATCH50:-256}
     STEPS=(--steps 20 --warmup 5 --rounds 3)
     CIFAR_TRAIN=50000; CIFAR_TEST=10000; RECIPE_SIZE=()
-    COMPILE=(--compile); SMOKE_ARCH=resnet18; SMOKE_BATCH=256; SMOKE_SAMPLES=4096
+    COMPILE=(--compile); SMOKE_ARCH=resnet18; SMOKE_BATCH=256
+    CLASSIFIER_SMOKE=(--image-size 32 --batch-size "$SMOKE_BATCH" --synthetic-samples 4096)
     SMOKE_WARMUP=10; SMOKE_STEPS=40
     JPEG_PER_CLASS=256; JPEG_BATCH=128; JPEG_STEPS=18; JPEG_LOG=9  # 20 steps an epoch: steps 10-18 parsed
     # bench/device_finish.py: decode-diff's files, the race probe's and its control's iterations, the
@@ -149,11 +154,11 @@ PART_SPECS=(
     "tp_moco|throughput|2|45|60|throughput|throughput.py: ResNet-18 32 px MoCo"
     "tp_v2|throughput|2|60|90|throughput|throughput.py: ResNet-50 224 px MoCo v2, full v2 recipe"
     "jpeg_moco_loader|throughput|1|60|75|JPEG path|JPEG path: ResNet-50 MoCo v2, --decode-on loader"
-    "jpeg_probe_loader|throughput|1|60|75|JPEG path|JPEG path: ResNet-50 linear probe, --decode-on loader"
+    "jpeg_probe_loader|throughput|2|60|75|JPEG path|JPEG path: ResNet-50 linear probe, --decode-on loader"
     "jpeg_moco_device|throughput|1|60|75|JPEG path|JPEG path: ResNet-50 MoCo v2, --decode-on device"
-    "jpeg_probe_device|throughput|1|60|75|JPEG path|JPEG path: ResNet-50 linear probe, --decode-on device"
+    "jpeg_probe_device|throughput|2|60|75|JPEG path|JPEG path: ResNet-50 linear probe, --decode-on device"
     "recipe|throughput|2|90|120|CIFAR-10 demo recipe|the CIFAR-10 demo recipe: 2 epochs, one kNN pass"
-    "smoke_classifier|smoke|2|100|200|smoke|smoke: classifier (--compile on a GPU), fp16, --clip-grad, --accum-steps 2"
+    "smoke_classifier|smoke|2|100|60|smoke|smoke: classifier (--compile on a GPU), fp16, --clip-grad, --accum-steps 2"
     "smoke_moco|smoke|2|60|60|smoke|smoke: MoCo --aug-on loader, pinned memory, one kNN pass"
 )
 KEYS=() TIERS=() LANE_OF=() LIMITS=() ROW_OF=() WHAT_OF=() PLANNED=()
@@ -282,18 +287,26 @@ run_part() {
     return "$PART_RC"
 }
 
+# await_part KEY: wait (at most this part's limit) until part KEY has ended: in --cpu-smoke it may
+# run in the other lane; one after another on a GPU, it has.
+await_part() {
+    local deadline=$((SECONDS + PART_LIMIT))
+    while [ ! -e "$TMP/done/$1" ] && ((SECONDS < deadline)); do sleep 1; done
+}
+
 # field FILE REGEX: the first capture group of the last line of FILE matching REGEX (sed -E)
 field() { grep -E "$2" "$1" | tail -n 1 | sed -E "s#.*$2.*#\\1#"; }
 
 # ----------------------------------------------------------------------------- the parts
 # Each part_KEY runs one command through run_part and prints its rows (or a FAILED row).
-JPEG="$TMP/jpeg" JPEG_OK=""
+JPEG="$TMP/jpeg"
+JPEG_OK="$TMP/jpeg.ok"  # made once the folder is written: the other lane reads it too
 CIFAR="$TMP/cifar" CIFAR_PATH=""
 
 part_jpeg_folder() {
     if run_part "ImageNet-like JPEG folder" "$TMP/jpeg.log" "$PY" bench/imagenet_like.py "$JPEG" \
         --classes 10 --train-per-class "$JPEG_PER_CLASS" --val-per-class 8; then
-        JPEG_OK=1
+        : >"$JPEG_OK"
     else
         echo "| JPEG path | writing the ImageNet-like folder | FAILED | $PART_WHY |"
     fi
@@ -310,7 +323,7 @@ device_part() {
     local name=$1 what=$2
     shift 2
     local out="$TMP/device_${KEY}.log"
-    if [ -z "$JPEG_OK" ]; then
+    if [ ! -e "$JPEG_OK" ]; then
         echo "| $name | $what | FAILED | not run: no ImageNet-like folder |"
         return
     fi
@@ -359,7 +372,7 @@ part_capture() {
 # Written to $TMP/shm.sizes; without it those parts run without workers (nothing in /dev/shm).
 part_shm() {
     local jpeg=()
-    [ -n "$JPEG_OK" ] && jpeg=(--jpeg-dir "$JPEG")
+    [ -e "$JPEG_OK" ] && jpeg=(--jpeg-dir "$JPEG")
     if run_part "fit to /dev/shm" "$TMP/shm.log" "$PY" bench/gpu_preflight.py --shm "${jpeg[@]}" --batch "$JPEG_BATCH" \
         --image-size "$SIZE50" --workers "${LOADER_WORKERS[@]}" -1 "$BREAKDOWN_WORKERS" --smoke-batch "$SMOKE_BATCH" \
         --smoke-workers "$SMOKE_WORKERS"; then
@@ -465,7 +478,8 @@ jpeg_run() {
         cmd=(train_classifier.py --linear-probe --lr 30 --weight-decay 0)
         what="$ARCH50 linear probe, --decode-on $decode"
     fi
-    if [ -z "$JPEG_OK" ]; then
+    await_part shm  # the workers and batch fitted to /dev/shm (after the folder is written)
+    if [ ! -e "$JPEG_OK" ]; then
         echo "| JPEG path | $what | FAILED | not run: no ImageNet-like folder |"
         return
     fi
@@ -510,11 +524,11 @@ part_recipe() {
     fi
 }
 
-SMOKE_ARGS=(--device "$DEVICE" --arch "$SMOKE_ARCH" --image-size 32 --batch-size "$SMOKE_BATCH" --log-every 1000)
+SMOKE_ARGS=(--device "$DEVICE" --arch "$SMOKE_ARCH" --log-every 1000)
 part_smoke_classifier() {
     local what="classifier ${COMPILE[*]:-(no --compile on the CPU)} --amp fp16 --clip-grad 1 --accum-steps 2, one epoch + evaluate()"
     if run_part "smoke: classifier" "$TMP/smoke_classifier.log" "$PY" train_classifier.py "${SMOKE_ARGS[@]}" "${COMPILE[@]}" \
-        --dataset synthetic --synthetic-samples "$SMOKE_SAMPLES" --amp fp16 --clip-grad 1 --accum-steps 2 --epochs 1 \
+        "${CLASSIFIER_SMOKE[@]}" --dataset synthetic --amp fp16 --clip-grad 1 --accum-steps 2 --epochs 1 \
         --out "$TMP/smoke_classifier"; then
         local acc
         acc=$(field "$TMP/smoke_classifier.log" 'final val acc1 ([0-9.]+)%')
@@ -524,8 +538,7 @@ part_smoke_classifier() {
     fi
 }
 part_smoke_moco() {
-    local deadline=$((SECONDS + PART_LIMIT))
-    while [ ! -e "$TMP/done/shm" ] && ((SECONDS < deadline)); do sleep 1; done  # --cpu-smoke: the other lane fits it
+    await_part shm
     shm_sizes
     local what="MoCo --aug-on loader --workers $SMOKE_FIT (pinned memory)$SHM_SAID, $((SMOKE_STEPS - SMOKE_WARMUP)) steps after one kNN pass"
     if [ -z "$CIFAR_PATH" ]; then
@@ -533,8 +546,9 @@ part_smoke_moco() {
         return
     fi
     if PYTHONPATH="$CIFAR_PATH" run_part "smoke: MoCo loader path" "$TMP/smoke_moco.log" "$PY" bench/cuda_syncs.py \
-        --warmup-steps "$SMOKE_WARMUP" train_moco.py "${SMOKE_ARGS[@]}" --dataset cifar10 --data-dir "$CIFAR" --aug-on loader \
-        --workers "$SMOKE_FIT" --knn-every 1 --max-steps "$SMOKE_STEPS" --out "$TMP/smoke_moco"; then
+        --warmup-steps "$SMOKE_WARMUP" train_moco.py "${SMOKE_ARGS[@]}" --image-size 32 --batch-size "$SMOKE_BATCH" \
+        --dataset cifar10 --data-dir "$CIFAR" --aug-on loader --workers "$SMOKE_FIT" --knn-every 1 \
+        --max-steps "$SMOKE_STEPS" --out "$TMP/smoke_moco"; then
         local knn syncs
         knn=$(field "$TMP/smoke_moco.log" 'step 0: kNN acc1 .* in ([0-9.]+) s')
         syncs=$(field "$TMP/smoke_moco.log" 'CUDA syncs per optimizer step: (.*)')

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MICRO_BATCH, SIZE, WIDTH = 32, 64, 32
+MICRO_BATCH, SIZE, WIDTH = 32, 32, 32
 
 
 class SavedTensorMeter:
@@ -56,7 +56,7 @@ class _Held:
 
 
 def peak_saved_bytes(accum_steps: int, mode: str, out: str) -> int:
-    """mode "ours": the real train_classifier.py (its train_one_epoch) on synthetic 64 px
+    """mode "ours": the real train_classifier.py (its train_one_epoch) on synthetic 32 px
     images, two optimizer steps of ``accum_steps`` micro-batches; "summed_loss": the mistake on
     a small CNN, one window."""
     if mode == "ours":
