@@ -1,11 +1,14 @@
 """The package reads as a stack, and the tests use it as its users do: a module imports only from
 its own layer and the layers below (docs/architecture.md's table, the same rows as ``LAYERS``),
 no module of ddp_utils imports itself back through others (imports inside functions and under
-TYPE_CHECKING counted), and no test touches a private name of ddp_utils or of the scripts."""
+TYPE_CHECKING counted), no test touches a private name of ddp_utils or of the scripts, and
+importing a script imports no torchvision."""
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from helpers import REPO
@@ -207,3 +210,12 @@ def test_the_private_name_finder_finds_them(tmp_path):
                       "import torch\nba._helper(1)\ntorch._C\nmonkeypatch.setattr(ba, '_helper', 1)\nmoco._ptr\n")
     assert _private_uses(sample, {"_ptr"}) == ["line 2: import _hidden", "line 4: ba..._helper",
                                                "line 6: setattr(ba, '_helper')", "line 7: moco..._ptr"]
+
+
+def test_importing_the_scripts_imports_no_torchvision():
+    """Every process of a run, a test or a launcher check imports a script; torchvision's import
+    brings torch._dynamo (about 2 s a process), so the package imports it only where it is used."""
+    probe = "import sys, train_classifier, train_moco, write_shards; print(sorted(m for m in sys.modules if m.startswith('torchvision')))"
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout

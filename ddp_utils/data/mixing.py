@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torchvision.transforms import v2
 
 from .. import hashing
 
@@ -41,12 +40,14 @@ class BatchMixer:
     With both alphas 0 it hands the batch back as it came (integer targets)."""
 
     def __init__(self, mixup_alpha: float, cutmix_alpha: float, num_classes: int, seed: int, rank: int):
-        chosen = []
-        if mixup_alpha > 0:
-            chosen.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
-        if cutmix_alpha > 0:
-            chosen.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
-        self.transform = v2.RandomChoice(chosen) if len(chosen) > 1 else chosen[0] if chosen else None
+        self.transform = None
+        if mixup_alpha > 0 or cutmix_alpha > 0:
+            # here: importing torchvision costs a process about 2 s (torch._dynamo), and most runs do not mix
+            from torchvision.transforms import v2
+
+            chosen = [v2.MixUp(alpha=mixup_alpha, num_classes=num_classes)] if mixup_alpha > 0 else []
+            chosen += [v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes)] if cutmix_alpha > 0 else []
+            self.transform = v2.RandomChoice(chosen) if len(chosen) > 1 else chosen[0]
         self.seed, self.rank = seed, rank
 
     @property
