@@ -79,7 +79,7 @@ class _ModuleState:
 
 class WindowUndo:
     """Everything a window changes besides the gradients (which ``zero_grad`` drops), each entry
-    registered here by name, kept at :meth:`save` and put back by :meth:`restore` in the order
+    registered here explicitly, kept at :meth:`save` and put back by :meth:`restore` in the order
     registered. :class:`TrainingBatches` registers the model's BatchNorm statistics
     (:meth:`keep_norm_statistics`) and the RNG streams (:meth:`keep_rng`); a module whose forward
     changes other state implements :class:`ForwardState` and the script's ``setup`` registers it
