@@ -159,6 +159,12 @@ def empty_shard_cache_once_per_node(cfg: TrainConfig, info: DistInfo, indexes: L
             NodeCache(store.node_folder(info.rank // info.local_world_size), 0, info.rank, 0.0).start_empty()
 
 
+def ranks_sharing_cpus(launcher: str, local_world_size: int) -> int:
+    """The ranks that share this process's CPUs: torchrun's workers share the agent's; srun gives
+    each task its own (--cpus-per-task)."""
+    return 1 if launcher == "slurm" else local_world_size
+
+
 def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int,
                       device: torch.device) -> ResolvedSettings:
     """What the data flags left to this machine resolve to: the image side (``--image-size 0``),
@@ -166,8 +172,7 @@ def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int,
     where image files are decoded and their order; and the settings at the data set's own
     defaults (``DATASET_DEFAULTS``), however they came. The start-up log, ``--check``,
     config.json and checkpoints give them beside the flags as asked."""
-    # torchrun's workers share the agent's CPUs; srun gives each task its own (--cpus-per-task)
-    sharing = 1 if launcher == "slurm" else local_world_size
+    sharing = ranks_sharing_cpus(launcher, local_world_size)
     own = {name: value for name, value in dataset_values(type(cfg), cfg.dataset).items()
            if getattr(cfg, name) == value}
     on_device = augment_on_device(cfg.aug_on, cfg.dataset, device, bool(cfg.per_sample_flags()))
@@ -182,7 +187,7 @@ def describe_settings(cfg: TrainConfig, resolved: ResolvedSettings, launcher: st
     """The resolved data settings in words, each followed by the flag it came from where that
     was left to the machine: "224 px (--image-size 0), augmentation on the loader (--aug-on
     auto), 3 DataLoader workers per rank (--workers -1: ...)"."""
-    sharing = 1 if launcher == "slurm" else local_world_size
+    sharing = ranks_sharing_cpus(launcher, local_world_size)
     why_workers = "in-memory data needs none" if resolved.workers == 0 else \
         f"{usable_cpus()} usable CPUs shared by {sharing} rank(s)"
     auto = {"image_size": cfg.image_size == 0 and "--image-size 0",
