@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench.far_network import FarNetwork, Request  # noqa: E402
 from ddp_utils.data import object_store  # noqa: E402
-from ddp_utils.data.object_store import Patience, fetch  # noqa: E402
+from ddp_utils.data.object_store import Patience, ShardRef, fetch  # noqa: E402
 from ddp_utils.runtime.spawn import free_port  # noqa: E402
 
 BUCKET, PREFIX = "bench-store-clients", "shards"
@@ -134,7 +134,7 @@ def project_layer(at_once: int) -> Starter:
         patience = Patience(PATIENCE_S)
 
         def one(shard: Shard) -> None:
-            fetch(f"s3://{BUCKET}/{shard.key}", str(folder / shard.file_name), shard.size, shard.etag, patience)
+            fetch(ShardRef(f"s3://{BUCKET}/{shard.key}", shard.size, shard.etag), str(folder / shard.file_name), patience)
 
         def run() -> None:
             if at_once == 1:

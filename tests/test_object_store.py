@@ -15,6 +15,7 @@ bench/far_network.py, which also counts every request the server answers):
 * no credential in any file or line; the cache's room refused in one line."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import multiprocessing
@@ -298,7 +299,8 @@ def test_a_read_ahead_loader_is_freed_by_its_last_reference(bucket, tmp_path):
 def test_the_index_in_the_bucket_is_read_and_checked(bucket, written):
     here, there = ShardIndex.read(str(written / "train")), ShardIndex.read(f"{bucket}/train")
     assert there.shards == here.shards and np.array_equal(there.offset, here.offset) and there.paths == here.paths
-    assert there.fingerprint == here.fingerprint and len(there.etags) == len(here.shards) and all(there.etags)
+    assert there.fingerprint == here.fingerprint and len(there.listed) == len(here.shards) and all(
+        listed.etag for listed in there.listed)
     assert np.array_equal(there.width, here.width) and there.width is not None  # what start-up needs, no shard read
     with pytest.raises(UsageError, match=r"^s3://ddp-test/nothing-here/train: no index.json; write the shards"):
         ShardIndex.read("s3://ddp-test/nothing-here/train")
@@ -413,7 +415,7 @@ def test_a_shard_is_one_get_pinned_to_the_version_listed(bucket, written, throug
     gets = lambda: [r for r in through.requests if r.path == path]  # noqa: E731
     logged = lambda count: wait_until(lambda: len(gets()) >= count, 5) and len(gets())  # noqa: E731
     before = len(gets())
-    assert fetch(ref.address, str(tmp_path / "a"), ref.size, ref.etag, Patience(0)) == 1
+    assert fetch(ref, str(tmp_path / "a"), Patience(0)) == 1
     assert logged(before + 1) == before + 1  # the proxy logs a request once it has sent the whole answer
     (get,) = gets()[before:]
     assert (get.method, get.range_header, get.path) == ("GET", None, path)
@@ -421,16 +423,16 @@ def test_a_shard_is_one_get_pinned_to_the_version_listed(bucket, written, throug
     with pytest.raises(ShardChanged, match=r"^s3://ddp-test/imagenet-like/train/shard-000000.tar: not the version "
                                            r"this run listed at its start \(ETag \"stale\" listed, another one now\); "
                                            r"the data changed under the run"):
-        fetch(ref.address, str(tmp_path / "b"), ref.size, '"stale"', Patience(30))
+        fetch(dataclasses.replace(ref, etag='"stale"'), str(tmp_path / "b"), Patience(30))
     assert logged(before + 2) == before + 2  # not sent again: waiting would not change the version
     with pytest.raises(ShardChanged, match=rf"^{ref.address}: not the version this run listed at its start "
                                            rf"\({ref.size:,} bytes arrived, the index says {ref.size + 1:,}\)"):
-        fetch(ref.address, str(tmp_path / "b"), ref.size + 1, ref.etag, Patience(30))
+        fetch(dataclasses.replace(ref, size=ref.size + 1), str(tmp_path / "b"), Patience(30))
     assert logged(before + 3) == before + 3
     through.set(bytes_per_s=300_000)
     started, before = time.monotonic(), len(gets())
     threading.Timer(0.6, through.cut, (1.0,)).start()  # the body cut part way: continued once the store answers
-    assert fetch(ref.address, str(tmp_path / "c"), ref.size, ref.etag, Patience(30)) >= 2
+    assert fetch(ref, str(tmp_path / "c"), Patience(30)) >= 2
     assert (tmp_path / "c").read_bytes() == (tmp_path / "a").read_bytes() and time.monotonic() - started > 1.2
     logged(before + 1)
     (rest,) = gets()[before:]  # the cut one was not answered in full: the proxy logs only the rest

@@ -116,6 +116,27 @@ def _new_client():
                                             max_pool_connections=32))
 
 
+@dataclass(frozen=True)
+class Listed:
+    """An object as its listing gave it: what pins the version a run reads."""
+
+    size: int          # bytes
+    etag: str = ""     # the store's ETag ("" where it gave none, and on a file system)
+    version: str = ""  # the VersionId, where the bucket keeps versions ("" otherwise)
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """A shard as a run reads it: its address, its size (the index's), what the listing gave
+    (``etag``, ``version``) and the index's ``sha256`` of its bytes ("": unknown)."""
+
+    address: str
+    size: int
+    etag: str = ""
+    version: str = ""
+    sha256: str = ""
+
+
 # ----------------------------------------------------------------------------- faults
 class StoreError(UsageError):
     """A shard (or index) the store did not give: one line naming the store, the object and the
@@ -242,15 +263,15 @@ class StorePrefix:
         except ClientError:  # the one kind _patiently lets through: no such object
             return None
 
-    def objects(self) -> dict[str, tuple[int, str]]:
-        """{name: (bytes, ETag)} of every object directly below the prefix (one listing, paged)."""
+    def objects(self) -> dict[str, Listed]:
+        """{name: what the listing gave} of every object directly below the prefix (one listing, paged)."""
         start = f"{self.prefix}/" if self.prefix else ""
 
-        def listing() -> dict[str, tuple[int, str]]:
+        def listing() -> dict[str, Listed]:
             found = {}
             for page in client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
                 for entry in page.get("Contents", []):
-                    found[entry["Key"][len(start):]] = (entry["Size"], entry["ETag"])
+                    found[entry["Key"][len(start):]] = Listed(entry["Size"], entry["ETag"])
             return found
 
         return self._patiently(self.address, listing)
@@ -275,14 +296,15 @@ def say_recovered(address: str, waited: float, reason: str) -> None:
                 masked(address), waited, reason)
 
 
-def fetch(address: str, to: str, size: int, etag: str, patience: Patience) -> int:
-    """The object at ``address`` into the local file ``to`` with one GET (pinned to ``etag``,
-    the version the run listed; "" pins nothing), its ``size`` bytes checked. A transfer cut short
+def fetch(ref: ShardRef, to: str, patience: Patience) -> int:
+    """The object at ``ref.address`` into the local file ``to`` with one GET (pinned to
+    ``ref.etag``, the version the run listed; "" pins nothing), its ``ref.size`` bytes checked. A transfer cut short
     is continued where it stopped (a ranged GET of the rest) once the store answers again
     (``patience``). Returns the GETs sent (botocore's own retries of one are not counted). Raises
     :class:`ShardChanged` if the store holds another version (or an object of another size than
     the index says), :class:`StoreUnavailable` when patience runs out or the file cannot be
     written."""
+    address, size, etag = ref.address, ref.size, ref.etag
     bucket, key = split_address(address)
     gets = 0
     with open(to, "wb"):  # a file of its own, empty

@@ -44,6 +44,7 @@ from .object_store import (
     SCHEME,
     Patience,
     ShardChanged,
+    ShardRef,
     StoreError,
     StoreUnavailable,
     fetch,
@@ -60,15 +61,6 @@ FAULTS = {kind.__name__: kind for kind in (StoreUnavailable, ShardChanged)}
 
 def local_name(address: str) -> str:
     return address[len(SCHEME):].replace("/", "--")
-
-
-@dataclass(frozen=True)
-class ShardRef:
-    """A shard in the store: its address, its size (the index's) and the ETag the run listed ("": any)."""
-
-    address: str
-    size: int
-    etag: str = ""
 
 
 @dataclass(frozen=True)
@@ -155,7 +147,7 @@ class NodeCache:
                     return link
                 part = self._reserve(name, ref.size)
             try:
-                requests = fetch(ref.address, str(part), ref.size, ref.etag, patience)
+                requests = fetch(ref, str(part), patience)
                 with _locked(self.folder / "locks" / "room"):
                     os.replace(part, final)
                     os.link(final, link)

@@ -38,8 +38,8 @@ import torch
 from torch import Tensor
 
 from ..config import UsageError
-from .object_store import StorePrefix, is_object_store
-from .shard_cache import NodeCache, ShardRef
+from .object_store import Listed, ShardRef, StorePrefix, is_object_store
+from .shard_cache import NodeCache
 
 FORMAT, VERSION = "ddp-image-shards", 1
 INDEX, RECORDS = "index.json", "records.npz"
@@ -97,16 +97,16 @@ class LocalSplit:
         path = self.root / name
         return path.read_bytes() if path.is_file() else None
 
-    def objects(self) -> dict[str, tuple[int, str]]:
-        """{name: (bytes, "")} of the folder's files (a file system has no ETags)."""
-        return {entry.name: (entry.stat().st_size, "") for entry in self.root.iterdir() if entry.is_file()} \
+    def objects(self) -> dict[str, Listed]:
+        """{name: its size} of the folder's files (a file system has no ETags or versions)."""
+        return {entry.name: Listed(entry.stat().st_size) for entry in self.root.iterdir() if entry.is_file()} \
             if self.root.is_dir() else {}
 
 
 @dataclass(frozen=True)
 class ShardIndex:
     """One split's ``index.json`` and ``records.npz``, checked against the shards where they
-    are, with each shard's ETag as the listing gave it (an object store's; "" on a file system)."""
+    are, with each shard as the listing gave it (an object store's ETag and VersionId)."""
 
     root: str
     classes: tuple[str, ...]
@@ -117,7 +117,7 @@ class ShardIndex:
     label: np.ndarray    # int32 per sample
     index: np.ndarray    # int64 per sample: its index in the folder's listing
     paths: str           # per sample, its path below the split folder, NUL between two
-    etags: tuple[str, ...] = ()  # per shard
+    listed: tuple[Listed, ...] = ()  # per shard
     fingerprint: str = ""        # sha256 of index.json and records.npz: the data a run read
     width: np.ndarray | None = None   # int32 per sample, px (None: an index written without them)
     height: np.ndarray | None = None  # int32 per sample, px
@@ -139,7 +139,7 @@ class ShardIndex:
                              f"this version's write_shards.py")
         objects = split.objects()
         for shard in meta["shards"]:
-            size = objects.get(shard["name"], (None, ""))[0]
+            size = objects[shard["name"]].size if shard["name"] in objects else None
             if size != shard["bytes"]:
                 found = "missing" if size is None else f"{size:,} bytes, the index says {shard['bytes']:,}"
                 raise UsageError(f"{root}/{shard['name']}: {found}; copy the shard again, or write the shards again")
@@ -154,16 +154,18 @@ class ShardIndex:
             raise UsageError(f"{root}/{RECORDS}: {len(fields['shard'])} records, {INDEX} says {meta['samples']}; "
                              f"write the shards again")
         return cls(root=str(root).rstrip("/"), classes=tuple(meta["classes"]), shards=tuple(meta["shards"]),
-                   paths=paths, etags=tuple(objects[shard["name"]][1] for shard in meta["shards"]),
+                   paths=paths, listed=tuple(objects[shard["name"]] for shard in meta["shards"]),
                    fingerprint=hashlib.sha256(raw_meta + raw_records).hexdigest(), **fields)
 
     def __len__(self) -> int:
         return len(self.shard)
 
     def refs(self) -> tuple[ShardRef, ...]:
-        """Each shard as the store's cache fetches it: address, bytes, the ETag listed."""
-        return tuple(ShardRef(f"{self.root}/{shard['name']}", shard["bytes"], etag)
-                     for shard, etag in zip(self.shards, self.etags))
+        """Each shard as the store's cache fetches it: address, bytes, what the listing gave, the
+        index's sha256."""
+        return tuple(ShardRef(f"{self.root}/{shard['name']}", shard["bytes"], listed.etag, listed.version,
+                              shard.get("sha256", ""))
+                     for shard, listed in zip(self.shards, self.listed))
 
     def path(self, i: int) -> str:
         """Sample ``i``'s original path below the split folder (a walk through the paths: for
