@@ -535,7 +535,7 @@ def test_a_flag_where_it_does_nothing_is_one_line_that_says_where_it_applies(mon
 def test_the_flags_that_apply_to_some_runs_only_are_these():
     """By hand, so that the generated test above cannot pass on empty metadata."""
     store = ["shard_cache_dir", "shard_cache_gb", "shard_read_ahead", "shard_downloads", "store_timeout",
-             "keep_shard_cache"]
+             "store_if_match", "keep_shard_cache"]
     shared = ["data_dir", *store, "download", "synthetic_samples", "decode_on", "lr_warmup_method", "lr_warmup_decay",
               "check_data"]
     assert [f.name for s, _, f in APPLYING if s == "moco"] == shared

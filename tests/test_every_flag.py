@@ -44,6 +44,7 @@ SHARED = {
     "shard_read_ahead": (["--shard-read-ahead", "1"], "refused"),
     "shard_downloads": (["--shard-downloads", "1"], "refused"),
     "store_timeout": (["--store-timeout", "60"], "refused"),
+    "store_if_match": (["--no-store-if-match"], "refused"),
     "keep_shard_cache": (["--keep-shard-cache"], "refused"),
     "workers": (["--workers", "1"], "log", ["--aug-on", "loader"]),  # the same batches, by design
     "arch": (["--arch", "small_cnn"], "weights"),
@@ -145,7 +146,7 @@ _TIMES = re.compile(r"^\d\d:\d\d:\d\d |\d+(\.\d+)? s\b|[\d,]+ img/s|eta \S+|sha2
 # (opt(group=..., on_resume=...)): pinned here, so that a change to them is a change of this file.
 FIXED = {"classifier": ("arch", "linear_probe", "probe_bn", "optimizer"), "moco": ("arch", "moco_dim", "moco_k", "mlp")}
 FREE = ("epochs", "max_steps", "data_dir", "shard_cache_dir", "shard_cache_gb", "shard_read_ahead", "shard_downloads",
-        "store_timeout", "keep_shard_cache", "download", "aug_on", "decode_on", "workers", "amp", "tf32",
+        "store_timeout", "store_if_match", "keep_shard_cache", "download", "aug_on", "decode_on", "workers", "amp", "tf32",
         "deterministic", "compile", "device", "dist_timeout", "ckpt_every", "keep_checkpoints", "skip_nonfinite",
         "log_every")
 FREE_OF = {"classifier": FREE, "moco": FREE + ("knn_k", "knn_t", "knn_features", "knn_every", "knn_bank_samples",
@@ -154,7 +155,7 @@ INVOCATION = ("out", "resume", "overwrite", "allow_changes", "check", "check_dat
 NOT_FROM_FILE = ("resume", "overwrite", "allow_changes", "check", "check_data")
 SECTIONS = {
     "data": ["dataset", "data_dir", "order", "shard_cache_dir", "shard_cache_gb", "shard_read_ahead", "shard_downloads",
-             "store_timeout", "keep_shard_cache", "download", "image_size", "synthetic_samples", "augment",
+             "store_timeout", "store_if_match", "keep_shard_cache", "download", "image_size", "synthetic_samples", "augment",
              "normalization", "aug_on", "decode_on", "workers"],
     "model and optimisation": ["arch", "batch_size", "accum_steps", "epochs", "max_steps", "lr", "momentum",
                                "weight_decay", "lr_schedule", "lr_milestones", "warmup_steps", "lr_warmup_epochs",

@@ -296,9 +296,10 @@ def say_recovered(address: str, waited: float, reason: str) -> None:
                 masked(address), waited, reason)
 
 
-def fetch(ref: ShardRef, to: str, patience: Patience) -> int:
+def fetch(ref: ShardRef, to: str, patience: Patience, if_match: bool = True) -> int:
     """The object at ``ref.address`` into the local file ``to`` with one GET (pinned to
-    ``ref.etag``, the version the run listed; "" pins nothing), its ``ref.size`` bytes checked. A transfer cut short
+    ``ref.etag``, the version the run listed, with If-Match unless ``if_match`` is off; "" pins
+    nothing), its ``ref.size`` bytes checked. A transfer cut short
     is continued where it stopped (a ranged GET of the rest) once the store answers again
     (``patience``). Returns the GETs sent (botocore's own retries of one are not counted). Raises
     :class:`ShardChanged` if the store holds another version (or an object of another size than
@@ -314,7 +315,7 @@ def fetch(ref: ShardRef, to: str, patience: Patience) -> int:
         nonlocal gets
         gets += 1
         have = os.path.getsize(to)  # what earlier tries brought: asked for no more
-        extra = {"IfMatch": etag} if etag else {}
+        extra = {"IfMatch": etag} if etag and if_match else {}
         if have:
             extra["Range"] = f"bytes={have}-"
         try:

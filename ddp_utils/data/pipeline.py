@@ -76,6 +76,7 @@ class StoreCache:
     downloads: int       # downloads at once per rank
     timeout: float       # s a fault of the store is waited out before the run stops (exit 75)
     keep: bool = False   # keep the node's folder when the run ends
+    if_match: bool = True  # GETs carry If-Match on the listed ETag (--no-store-if-match: the answer's ETag compared)
 
     def node_folder(self, node: int) -> str:
         return f"{self.folder}-node{node}"
@@ -276,7 +277,7 @@ def node_cache_of(plan: DataPlan, rank: int, ranks_on_node: int) -> NodeCache | 
     capacity is set once the shards' sizes are known."""
     if plan.store is None:
         return None
-    return NodeCache(plan.store.node_folder(rank // ranks_on_node), 0, rank, plan.store.timeout)
+    return NodeCache(plan.store.node_folder(rank // ranks_on_node), 0, rank, plan.store.timeout, plan.store.if_match)
 
 
 def shards_of(raw: Dataset) -> np.ndarray:

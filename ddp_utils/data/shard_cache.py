@@ -88,10 +88,12 @@ def _locked(path: Path) -> Iterator[None]:
 class NodeCache:
     """One node's cache of shards in ``folder`` (at most ``capacity`` bytes), as rank ``rank``
     uses it; every process of the node may use it at once (locks, hard links). ``patience``:
-    seconds a download may keep failing before its fault is reported (``--store-timeout``)."""
+    seconds a download may keep failing before its fault is reported (``--store-timeout``);
+    ``if_match``: each GET carries If-Match (``object_store.fetch``)."""
 
-    def __init__(self, folder: str, capacity: int, rank: int, patience: float):
+    def __init__(self, folder: str, capacity: int, rank: int, patience: float, if_match: bool = True):
         self.folder, self.capacity, self.rank, self.patience = Path(folder), capacity, rank, patience
+        self.if_match = if_match
         self.read_ahead: ReadAhead | None = None  # the training process's, never a worker's
 
     def __getstate__(self):
@@ -147,7 +149,7 @@ class NodeCache:
                     return link
                 part = self._reserve(name, ref.size)
             try:
-                requests = fetch(ref, str(part), patience)
+                requests = fetch(ref, str(part), patience, self.if_match)
                 with _locked(self.folder / "locks" / "room"):
                     os.replace(part, final)
                     os.link(final, link)

@@ -113,6 +113,10 @@ class TrainConfig:
                                "throttling) before every rank stops with exit 75 after a checkpoint, to be restarted; "
                                "shorter outages are waited out. Less than --dist-timeout - 60",
                                group=DATA, on_resume="free", above=0, applies_to=IN_AN_OBJECT_STORE)
+    store_if_match: bool = opt(True, "pin each shard's GET to the version the run listed with If-Match on its ETag "
+                               "(the answer's ETag is compared too); --no-store-if-match for a store that rejects "
+                               "If-Match: the answer's ETag alone is compared", group=DATA, on_resume="free",
+                               applies_to=IN_AN_OBJECT_STORE)
     keep_shard_cache: bool = opt(False, "keep the node's cache folder of shards when the run ends",
                                  group=DATA, on_resume="free", applies_to=IN_AN_OBJECT_STORE)
     download: bool = opt(False, "download cifar10 into --data-dir if it is not there (once per node, by its local rank 0)",
@@ -349,7 +353,7 @@ class TrainConfig:
         if not is_object_store(self.data_dir):
             return None
         return StoreCache(self.shard_cache_folder(), self.shard_cache_gb, self.shard_read_ahead, self.shard_downloads,
-                          self.store_timeout, self.keep_shard_cache)
+                          self.store_timeout, self.keep_shard_cache, self.store_if_match)
 
     def shard_cache_folder(self) -> str:
         """This job's folder of shard caches (a node's is below it): one per run folder, so that a
