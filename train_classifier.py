@@ -441,12 +441,12 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
                                                                          info.device, cfg.optimizer, cfg.nesterov)
         facts = {"num_classes": loaders.num_classes}  # a checkpoint must match them
         state = state_to_start_from(resume, cfg, SCRIPT, facts, model=model, optimizer=optimizer, scaler=scaler,
-                                    sampler=loaders.train_sampler, data=resolved.data_fingerprint, info=info)
+                                    sampler=loaders.train_sampler, info=info)
         if ema is not None:
             restore_ema(ema, resume, info)
     stop_if_complete(cfg, state, resume)  # a finished run resumed: its last metrics, exit 0
     network = wrap_network(model, info, cfg.compile)  # DDP: rank 0's weights on every rank
-    tb = open_run_folder(cfg, session, resume, state.step, resolved, preview)  # nothing was written before
+    tb = open_run_folder(cfg, session, resume, state.step, resolved, preview, listings)  # nothing written before
     return ClassifierRun(
         cfg=cfg, info=info, session=session, loaders=loaders, model=model, network=network, optimizer=optimizer,
         lr_schedule=lr_schedule, scaler=scaler, total_steps=total_steps, state=state, tb=tb, script=SCRIPT, resolved=resolved,

@@ -241,7 +241,7 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
         optimizer, lr_schedule, scaler, total_steps = build_optimization(
             cfg, moco.encoder_q.parameters(), loaders.batches_per_epoch, info.device)  # never encoder_k
         state = state_to_start_from(resume, cfg, SCRIPT, {}, model=moco, optimizer=optimizer, scaler=scaler,
-                                    sampler=loaders.train_sampler, data=resolved.data_fingerprint, info=info)
+                                    sampler=loaders.train_sampler, info=info)
     if resume is not None and is_complete(cfg, state) and cfg.export_backbone and info.is_main:
         export_finished_backbone(moco, cfg.export_backbone)  # a finished run's backbone, as asked
     stop_if_complete(cfg, state, resume)  # a finished run resumed: its last metrics, exit 0
@@ -250,7 +250,7 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
     query_encoder = wrap_network(moco.encoder_q, info, cfg.compile)
     if cfg.compile:
         moco.compile_key_encoder()
-    tb = open_run_folder(cfg, session, resume, state.step, resolved, preview)  # nothing was written before
+    tb = open_run_folder(cfg, session, resume, state.step, resolved, preview, listings)  # nothing written before
     run = MocoRun(
         cfg=cfg, info=info, session=session, loaders=loaders, model=moco, network=query_encoder,
         optimizer=optimizer, lr_schedule=lr_schedule, scaler=scaler, total_steps=total_steps, state=state,

@@ -209,9 +209,61 @@ def test_a_damaged_file_mid_epoch_stops_after_a_checkpoint_and_the_fixed_run_end
     proc = in_process(train_classifier.main, args + ["--out", str(out), "--resume", "auto"], capsys)
     assert_ok(proc)
     assert not (out / "UNREADABLE").exists()
+    (resumed,) = json.loads((out / "config.json").read_text())["history"]
+    assert resumed["resolved"]["data_changes"] == [f"{bad} fixed in place (the run named it as unreadable)"]
     reference = tmp_path / "reference"  # the same run on the intact folder
     assert_ok(in_process(train_classifier.main, args + ["--out", str(reference)], capsys))
     assert_same_state(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(reference / "checkpoint_last.pt"))
+
+
+def test_removing_the_file_a_run_named_lets_it_continue_and_any_other_change_is_refused(jpeg_folder, tmp_path,
+                                                                                        capsys):
+    """The stop line says "fix or remove it": removed, the resume continues (the data fingerprint
+    is compared with the named file put back), and config.json says what was removed; a file the
+    run did not name removed as well is other data, refused unless --allow-changes."""
+    data = copy_of(jpeg_folder, tmp_path)
+    bad = file_met_at_batch(data, batch=5, batch_size=4, baseline=True)
+    damage(bad, "undefined-table")
+    args = FOLDER_RUN + DECODE_ON_DEVICE + ["--data-dir", str(data), "--batch-size", "4", "--epochs", "2",
+                                            "--out", str(tmp_path / "run")]
+    proc = in_process(train_classifier.main, args, capsys)
+    assert proc.returncode == 2 and f"cannot decode {bad}" in proc.stderr + proc.stdout
+    assert "fix or remove it" in proc.stdout + proc.stderr
+    bad.unlink()  # removed, as the line says
+    other = sorted((data / "val").rglob("*.JPEG"))[0]
+    moved = other.rename(tmp_path / other.name)  # and a file the run did not name
+    proc = in_process(train_classifier.main, args + ["--resume", "auto"], capsys)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "its run read other image files (data fingerprint" in proc.stderr
+    moved.rename(other)
+    proc = in_process(train_classifier.main, args + ["--resume", "auto"], capsys)
+    assert_ok(proc)
+    assert f"the data changed since the checkpoint's run read it: {bad} removed (the run named it as " \
+           f"unreadable)" in proc.stdout
+    (resumed,) = json.loads((tmp_path / "run" / "config.json").read_text())["history"]
+    assert resumed["resolved"]["data_changes"] == [f"{bad} removed (the run named it as unreadable)"]
+    assert load_ckpt(tmp_path / "run" / "checkpoint_last.pt")["step"] == 18  # 2 epochs of 9 steps: to the end
+
+
+def test_a_listing_with_files_put_back_is_imagefolders_own(jpeg_folder, tmp_path):
+    """What the removal test compares rests on this: a listing with removed files put back is the
+    listing ImageFolder made with them, in nested folders too (its order: class, folder, name)."""
+    data = copy_of(jpeg_folder, tmp_path)
+    nested = sorted((data / "train").iterdir())[1]
+    for name in ("a b", "a", "a/z"):  # " " sorts before "/": "a b" comes before "a/..."
+        (nested / name).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(next(nested.glob("*.JPEG")), nested / name / "x.JPEG")
+    whole = FolderListing.of(str(data / "train"))
+    paths = whole.paths.split("\0")
+    gone = [paths[0], f"{nested.name}/a b/x.JPEG", f"{nested.name}/a/z/x.JPEG", paths[-1]]
+    assert all(path in paths for path in gone)
+    for path in gone:
+        (data / "train" / path).unlink()
+    after = FolderListing.of(str(data / "train"))
+    assert after.fingerprint != whole.fingerprint
+    put_back = after.with_files(gone)
+    assert (put_back.paths, put_back.targets.tolist(), put_back.fingerprint) == (
+        whole.paths, whole.targets.tolist(), whole.fingerprint)
 
 
 def test_a_file_the_devices_batched_decode_refuses_on_one_rank_stops_both_ranks_once(jpeg_folder, tmp_path):

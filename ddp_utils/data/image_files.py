@@ -21,6 +21,7 @@ a black placeholder with target ``-1 - index`` as a sample (``unreadable``: why;
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import os
@@ -182,6 +183,18 @@ class FolderListing:
         digest.update(self.paths.encode())
         digest.update(self.targets.astype("<i4").tobytes())
         return digest.hexdigest()
+
+    def with_files(self, paths: Sequence[str]) -> FolderListing:
+        """This listing with the files ``paths`` (below ``root``, each in one of its class folders)
+        in it, where ImageFolder lists them: by class, then folder, then name."""
+        if not paths:
+            return self
+        index = {name: number for number, name in enumerate(self.classes)}
+        listed = list(zip(self.paths.split("\0"), self.targets.tolist())) if self.paths else []
+        listed += [(path, index[path.split("/", 1)[0]]) for path in paths]
+        listed.sort(key=lambda item: (item[1], os.path.dirname(item[0]), os.path.basename(item[0])))
+        return dataclasses.replace(self, paths="\0".join(path for path, _ in listed),
+                                   targets=np.array([target for _, target in listed], dtype=np.int32))
 
     def samples(self) -> list[tuple[str, int]]:
         """ImageFolder's ``samples``: (path, class index) per file, the paths as it writes them."""

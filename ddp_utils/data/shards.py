@@ -30,7 +30,7 @@ import resource
 import shutil
 import tarfile
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -117,7 +117,11 @@ class ShardIndex:
     label: np.ndarray    # int32 per sample
     index: np.ndarray    # int64 per sample: its index in the folder's listing
     paths: str           # per sample, its path below the split folder, NUL between two
-    listed: tuple[Listed, ...] = ()  # per shard
+    # what the listing gave for each object read (index.json, records.npz, every shard), by name
+    listed: dict[str, Listed] = field(default_factory=dict)
+    # shards read pinned by their content (the index's sha256) instead of the listing: shards a
+    # later attempt found changed while their index entry did not (``train.data_record``)
+    by_content: frozenset[str] = frozenset()
     fingerprint: str = ""        # sha256 of index.json and records.npz: the data a run read
     width: np.ndarray | None = None   # int32 per sample, px (None: an index written without them)
     height: np.ndarray | None = None  # int32 per sample, px
@@ -154,18 +158,20 @@ class ShardIndex:
             raise UsageError(f"{root}/{RECORDS}: {len(fields['shard'])} records, {INDEX} says {meta['samples']}; "
                              f"write the shards again")
         return cls(root=str(root).rstrip("/"), classes=tuple(meta["classes"]), shards=tuple(meta["shards"]),
-                   paths=paths, listed=tuple(objects[shard["name"]] for shard in meta["shards"]),
+                   paths=paths, listed={name: objects[name] for name in (INDEX, RECORDS, *(shard["name"] for shard in meta["shards"]))},
                    fingerprint=hashlib.sha256(raw_meta + raw_records).hexdigest(), **fields)
 
     def __len__(self) -> int:
         return len(self.shard)
 
     def refs(self) -> tuple[ShardRef, ...]:
-        """Each shard as the store's cache fetches it: address, bytes, what the listing gave, the
-        index's sha256."""
-        return tuple(ShardRef(f"{self.root}/{shard['name']}", shard["bytes"], listed.etag, listed.version,
-                              shard.get("sha256", ""))
-                     for shard, listed in zip(self.shards, self.listed))
+        """Each shard as the store's cache fetches it: address, bytes, what the listing gave (none
+        for one read ``by_content``), the index's sha256."""
+        def pin(name: str) -> Listed:
+            return Listed(self.listed[name].size) if name in self.by_content else self.listed[name]
+
+        return tuple(ShardRef(f"{self.root}/{shard['name']}", shard["bytes"], pin(shard["name"]).etag,
+                              pin(shard["name"]).version, shard.get("sha256", "")) for shard in self.shards)
 
     def path(self, i: int) -> str:
         """Sample ``i``'s original path below the split folder (a walk through the paths: for

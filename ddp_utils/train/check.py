@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 from ..config import UsageError
 from ..data.host_memory import check_shared_memory, describe_memory
-from ..data.image_files import data_fingerprint, image_files_of
+from ..data.image_files import image_files_of
 from ..data.pipeline import (
     plan_memory,
     raw_splits,
@@ -24,14 +24,15 @@ from ..data.pipeline import (
     worker_start_hazard,
 )
 from ..data.recipes import AugmentRecipe
-from ..data.sets import IMAGE_FILES, check_data_dir
+from ..data.sets import IMAGE_FILES, check_data_dir, list_image_files
 from ..data.shards import shards_not_matching
 from ..data.unreadable import decode_every_file
 from ..runtime.device import device_type
 from ..runtime.launch import LaunchEnv, detect_launch, restart_count
 from ..runtime.stopping import EXIT_OK
 from .accumulation import steps_per_epoch
-from .preflight import check_cache_room, checks_before_start, describe_settings, resolved_settings
+from .data_record import check_same_data
+from .preflight import check_cache_room, checks_before_start, describe_settings, named_by, resolved_settings
 from .resume import check_resume_fits
 from .run_state import describe_position
 from .train_config import RESUME_IF_RESTARTED, TrainConfig
@@ -69,9 +70,12 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         lines.append(f"warning: {hazard}")
     if cfg.dataset == "cifar10" and cfg.download and check_data_dir(cfg.dataset, cfg.data_dir, False):
         lines.append(f"data: cifar10, downloaded into {cfg.data_dir} at start; {settings}")
-        facts, extra = {}, []
+        facts, extra, changes = {}, [], ()
     else:
-        plan = cfg.data_plan(resolved, AugmentRecipe())  # the augmentation plays no part in the checks
+        listings = tuple(list_image_files(cfg.dataset, cfg.data_dir, split) for split in (True, False)) \
+            if cfg.dataset in IMAGE_FILES else None
+        listings, changes = check_same_data(resume, listings, named_by(resume), cfg.allow_changes)
+        plan = cfg.data_plan(resolved, AugmentRecipe(), listings=listings)  # the augmentation plays no part in the checks
         train, val = raw_splits(plan)
         facts, extra = script_check(train)
         samples_per_rank = training_order(plan, train, world_size, 0).num_samples
@@ -106,9 +110,8 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
                  f"{_count(cfg.accum_steps, 'micro-step')} x {cfg.batch_size}; lr {cfg.lr:g}, {cfg.lr_schedule}"
                  + (f", {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else ""))
     if resume is not None:
-        files = [image_files_of(split) for split in (train, val)] if cfg.dataset in IMAGE_FILES else []
-        check_resume_fits(resume, cfg, script, facts, world_size, announce=False,
-                          data=data_fingerprint(*files) if files else None)
+        check_resume_fits(resume, cfg, script, facts, world_size, announce=False)
+        lines += [f"data: changed since the checkpoint's run read it: {change}" for change in changes]
         ckpt = resume.checkpoint
         lines.append(f"run folder: {cfg.out}, continuing {resume.path} at "
                      f"{describe_position(ckpt['step'], ckpt['epoch'], ckpt['batches_done'])}")

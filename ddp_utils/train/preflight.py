@@ -24,10 +24,11 @@ from ..runtime.dist import DistInfo
 from ..runtime.faults import FaultPlan
 from ..runtime.launch import restart_count
 from .checkpoint import Resume
+from .data_record import check_same_data
 from .resume import choose_resume
 from .run_folder import check_out_dir
 from .train_config import ResolvedSettings, TrainConfig
-from .unreadable_files import forget_unreadable, refuse_unfixed_files
+from .unreadable_files import forget_unreadable, named_by_the_run, refuse_unfixed_files
 
 if TYPE_CHECKING:
     from .session import RunSession
@@ -50,10 +51,10 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, Res
     restarted = any(all_gather_object(restart_count() > 0))
     with all_ranks_agree():
         resume, session.faults = checks_before_start(cfg, restarted, announce=info.is_main)
-    if info.is_main:
-        forget_unreadable(cfg.out)  # every rank found the files a run here stopped on fixed, or starts afresh
     download_once_per_node(cfg, info)
-    listings = list_image_files_once(cfg, info, restarted)
+    listings, data_changes = list_image_files_once(cfg, info, restarted, resume)
+    if info.is_main:
+        forget_unreadable(cfg.out)  # what a run here stopped on is fixed, or put back, or this run starts afresh
     empty_shard_cache_once_per_node(cfg, info, listings)
     if info.device.type == "cuda" and info.is_distributed:
         problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))
@@ -61,7 +62,8 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, Res
             raise UsageError(problem)
     resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
     if listings is not None:
-        resolved = dataclasses.replace(resolved, data_fingerprint=data_fingerprint(*listings))
+        resolved = dataclasses.replace(resolved, data_fingerprint=data_fingerprint(*listings),
+                                       data_changes=data_changes)
     if info.is_main:
         log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size))
         hazard = worker_start_hazard(resolved.workers)
@@ -102,22 +104,32 @@ def download_once_per_node(cfg: TrainConfig, info: DistInfo) -> None:
                 download_cifar10(cfg.data_dir)
 
 
-def list_image_files_once(cfg: TrainConfig, info: DistInfo, restarted: bool = False) -> Listings | None:
+def list_image_files_once(cfg: TrainConfig, info: DistInfo, restarted: bool = False, resume: Resume | None = None
+                          ) -> tuple[Listings | None, tuple[str, ...]]:
     """Image files: rank 0 lists an image folder's train/ and val/ (or reads the shards' indexes
-    and checks their shards) and every rank receives the result, so that the job scans the tree
-    once, not once per rank (at 512 ranks, 512 scans of ImageNet's 1.28M files meet one file
-    system's metadata servers at once). Bad data stops every rank with rank 0's one line. An
+    and checks their shards), checks that a resumed run continues on the data it read
+    (``data_record.check_same_data``), and every rank receives the result, so that the job scans
+    the tree once, not once per rank (at 512 ranks, 512 scans of ImageNet's 1.28M files meet one
+    file system's metadata servers at once). Bad data stops every rank with rank 0's one line. An
     object store that does not answer is bad input at a first start (the address, or the
     endpoint, is likely wrong); a restarted attempt waits ``--store-timeout`` for it, then stops
-    with exit 75. None for other data sets."""
+    with exit 75. Returns the listings (None for other data sets) and the data's accepted changes."""
     if cfg.dataset not in IMAGE_FILES:
-        return None
-    listings = None
+        return None, ()
+    found = None
     patience = cfg.store_timeout if restarted else 0.0
     with all_ranks_agree():
         if info.is_main:
             listings = tuple(list_image_files(cfg.dataset, cfg.data_dir, train, patience) for train in (True, False))
-    return broadcast_object(listings)
+            found = check_same_data(resume, listings, named_by(resume), cfg.allow_changes)
+            for change in found[1]:
+                log.warning("the data changed since the checkpoint's run read it: %s", change)
+    return broadcast_object(found)
+
+
+def named_by(resume: Resume | None) -> list[str]:
+    """What the run of the checkpoint to continue named as unreadable (none for a fresh start)."""
+    return named_by_the_run(str(resume.path.parent)) if resume is not None else []
 
 
 def check_cache_room(cfg: TrainConfig, indexes: Listings, ranks_on_node: int) -> int | None:

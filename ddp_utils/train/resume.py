@@ -94,12 +94,12 @@ def choose_resume(resume: str, out: str, overwrite: bool, announce: bool, restar
 
 
 def check_resume_fits(resume: Resume, cfg: TrainConfig, script: str, facts: dict[str, Any], world_size: int,
-                      announce: bool, data: str | None = None) -> None:
+                      announce: bool) -> None:
     """Refuse (one line, every difference listed) a checkpoint of the other script or of another
     model (the fields declared ``on_resume="fixed"``; ``facts`` such as the class count), and one
-    whose run had other settings that make another experiment (``on_resume="experiment"``) or
-    read other image files (``data``, this run's ``data_fingerprint``) unless --allow-changes;
-    log the settings that changed."""
+    whose run had other settings that make another experiment (``on_resume="experiment"``)
+    unless --allow-changes; log the settings that changed. (Whether the data is the one the
+    checkpoint's run read: ``data_record.check_same_data``, in the pre-flight.)"""
     ckpt, path = resume.checkpoint, resume.path
     if ckpt["script"] != script:
         hint = "; to start a classifier from it use --pretrained" if ckpt["script"] == "train_moco.py" else ""
@@ -119,14 +119,6 @@ def check_resume_fits(resume: Resume, cfg: TrainConfig, script: str, facts: dict
         raise UsageError(f"--resume {path}: its run had other settings ({', '.join(another_experiment)}), so this "
                          f"would be another experiment; resume with its settings, add --allow-changes to "
                          f"continue anyway (recorded in config.json), or start a new run in another --out")
-    saved_data = ckpt.get("resolved", {}).get("data_fingerprint")
-    if saved_data and data and saved_data != data:
-        if not cfg.allow_changes:
-            raise UsageError(f"--resume {path}: its run read other image files (data fingerprint {saved_data}, now "
-                             f"{data}: a listing or a shards' index changed); resume on the data it read, add "
-                             f"--allow-changes to continue on this data (recorded in config.json), or start a new "
-                             f"run in another --out")
-        changed.append(f"data fingerprint {saved_data} -> {data}")
     if ckpt["world_size"] != world_size:
         changed.append(f"world size {ckpt['world_size']} -> {world_size}")
     if changed and announce:
@@ -139,16 +131,15 @@ def _label(name: str) -> str:
 
 def state_to_start_from(resume: Resume | None, cfg: TrainConfig, script: str, facts: dict[str, Any], *,
                         model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                        sampler: ResumableDistributedSampler | ShardAwareSampler, data: str | None,
-                        info: DistInfo) -> RunState:
+                        sampler: ResumableDistributedSampler | ShardAwareSampler, info: DistInfo) -> RunState:
     """Where the run starts: at the beginning without a checkpoint (``resume`` None); else the
     checkpoint, checked against this run (:func:`check_resume_fits`, ``facts`` such as the class
-    count, ``data`` its data fingerprint), loaded into the objects given, and the training
+    count), loaded into the objects given, and the training
     ``sampler`` set to continue the saved epoch by its own rule. A model that does not fit
     (another --image-size, say) is a UsageError naming the first mismatch."""
     if resume is None:
         return RunState()
-    check_resume_fits(resume, cfg, script, facts, info.world_size, info.is_main, data)
+    check_resume_fits(resume, cfg, script, facts, info.world_size, info.is_main)
     ckpt, path = resume.checkpoint, resume.path
     check_parameter_groups(ckpt["optimizer"], optimizer, path)
     try:

@@ -17,6 +17,7 @@ from ..config import UsageError, command_line, flag_name, git_revision, save_con
 from ..runtime.dist import barrier
 from ..runtime.stopping import MARKER
 from .checkpoint import LAST, Resume, checkpoint_files
+from .data_record import LISTED, Listings, write_listing_record
 from .monitor import TensorBoard
 from .train_config import ResolvedSettings, TrainConfig, config_changes
 
@@ -53,7 +54,7 @@ def prepare_run_folder(out: str, overwrite: bool, resuming: bool) -> None:
     path.mkdir(parents=True, exist_ok=True)
     if resuming:
         return
-    old = checkpoint_files(path) + [p for p in (path / TB_DIR, path / MARKER, path / "config.json",
+    old = checkpoint_files(path) + [p for p in (path / TB_DIR, path / MARKER, path / "config.json", path / LISTED,
                                                   path / f".{LAST}.tmp") if p.exists()]
     if not old:
         return
@@ -93,17 +94,20 @@ def write_run_record(cfg: TrainConfig, world_size: int, resume: Resume | None, s
 
 
 def open_run_folder(cfg: TrainConfig, session: RunSession, resume: Resume | None, step: int,
-                    resolved: ResolvedSettings | None = None, preview: torch.Tensor | None = None) -> TensorBoard:
+                    resolved: ResolvedSettings | None = None, preview: torch.Tensor | None = None,
+                    listings: Listings | None = None) -> TensorBoard:
     """Rank 0, once every check has passed: the folder (an old run cleared on --overwrite), its
-    config.json, TensorBoard from ``step`` on, and ``preview`` (``data.preview.augmentation_grid``).
-    Returns the TensorBoard writer (a no-op on other ranks). A resumed checkpoint in this folder
-    counts as saved."""
+    config.json, the object store's listing (``listings``: ``data_record.LISTED``), TensorBoard
+    from ``step`` on, and ``preview`` (``data.preview.augmentation_grid``). Returns the
+    TensorBoard writer (a no-op on other ranks). A resumed checkpoint in this folder counts as
+    saved."""
     tb = TensorBoard(None)
     if resume is not None and resume.path.parent == Path(cfg.out):
         session.saved.step, session.saved.path = step, resume.path
     if session.info.is_main:
         prepare_run_folder(cfg.out, cfg.overwrite, resuming=resume is not None)
         write_run_record(cfg, session.info.world_size, resume, step, resolved)
+        write_listing_record(cfg.out, listings)
         session.signals.clear_marker()
         tb = session.close_at_exit(TensorBoard(Path(cfg.out) / TB_DIR, purge_step=step + 1 if resume else None))
         if preview is not None:  # what the augmentation does, once per run

@@ -378,6 +378,9 @@ class ResolvedSettings:
     # DATASET_DEFAULTS), however they came; empty when none is
     dataset_defaults: dict[str, Any] = field(default_factory=dict)
     data_fingerprint: str | None = None  # image files: what identifies both splits (a resume on other files is refused)
+    # image files: what changed in them since the resumed checkpoint's run read them, and why it
+    # was accepted (train.data_record), each in words; empty when nothing did
+    data_changes: tuple[str, ...] = ()
 
     def as_record(self) -> dict[str, Any]:
         """As plain data for config.json and checkpoints (``torch.load(..., weights_only=True)``
@@ -387,6 +390,10 @@ class ResolvedSettings:
             del record["dataset_defaults"]
         if self.data_fingerprint is None:
             del record["data_fingerprint"]
+        if self.data_changes:
+            record["data_changes"] = list(self.data_changes)
+        else:
+            del record["data_changes"]
         return record
 
 

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 from ..config import UsageError
 from ..data.image_files import UnreadableImage
-from ..data.object_store import StoreError
+from ..data.object_store import ShardChanged, StoreError
 from ..data.unreadable import decode_again, describe_unreadable, fix_hint
 from ..runtime.stopping import EXIT_USAGE, STORE_MARKER, RunStopped
 from .checkpoint import save_checkpoint
@@ -55,22 +55,27 @@ if TYPE_CHECKING:
 UNREADABLE_MARKER = "UNREADABLE"  # in the run folder: the image files a run stopped on, one "PATH\treason" per line
 
 
-def mark_unreadable(out: str, files: list[UnreadableImage]) -> None:
-    """Rank 0, when a run stops on image files it cannot decode: list them in the run folder, so
-    that a resume (a torchrun restart included) refuses to start until they decode."""
+def mark_unreadable(out: str, named: list[tuple[str, str]]) -> None:
+    """Rank 0, when a run stops on image files it cannot decode or on shards the store did not
+    give as listed: list them (name, reason) in the run folder, so that a resume (a torchrun
+    restart included) refuses to start until the files decode, and knows what the run named."""
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
-    (path / UNREADABLE_MARKER).write_text("".join(f"{f.path}\t{f.reason}\n" for f in files))
+    (path / UNREADABLE_MARKER).write_text("".join(f"{name}\t{reason}\n" for name, reason in named))
+
+
+def named_by_the_run(out: str) -> list[str]:
+    """What the run in ``out`` stopped on and named: image files, shard records ("PATH in
+    SHARD") and shards; [] when it stopped on none."""
+    marker = Path(out) / UNREADABLE_MARKER
+    return [line.split("\t")[0] for line in marker.read_text().splitlines() if line] if marker.is_file() else []
 
 
 def still_unreadable(out: str) -> list[UnreadableImage]:
     """The files (or shard records) a run in ``out`` stopped on that still cannot be decoded
     (each is tried again; a removed one no longer counts)."""
-    marker = Path(out) / UNREADABLE_MARKER
-    if not marker.is_file():
-        return []
     indexes: dict = {}  # shard indexes read so far
-    found = (decode_again(line.split("\t")[0], indexes) for line in marker.read_text().splitlines() if line)
+    found = (decode_again(name, indexes) for name in named_by_the_run(out))
     return [err for err in found if err is not None]
 
 
@@ -107,7 +112,7 @@ def stop_if_files_unreadable(run: TrainRun, where: str) -> None:
     if not files:
         return
     if run.info.is_main:
-        mark_unreadable(run.cfg.out, files)
+        mark_unreadable(run.cfg.out, [(f.path, f.reason) for f in files])
     stop_after_the_last_step(run, f"{where}: {describe_unreadable(files)}; {fix_hint(files)}, then", EXIT_USAGE)
 
 
@@ -117,6 +122,8 @@ def stop_for_store(run: TrainRun, where: str, faults: list[StoreError]) -> None:
     change), else exit 75 (worth a restart: the launchers start the job again, whose pre-flight
     waits ``--store-timeout`` for the store)."""
     fault = next((f for f in faults if f.exit_code == EXIT_USAGE), faults[0])
+    if run.info.is_main and isinstance(fault, ShardChanged):  # what a resume may find put back
+        mark_unreadable(run.cfg.out, [(f.address, f.reason) for f in faults if isinstance(f, ShardChanged)])
     stop_after_the_last_step(run, f"{where}: {fault};", fault.exit_code)
 
 

@@ -1,0 +1,90 @@
+"""A run from an object store is held to the data it listed, across its attempts
+(``ddp_utils/train/data_record.py``), against moto's S3 server on localhost:
+
+* every start records what the listing gave (``data_listed.json``: bytes, ETag per object);
+* a later attempt (``--resume``; a restart adds ``--resume if-restarted``) refuses a shard that
+  changed since, in one line naming it, in ``--check`` as in the run; ``--allow-changes``
+  continues and says what changed;
+* a shard the run itself named (a store fault's shard) may be put back: the resume continues,
+  reading it pinned by its content (the index's sha256), and config.json says so."""
+from __future__ import annotations
+
+import json
+
+import boto3
+import pytest
+from boto3.s3.transfer import TransferConfig
+from helpers import assert_ok, in_process
+
+import train_classifier
+from ddp_utils.data.shards import INDEX, RECORDS, ShardIndex
+from ddp_utils.train.data_record import LISTED
+
+RUN = ["--dataset", "shards", "--device", "cpu", "--arch", "small_cnn", "--image-size", "16", "--batch-size", "4",
+       "--workers", "0", "--epochs", "1", "--log-every", "1"]
+MULTIPART = TransferConfig(multipart_threshold=1)  # one part: the same bytes, another ETag ("...-1")
+
+
+@pytest.fixture
+def prefix(written, bucket, request) -> str:
+    """A copy of ``written`` in the bucket of its own, to rewrite."""
+    client, name = boto3.client("s3"), f"record-{request.node.name[-40:]}"
+    for path in written.rglob("*"):
+        if path.is_file():
+            client.upload_file(str(path), "ddp-test", f"{name}/{path.relative_to(written)}")
+    return f"s3://ddp-test/{name}"
+
+
+def test_a_resume_is_held_to_the_listing_its_run_recorded(prefix, written, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = RUN + ["--data-dir", prefix, "--shard-cache-dir", str(tmp_path / "cache"), "--out", str(out)]
+    assert_ok(in_process(train_classifier.main, args + ["--max-steps", "1"], capsys))
+    record = json.loads((out / LISTED).read_text())
+    listed = ShardIndex.read(f"{prefix}/train").listed
+    names = {INDEX, RECORDS, *(shard["name"] for shard in ShardIndex.read(str(written / "train")).shards)}
+    assert set(record["train"]["objects"]) == names and record["train"]["root"] == f"{prefix}/train"
+    assert all(record["train"]["objects"][name] == [entry.size, entry.etag, ""] for name, entry in listed.items())
+    shard = next(name for name in sorted(names) if name.endswith(".tar"))
+    boto3.client("s3").upload_file(str(written / "train" / shard), "ddp-test", f"{prefix[len('s3://ddp-test/'):]}/train/{shard}",
+                                   Config=MULTIPART)  # the same bytes, another ETag: refused all the same
+    check = args + ["--max-steps", "2", "--check", "--resume", "auto"]
+    proc = in_process(train_classifier.main, check, capsys)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    etag_then, etag_now = listed[shard].etag, ShardIndex.read(f"{prefix}/train").listed[shard].etag
+    assert (f"error: --resume {out}/checkpoint_last.pt: the object store's data changed since its run listed it "
+            f"({prefix}/train/{shard} changed (ETag {etag_then} -> {etag_now})); put the listed versions back, add "
+            f"--allow-changes to continue on the data as it is now") in proc.stderr
+    proc = in_process(train_classifier.main, check + ["--allow-changes"], capsys)
+    assert_ok(proc)
+    assert f"data: changed since the checkpoint's run read it: {prefix}/train/{shard} changed" in proc.stdout
+    (out / "UNREADABLE").write_text(f"{prefix}/train/{shard}\tnot the version this run listed\n")  # as a stop writes
+    proc = in_process(train_classifier.main, args + ["--max-steps", "2", "--resume", "auto"], capsys)
+    assert_ok(proc)
+    assert f"{prefix}/train/{shard} changed (ETag {etag_then} -> {etag_now}) (the run named it: read pinned by its " \
+           f"index's sha256)" in proc.stdout
+    (resumed,) = json.loads((out / "config.json").read_text())["history"]
+    assert len(resumed["resolved"]["data_changes"]) == 1 and shard in resumed["resolved"]["data_changes"][0]
+    assert json.loads((out / LISTED).read_text())["train"]["objects"][shard][1] == etag_now  # the new pins
+    assert not (out / "UNREADABLE").exists()
+    assert_ok(in_process(train_classifier.main, args + ["--max-steps", "3", "--check", "--resume", "auto"], capsys))
+
+
+def test_a_shard_put_back_is_read_pinned_by_its_content(prefix, written, tmp_path):
+    from ddp_utils.train.checkpoint import Resume
+    from ddp_utils.train.data_record import check_same_data, write_listing_record
+
+    listings = tuple(ShardIndex.read(f"{prefix}/{split}") for split in ("train", "val"))
+    write_listing_record(str(tmp_path), listings)
+    shard = listings[0].shards[1]["name"]
+    boto3.client("s3").upload_file(str(written / "train" / shard), "ddp-test", f"{prefix[len('s3://ddp-test/'):]}/train/{shard}",
+                                   Config=MULTIPART)
+    now = tuple(ShardIndex.read(f"{prefix}/{split}") for split in ("train", "val"))
+    resume = Resume(tmp_path / "checkpoint_last.pt", {"resolved": {}})
+    (train, val), accepted = check_same_data(resume, now, [f"{prefix}/train/{shard}"], allow_changes=False)
+    assert train.by_content == {shard} and not val.by_content and len(accepted) == 1
+    refs = {ref.address: ref for ref in train.refs()}
+    put_back = refs[f"{prefix}/train/{shard}"]
+    assert (put_back.etag, put_back.version, put_back.sha256) == ("", "", listings[0].shards[1]["sha256"])
+    assert all(ref.etag for address, ref in refs.items() if address != put_back.address)
+    with pytest.raises(Exception, match="the object store's data changed since its run listed it"):
+        check_same_data(resume, now, [], allow_changes=False)  # not named: refused
