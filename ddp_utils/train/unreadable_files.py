@@ -1,8 +1,8 @@
 """Data a run cannot read: image files that cannot be decoded, and shards an object store did not
-give. The whole of what a run does about them, in seven files: ``data/image_files.py``,
+give. The whole of what a run does about them, in eight files: ``data/image_files.py``,
 ``data/pipeline.py`` and ``data/unreadable.py`` on the data side, this module,
-``train/batches.py`` and the two scripts on the training side (``train/preflight.py`` calls this
-module's refusal; ``data/shard_cache.py`` holds the store's side).
+``train/batches.py``, ``train/data_record.py`` and the two scripts on the training side
+(``train/preflight.py`` calls this module's refusal; ``data/shard_cache.py`` holds the store's side).
 
 Data side (``data/image_files.py`` makes the placeholder; ``data/pipeline.py`` wraps every kind of
 batch of image files in ``RecordingUnreadable``, which records it in ``data/unreadable.py``'s
@@ -26,15 +26,15 @@ Training side (here, ``train/batches.py`` and the two scripts' ``train_one_epoch
    step, lists the files in the run folder (:func:`mark_unreadable`) and stops every rank with
    exit code 2, naming them;
 3. the pre-flight of a resume, or of a restarted attempt, refuses to start while a listed file
-   still fails to decode (:func:`refuse_unfixed_files`); once every one decodes or is gone, the
-   list goes (:func:`forget_unreadable`) and the run continues exactly where the undone window
-   began.
+   still fails to decode (:func:`refuse_unfixed_files`); once every one decodes or is gone (the
+   data check, ``train/data_record.py``, takes exactly these removed or fixed as the same data),
+   the list goes (:func:`forget_unreadable`) and the run continues where the undone window began.
 
 A shard the object store did not give (``object_store.StoreError``: it did not answer for
 ``--store-timeout`` seconds, or the shard changed) takes the same way, but stops the run as the
 store's fault (:func:`stop_for_store`): exit 75 (the session writes ``STORE_UNAVAILABLE`` in the run
 folder; the launchers start the job again, which waits for the store and resumes), or exit 2 for a
-shard that changed under the run.
+shard that changed under the run, listed like a file, so that the data check lets it be put back.
 """
 from __future__ import annotations
 
