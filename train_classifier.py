@@ -17,7 +17,10 @@ SLURM (see launch/): sbatch /path/to/repo/launch/slurm_classifier.sbatch --datas
 Resume after a crash or preemption: add --resume auto (same --out). A fresh run refuses an --out
 that holds a checkpoint; --overwrite starts over there. Survive dead workers: MAX_RESTARTS=3
 launch/torchrun_local.sh train_classifier.py ... (torchrun --max-restarts, resuming by itself).
-Exit codes: 0 done or preempted, 1 crash, 2 bad input, 3 NaN/Inf loss, 130 Ctrl-C.
+Exit codes: 0 done or preempted, 1 crash, 2 bad input, 3 NaN/Inf loss, 75 the object store did not
+answer (a restart waits for it and resumes), 130 Ctrl-C. From a bucket, 2 also means a fault no restart
+fixes (access refused, no such bucket, a shard changed or gone, a full cache disk): do what the line
+says, then add --resume auto (docs/data.md#shards-in-an-object-store-s3).
 
 Linear probe of a MoCo checkpoint (frozen backbone in eval mode, a new linear classifier):
     python train_classifier.py --pretrained runs/moco/checkpoint_last.pt --linear-probe \\

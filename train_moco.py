@@ -24,7 +24,10 @@ SLURM (see launch/): sbatch /path/to/repo/launch/slurm_moco.sbatch --preset v2 .
 Resume: add --resume auto (same --out); the queue, its pointer and encoder_k come back exactly.
 Repeat any run: --config RUN/config.json --out NEW (recipes/*.json are such files too).
 A fresh run refuses an --out that holds a checkpoint; --overwrite starts over there.
-Exit codes: 0 done or preempted, 1 crash, 2 bad input, 3 NaN/Inf loss, 130 Ctrl-C.
+Exit codes: 0 done or preempted, 1 crash, 2 bad input, 3 NaN/Inf loss, 75 the object store did not
+answer (a restart waits for it and resumes), 130 Ctrl-C. From a bucket, 2 also means a fault no restart
+fixes (access refused, no such bucket, a shard changed or gone, a full cache disk): do what the line
+says, then add --resume auto (docs/data.md#shards-in-an-object-store-s3).
 Export the query backbone for torchvision / train_classifier.py --pretrained:
     python train_moco.py ... --resume auto --export-backbone runs/moco_cifar10_demo/backbone.pt
 

@@ -79,6 +79,16 @@ def test_readme_exit_codes_are_the_codes_table():
     assert exit_code_table() in _section("Run folders, resume and exit codes")
 
 
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_the_help_names_every_exit_code(script):
+    """--help's "Exit codes:" paragraph names each code of EXIT_CODES (it had left out 75)."""
+    from ddp_utils.runtime.stopping import EXIT_CODES
+
+    doc = " ".join((REPO / script).read_text().split('"""')[1].split())
+    said = doc.split("Exit codes: ", 1)[1].split(". ")[0]
+    assert [int(code) for code in re.findall(r"\b(\d+) ", said)] == list(EXIT_CODES)
+
+
 def test_readme_stays_short():
     """Reference material lives in docs/; the README is the way in."""
     lines = README.count("\n")
