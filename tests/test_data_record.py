@@ -10,13 +10,16 @@
 from __future__ import annotations
 
 import json
+import re
 
 import boto3
+import numpy as np
 import pytest
 from boto3.s3.transfer import TransferConfig
-from helpers import assert_ok, in_process
+from helpers import assert_ok, in_process, load_ckpt
 
 import train_classifier
+from ddp_utils.data.order import ShardAwareSampler
 from ddp_utils.data.shards import INDEX, RECORDS, ShardIndex
 from ddp_utils.train.data_record import LISTED
 
@@ -88,3 +91,35 @@ def test_a_shard_put_back_is_read_pinned_by_its_content(prefix, written, tmp_pat
     assert all(ref.etag for address, ref in refs.items() if address != put_back.address)
     with pytest.raises(Exception, match="the object store's data changed since its run listed it"):
         check_same_data(resume, now, [], allow_changes=False)  # not named: refused
+
+
+def test_a_shard_record_that_cannot_be_decoded_is_mended_as_its_stop_line_says(prefix, written, tmp_path, capsys):
+    """A shard damaged in the bucket after its index was written (same size: the listing passes):
+    the run stops on its records, naming them and saying "copy its shard again"; once copied
+    again, the resume continues (the shard the run named, read pinned by its content) to the end."""
+    index = ShardIndex.read(str(written / "train"))
+    sampler = ShardAwareSampler(index.shard, 1, 0, seed=0, batch_size=4)
+    sampler.set_epoch(0)
+    order = [i for _, i in sampler]
+    number = int(index.shard[order[-1]])  # the last one read
+    step = next(k for k, i in enumerate(order) if index.shard[i] == number) // 4 + 1  # its first sample's
+    assert number != 0 and step >= 2  # shard 0 is the preview's; a step trained before
+    name = index.shards[number]["name"]
+    data = bytearray((written / "train" / name).read_bytes())
+    for i in np.flatnonzero(index.shard == number):  # every image of it: zeros, as a damaged copy holds
+        data[index.offset[i]:index.offset[i] + index.size[i]] = bytes(int(index.size[i]))
+    client, key = boto3.client("s3"), f"{prefix[len('s3://ddp-test/'):]}/train/{name}"
+    client.put_object(Bucket="ddp-test", Key=key, Body=bytes(data))
+    out = tmp_path / "run"
+    args = RUN + ["--data-dir", prefix, "--shard-cache-dir", str(tmp_path / "cache"), "--out", str(out)]
+    proc = in_process(train_classifier.main, args, capsys)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = next(line for line in (proc.stdout + proc.stderr).splitlines() if "cannot decode" in line)
+    assert re.search(rf"ERROR step {step} \(not taken\): cannot decode .* in {prefix}/train/{name} .*; copy (its|their) "
+                     r"shard again from where write_shards.py wrote it \(--check-data compares every shard with its "
+                     r"index\), then continue with --resume auto; the last good checkpoint is", line), line
+    client.upload_file(str(written / "train" / name), "ddp-test", key)  # copied again
+    proc = in_process(train_classifier.main, args + ["--resume", "auto"], capsys)
+    assert_ok(proc)
+    assert f"{prefix}/train/{name} changed (ETag" in proc.stdout and "(the run named it" in proc.stdout
+    assert load_ckpt(out / "checkpoint_last.pt")["step"] == len(order) // 4  # the epoch to its end

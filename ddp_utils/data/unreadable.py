@@ -119,4 +119,10 @@ def describe_unreadable(files: list[UnreadableImage], shown: int = 3) -> str:
 
 
 def fix_hint(files: list[UnreadableImage]) -> str:
+    """What the user does about ``files``: an image file is fixed or removed; a shard record is
+    made whole by copying its shard again (shards hold only files that decoded when written)."""
+    if all(IN_SHARD in f.path for f in files):
+        one = len({f.path.rsplit(IN_SHARD, 1)[1] for f in files}) == 1
+        return (f"copy {'its' if len(files) == 1 else 'their'} shard{'' if one else 's'} again from where "
+                f"write_shards.py wrote {'it' if one else 'them'} (--check-data compares every shard with its index)")
     return f"fix or remove {'it' if len(files) == 1 else 'them'} (--check-data lists every such file)"
