@@ -4,7 +4,7 @@ The bucket holds what ``write_shards.py`` wrote (``PREFIX/train/index.json``, ..
 is (``aws s3 sync DST s3://BUCKET/PREFIX``). Access goes through boto3, the AWS SDK, which reads
 the endpoint and the credentials from the standard variables and files (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ...): nothing here stores
-them, and no message repeats one (:func:`masked`).
+them, and no message repeats one (``runtime.logs.masked``).
 
 Requests a store can serve: a shard is one GET (:func:`fetch`; the index knows its size, so no
 HEAD, and no ranged parts: several shards download at once instead, ``shard_cache.ReadAhead``),
@@ -22,13 +22,13 @@ import importlib.util
 import logging
 import os
 import random
-import re
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from ..config import UsageError
+from ..runtime.logs import masked
 from ..runtime.stopping import EXIT_STORE, EXIT_USAGE
 
 SCHEME = "s3://"
@@ -58,17 +58,6 @@ def split_address(address: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
-_USER_INFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
-_SIGNED_QUERY = re.compile(r"(X-Amz-(?:Credential|Signature|Security-Token)=)[^&\s]+", re.IGNORECASE)
-
-
-def masked(text: str) -> str:
-    """``text`` with whatever could be a credential replaced by ``***``: the user part of every
-    address (``s3://KEY:SECRET@bucket``, ``https://user:pass@host``) and the signature fields of
-    a presigned URL."""
-    return _SIGNED_QUERY.sub(r"\1***", _USER_INFO.sub(r"\1***@", text))
-
-
 def endpoint() -> str:
     """The endpoint requests go to, as a message may name it (masked)."""
     return masked(os.environ.get("AWS_ENDPOINT_URL", "AWS's own"))
@@ -77,17 +66,17 @@ def endpoint() -> str:
 def check_address(address: str, named: str = "--data-dir") -> str | None:
     """A one-line description of what is wrong with an ``s3://`` address itself, or with reading
     it here (boto3 missing), or None."""
-    bucket, _ = split_address(address)
+    shown, first = masked(address), address[len(SCHEME):].split("/", 1)[0]
     if importlib.util.find_spec("boto3") is None:
-        return (f"{named} {masked(address)}: reading an object store needs boto3, which is not installed; "
+        return (f"{named} {shown}: reading an object store needs boto3, which is not installed; "
                 f"pip install -r requirements-shards.txt")
-    if "@" in address[len(SCHEME):].split("/", 1)[0]:
-        return (f"{named} {masked(address)}: credentials do not belong in the address; set AWS_ACCESS_KEY_ID and "
+    if "@" in first or (":" in first and "@" in address):  # a secret may hold "/": its "@" then comes later
+        return (f"{named} {shown}: credentials do not belong in the address; set AWS_ACCESS_KEY_ID and "
                 f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) instead")
-    if not bucket:
-        return f"{named} {address}: no bucket; write s3://BUCKET/PREFIX"
-    if ":" in bucket:
-        return f"{named} {address}: a bucket's name has no ':'; write s3://BUCKET/PREFIX"
+    if not first:
+        return f"{named} {shown}: no bucket; write s3://BUCKET/PREFIX"
+    if ":" in first:
+        return f"{named} {shown}: a bucket's name has no ':'; write s3://BUCKET/PREFIX (the endpoint goes in AWS_ENDPOINT_URL)"
     return None
 
 

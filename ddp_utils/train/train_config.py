@@ -34,6 +34,7 @@ from ..data.sets import DATASETS, IMAGE_FILES, NATIVE_SIZE, NORMALIZATIONS
 from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
 from ..runtime.device import check_device, device_type, visible_cuda_devices
 from ..runtime.launch import LaunchEnv, detect_launch, restart_count
+from ..runtime.logs import say_error
 from ..runtime.precision import AMP_MODES, resolve_amp
 from ..runtime.stopping import EXIT_USAGE
 from .optimization import EPOCH_WARMUP_SCHEDULES, LR_SCHEDULES, WARMUP_METHODS, parse_milestones
@@ -415,7 +416,7 @@ def parse_args(cls: type[C], argv: Sequence[str] | None, doc: str,
         recorded = recorded_run(argv)
     except UsageError as err:
         if says:
-            print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr, flush=True)
+            say_error(f"{Path(sys.argv[0]).name}: error: {err}")
         raise SystemExit(EXIT_USAGE) from None
     if recorded and says:
         warn_if_launch_differs(cfg, launch, *recorded)
