@@ -110,9 +110,10 @@ class TrainConfig:
     shard_downloads: int = opt(4, "shard downloads at once per rank, a connection each (one GET "
                                "per shard)", group=DATA, on_resume="free", above=0, at_most=32,
                                applies_to=IN_AN_OBJECT_STORE)
-    store_timeout: float = opt(300.0, "seconds the store may fail to answer (unreachable, "
-                               "throttling) before every rank stops with exit 75 after a checkpoint, to be restarted; "
-                               "shorter outages are waited out. Less than --dist-timeout - 60",
+    store_timeout: float = opt(300.0, "seconds a request to the store may take, its faults (unreachable, "
+                               "throttling) and a shard's whole download included, before every rank stops with exit "
+                               "75 after a checkpoint, to be restarted; shorter outages are waited out. Less than "
+                               "--dist-timeout - 60",
                                group=DATA, on_resume="free", above=0, applies_to=IN_AN_OBJECT_STORE)
     store_if_match: bool = opt(True, "pin each shard's GET to the version the run listed with If-Match on its ETag "
                                "(the answer's ETag is compared too); --no-store-if-match for a store that rejects "
