@@ -565,18 +565,26 @@ def _at_steps(actions: dict[int | str, Callable[[], None]]):
 def test_an_outage_is_waited_out_a_longer_one_stops_every_rank_named_and_the_resume_ends_as_never_stopped(
         whole_run, one_per_shard, far_away, tmp_path):
     """Through the proxy, an outage of 2.5 s at step 2 (the run waits, says so and goes on), then,
-    once it has said so, one of 10 minutes, beyond --store-timeout 3 (at a fixed step instead, a
+    once it has said so, one of 10 minutes, beyond --store-timeout 8 (which bounds a whole fetch
+    from its start: the fetch a cut meets, then a backoff of up to 5 s; at a fixed step instead, a
     fast run's queued batches could carry it past the first outage's end before anything asked
-    the store, and nothing would wait it out): every rank stops at the same step with exit
+    the store, and nothing would wait it out; said by any rank: the rank that meets the first
+    outage is a matter of timing): every rank stops at the same step with exit
     75, one line naming the store, the shard and the reason, after a checkpoint of the last
     completed step; once the store answers, the resume ends bit for bit as the run that never met
     either (the whole run's step 9)."""
     root, _, _ = whole_run
     proxy, env = far_away
     _, bucket = one_per_shard
-    out, args = tmp_path / "run", RUN + TIGHT + ["--data-dir", bucket, "--store-timeout", "3"]
-    proc = run_ranks("train_moco.py", args + ["--out", str(out)], tmp_path, env=env,
-                     watch=_at_steps({2: lambda: proxy.cut(2.5), "it answers again": lambda: proxy.cut(600)}))
+    out, args = tmp_path / "run", RUN + TIGHT + ["--data-dir", bucket, "--store-timeout", "8"]
+    at_step_2, long_cut = _at_steps({2: lambda: proxy.cut(2.5)}), []
+
+    def watch(text: str) -> None:  # run_ranks hands on rank 0's log; every rank's is in its folder
+        at_step_2(text)
+        if not long_cut and any("it answers again" in log.read_text() for log in tmp_path.glob("ranks-*/rank*.stdout")):
+            long_cut.append(proxy.cut(600))
+
+    proc = run_ranks("train_moco.py", args + ["--out", str(out)], tmp_path, env=env, watch=watch)
     proxy.end_cut()
     assert proc.codes == [EXIT_STORE, EXIT_STORE], proc.stdout + proc.stderr
     said = proc.stdout + proc.stderr

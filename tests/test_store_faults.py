@@ -338,6 +338,47 @@ def test_a_shard_that_trickles_in_is_an_outage_at_the_deadline(bucket, proxied, 
     assert time.monotonic() - started < 2 + object_store.READ_TIMEOUT_S
 
 
+class _Blocks:
+    """A GET's body as botocore's StreamingBody gives its raw response: ``blocks``, each read
+    after its pause (s)."""
+
+    def __init__(self, blocks: list[tuple[float, bytes]]):
+        self.blocks = blocks
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def read1(self, size: int) -> bytes:
+        if not self.blocks:
+            return b""
+        pause, block = self.blocks.pop(0)
+        time.sleep(pause)
+        return block
+
+
+def test_the_deadline_cuts_a_body_still_arriving_not_one_whose_last_bytes_came(tmp_path, monkeypatch):
+    """The deadline passes during a body's reads: the last of its announced bytes arriving just
+    after it completes the shard; any other read after it stops the fetch."""
+    data = b"0123456789"
+    ref = object_store.ShardRef("s3://b/p/shard-000000.tar", len(data), etag='"e"')
+
+    class Store:
+        def __init__(self, blocks):
+            self.blocks = blocks
+
+        def get_object(self, **request):
+            return {"ContentLength": len(data), "ETag": '"e"', "Body": _Blocks(list(self.blocks))}
+
+    monkeypatch.setattr(object_store, "client", lambda: Store([(0, data[:6]), (0.3, data[6:])]))
+    assert fetch(ref, str(tmp_path / "a"), Patience(0.1)) == 1 and (tmp_path / "a").read_bytes() == data
+    monkeypatch.setattr(object_store, "client", lambda: Store([(0, data[:3]), (0.3, data[3:6]), (0, data[6:])]))
+    with pytest.raises(StoreUnavailable, match=r"\(not all of it within 0.1 s: 6 B of 10 B came, at \d+ B/s;"):
+        fetch(ref, str(tmp_path / "b"), Patience(0.1))
+
+
 # ----------------------------------------------------------------------------- dialects
 def test_a_listing_without_etags_is_checked_against_the_index_sha256_as_it_arrives(written, proxied, tmp_path):
     address = copy_split(written, "no-etags")

@@ -366,14 +366,17 @@ class Patience:
             return result
 
 
-def _receive(body, write: Callable[[bytes], object], deadline: float) -> bool:
+def _receive(response: dict, write: Callable[[bytes], object], deadline: float) -> bool:
     """Hands a GET's body to ``write`` as its bytes arrive; False when ``deadline`` passed before
-    its end. Each read returns what has arrived (urllib3's ``read1``, on the response botocore's
-    body wraps), so a body that trickles is seen at the deadline rather than after CHUNK bytes."""
-    with body as raw:  # botocore's StreamingBody gives its urllib3 response this way
+    all of them came. Each read returns what has arrived (urllib3's ``read1``, on the response
+    botocore's body wraps), so a body that trickles is seen at the deadline rather than after
+    CHUNK bytes."""
+    left = response.get("ContentLength", -1)  # what the store said it sends
+    with response["Body"] as raw:  # botocore's StreamingBody gives its urllib3 response this way
         while block := raw.read1(CHUNK):
             write(block)
-            if time.monotonic() >= deadline:
+            left -= len(block)
+            if left and time.monotonic() >= deadline:
                 return False
     return True
 
@@ -420,7 +423,7 @@ class StorePrefix:
                     return None
                 raise
             data = io.BytesIO()
-            if not _receive(response["Body"], data.write, deadline):
+            if not _receive(response, data.write, deadline):
                 raise too_slow(address, data.tell(), response.get("ContentLength", 0), self.patience.seconds,
                                time.monotonic() - started)
             return data.getvalue()
@@ -521,7 +524,7 @@ def fetch(ref: ShardRef, to: str, patience: Patience, if_match: bool = True) -> 
                 if digest is not None:
                     digest.update(block)
 
-            arrived = _receive(response["Body"], write, deadline)
+            arrived = _receive(response, write, deadline)
             written = out.tell()
         if not arrived:
             raise too_slow(address, written, size, patience.seconds, time.monotonic() - started)
