@@ -11,6 +11,8 @@ In process (tests, benchmarks)::
     with FarNetwork(target=("127.0.0.1", server_port), latency_s=0.1, bytes_per_s=2e6) as proxy:
         client = boto3.client("s3", endpoint_url=proxy.url)
         proxy.cut_after(3, seconds=5)
+        proxy.rewrite(lambda seen: Rewrite(status=503, answer=b"<Error><Code>SlowDown</Code></Error>")
+                      if seen.method == "GET" else None)
 
 The contract:
 
@@ -22,14 +24,22 @@ The contract:
   request signature stay valid). ``Expect: 100-continue`` works: the server's interim response
   reaches the client before the body is forwarded.
 * Latency: a request is forwarded ``latency_s`` after its head arrived; every request pays it once.
-* Bandwidth: server-to-client bytes of each connection are paced to ``bytes_per_s`` (in pieces of
-  16 kB; None: no cap); client-to-server bytes are not paced.
+* Bandwidth: server-to-client bytes of each connection are paced to ``bytes_per_s`` (None: no
+  cap), in pieces of 16 kB or, at a lower rate, of what 50 ms carry (so that 300 B/s trickles in
+  15-byte pieces rather than waiting a minute for 16 kB); client-to-server bytes are not paced.
 * Cut: every open connection is closed at once, with a reset where a request is under way (a plain
   close between requests, so that a response sent in full stays whole), and until the cut ends
   every new connection is accepted and reset; then service is normal again.
 * Hold: requests that arrive while held wait, unforwarded, until the release.
 * A server that cannot be reached, or that closes mid-response: the client's connection is closed
   (no 502 is made up); other connections go on.
+* Rewrite: a rule (:meth:`FarNetwork.rewrite`) sees each request (:class:`Seen`: method, path,
+  query, headers) once its latency and any hold are over, and returns None (forwarded as it is)
+  or a :class:`Rewrite`: a canned answer (status, body, headers; nothing is forwarded and the
+  request's own body is read and dropped), or the request forwarded without some of its headers
+  (the server then sees a request whose signature no longer covers it: moto does not check),
+  and/or its response's body rewritten (read whole, for small answers such as a listing; its
+  length set anew). Rules run on the proxy's thread: they must be quick.
 * Log: a request is logged when its response has been sent completely (an aborted one is not):
   ``requests`` and, with ``log_path``, one JSON line each (method, path, query, range, status,
   bytes of the response body, started and ended in seconds since the proxy started). Request
@@ -41,6 +51,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import http
 import ipaddress
 import json
 import math
@@ -52,7 +63,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-PIECE = 16 * 1024          # bytes per paced write to a client
+PIECE = 16 * 1024          # bytes per paced write to a client, at most
+PIECE_S = 0.05             # s: at a low rate, a paced write carries what this time allows (at least a byte)
 HEAD_LIMIT = 64 * 1024     # the longest request or response head accepted
 EXPECT_WAIT_S = 1.0        # how long to wait for a server's "100 Continue" before forwarding the body anyway
 STOP_WAIT_S = 5.0          # how long stop() waits for the connections and the thread to end
@@ -73,6 +85,29 @@ class Request:
     response_bytes: int
     started: float
     ended: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """A request as a rule sees it: ``path`` without the query string, ``query`` the raw query
+    string, ``headers`` with names in lower case (several of a name joined by ", ")."""
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewrite:
+    """What a rule does with one request: with ``status``, the proxy answers it itself with
+    ``answer`` as the body and ``headers`` besides Content-Length; else it forwards the request
+    without the headers named in ``drop`` (any case), and ``body``, if given, makes the response's
+    body from the server's (read whole)."""
+    status: int | None = None
+    answer: bytes = b""
+    headers: tuple[tuple[str, str], ...] = ()
+    drop: tuple[str, ...] = ()
+    body: Callable[[bytes], bytes] | None = None
 
 
 def loopback_host(host: str) -> str:
@@ -129,6 +164,34 @@ class _Head:
 
 async def _read_head(reader: asyncio.StreamReader) -> bytes:
     return await reader.readuntil(b"\r\n\r\n")
+
+
+def _without(raw: bytes, names: set[str]) -> bytes:
+    """A head without its header lines named in ``names`` (lower case)."""
+    first, *lines = raw.split(b"\r\n")
+    kept = [line for line in lines if line.partition(b":")[0].strip().decode("latin-1").lower() not in names]
+    return b"\r\n".join([first, *kept])
+
+
+def _with_length(raw: bytes, length: int) -> bytes:
+    """A response head for a body of ``length`` bytes sent whole (no chunked framing)."""
+    head = _without(raw, {"content-length", "transfer-encoding"})
+    return head[:-2] + b"Content-Length: %d\r\n\r\n" % length
+
+
+async def _read_payload(reader: asyncio.StreamReader, kind: str, length: int) -> bytes:
+    """One body's payload, read whole (chunked framing and trailers taken off)."""
+    if kind == "length":
+        return await reader.readexactly(length)
+    if kind == "close":
+        return await reader.read()
+    parts = []
+    while size := int((await reader.readuntil(b"\r\n")).split(b";", 1)[0].strip(), 16):
+        parts.append(await reader.readexactly(size))
+        await reader.readexactly(2)
+    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
+        pass
+    return b"".join(parts)
 
 
 async def _read_response_head(reader: asyncio.StreamReader) -> tuple[int, _Head]:
@@ -237,6 +300,7 @@ class FarNetwork:
         self._log = None
         self._lock = threading.Lock()
         self._requests: list[Request] = []
+        self._rule: Callable[[Seen], Rewrite | None] | None = None
         self._cut_trigger: tuple[int, float] | None = None
         self._hold_trigger: int | None = None
         self._held = False
@@ -324,6 +388,11 @@ class FarNetwork:
             if rate is not None and (not math.isfinite(rate) or rate <= 0):
                 raise ValueError(f"bytes_per_s must be a finite number > 0 or None, got {bytes_per_s!r}")
             self._bytes_per_s = rate
+
+    def rewrite(self, rule: Callable[[Seen], Rewrite | None] | None) -> None:
+        """From the next request on, ``rule(request)`` says what to do with each (None: forward
+        it as it is); ``rewrite(None)`` ends the rewriting."""
+        self._rule = rule
 
     def cut(self, seconds: float) -> None:
         """An outage now, for ``seconds``: open connections drop, new ones are reset."""
@@ -484,6 +553,13 @@ class FarNetwork:
             await asyncio.sleep(delay)
         if conn.aborted:
             return False
+        path, _, query = target.partition("?")
+        rule = self._rule
+        rewrite = rule(Seen(method, path, query, dict(request.headers))) if rule is not None else None
+        if rewrite is not None and rewrite.status is not None:
+            return await self._answer(conn, request, rewrite, arrived)
+        if rewrite is not None and rewrite.drop:
+            request.raw = _without(request.raw, {name.lower() for name in rewrite.drop})
 
         sent = 0  # response bytes sent to the client for this request
         wants_body = True
@@ -520,17 +596,44 @@ class FarNetwork:
             kind, length = "length", 0
         else:
             kind, length = head.framing(until_close=True)
-        await to_client(head.raw)
-        body = await _relay_body(conn.up_r, kind, length, to_client)
+        if rewrite is not None and rewrite.body is not None and (kind != "length" or length):
+            payload = rewrite.body(await _read_payload(conn.up_r, kind, length))
+            await to_client(_with_length(head.raw, len(payload)))
+            await to_client(payload)
+            body = len(payload)
+        else:
+            await to_client(head.raw)
+            body = await _relay_body(conn.up_r, kind, length, to_client)
         conn.busy = False
         ended = loop.time()
-        path, _, query = target.partition("?")
         self._answered(Request(method=method, path=path, query=query, range_header=request.headers.get("range"),
                                status=status, response_bytes=body, started=round(arrived - self._t0, 6),
                                ended=round(ended - self._t0, 6)))
         closes = "close" in request.tokens("connection") or "close" in head.tokens("connection") or (
             head.first[0] == "HTTP/1.0" and "keep-alive" not in head.tokens("connection"))
         return wants_body and kind != "close" and not closes
+
+    async def _answer(self, conn: _Connection, request: _Head, rewrite: Rewrite, arrived: float) -> bool:
+        """Answers a request with ``rewrite``'s canned response; False when the connection is to
+        close (a request that expected 100-continue: its body never comes)."""
+        method, target = request.first[0].upper(), request.first[1]
+        kind, length = request.framing(until_close=False)
+        expect = (kind == "chunked" or length > 0) and "100-continue" in request.tokens("expect")
+        if (kind == "chunked" or length > 0) and not expect:
+            await _read_payload(conn.client_r, kind, length)
+        body = b"" if method == "HEAD" else rewrite.answer
+        extra = [*rewrite.headers, *([("Connection", "close")] if expect else [])]
+        head = "".join([f"HTTP/1.1 {rewrite.status} {http.HTTPStatus(rewrite.status).phrase}\r\n",
+                        f"Content-Length: {len(rewrite.answer)}\r\n", *(f"{name}: {value}\r\n" for name, value in extra),
+                        "\r\n"])
+        await self._to_client(conn, head.encode("latin-1") + body)
+        conn.busy = False
+        loop = asyncio.get_running_loop()
+        path, _, query = target.partition("?")
+        self._answered(Request(method=method, path=path, query=query, range_header=request.headers.get("range"),
+                               status=rewrite.status, response_bytes=len(body), started=round(arrived - self._t0, 6),
+                               ended=round(loop.time() - self._t0, 6)))
+        return not expect and "close" not in request.tokens("connection")
 
     async def _open_upstream(self, conn: _Connection) -> bool:
         """Connects to the target unless the connection is open still; True when reused."""
@@ -565,10 +668,11 @@ class FarNetwork:
 
     async def _to_client(self, conn: _Connection, data: bytes) -> None:
         """Writes to the client in pieces paced to the bandwidth at the time of each piece."""
-        view = memoryview(data)
-        for start in range(0, len(view), PIECE):
-            piece = view[start:start + PIECE]
+        view, start = memoryview(data), 0
+        while start < len(view):
             rate = self._bytes_per_s
+            piece = view[start:start + (PIECE if rate is None else max(1, min(PIECE, int(rate * PIECE_S))))]
+            start += len(piece)
             if rate is not None:
                 now = asyncio.get_running_loop().time()
                 begin = max(now, conn.free_at)  # no credit saved up while idle

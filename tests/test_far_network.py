@@ -1,7 +1,8 @@
 """bench/far_network.py, the far-network proxy, between real clients (http.client, boto3) and real
 servers on 127.0.0.1 (a small HTTP/1.1 server here, moto's S3 server): bytes unchanged over
 keep-alive connections, 100-continue, the latency and bandwidth as lower bounds, cuts, holds, the
-request log without headers, early closes on either side, and the loopback-only refusal."""
+request log without headers, early closes on either side, a low rate that trickles, the rules
+that answer, drop request headers and rewrite bodies, and the loopback-only refusal."""
 from __future__ import annotations
 
 import http.client
@@ -22,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from helpers import REPO, wait_until
 
-from bench.far_network import FarNetwork
+from bench.far_network import FarNetwork, Rewrite
 
 SCRIPT = REPO / "bench" / "far_network.py"
 BROKEN = (http.client.HTTPException, OSError)  # what a client sees when its connection drops
@@ -34,7 +35,8 @@ def payload(n: int) -> bytes:
 
 class _Origin(http.server.BaseHTTPRequestHandler):
     """GET /bytes/N (Content-Length), /chunked/N, /close/N (body until close), /truncated/N (closes
-    after 10 of N bytes); HEAD /bytes/N; PUT echoes its body (a 100 Continue first on Expect)."""
+    after 10 of N bytes), /headers (the request's header names, one a line); HEAD /bytes/N; PUT
+    echoes its body (a 100 Continue first on Expect)."""
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args):
@@ -43,7 +45,7 @@ class _Origin(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.server.seen.append((self.command, self.path, self.client_address[1]))
         kind, _, size = self.path.partition("?")[0].strip("/").partition("/")
-        body = payload(int(size))
+        body = "\n".join(name.lower() for name in self.headers).encode() if kind == "headers" else payload(int(size))
         self.send_response(200)
         if kind == "chunked":
             self.send_header("Transfer-Encoding", "chunked")
@@ -229,6 +231,52 @@ def test_the_bandwidth_per_connection_is_capped(target):
         assert time.monotonic() - start >= 1.4
         proxy.set(bytes_per_s=None)  # uncapped from now on; the body is still whole
         assert get(conn, "/bytes/300000") == (200, payload(300_000))
+
+
+def test_a_low_rate_trickles_in_small_pieces(target):
+    """At 300 B/s the body comes about 300 bytes a second from the start (pieces of what 50 ms
+    carry), not 16 kB at once and then nothing for 55 s."""
+    with FarNetwork(target, latency_s=0, bytes_per_s=300) as proxy, socket.create_connection(
+            ("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET /bytes/100000 HTTP/1.1\r\nHost: x\r\n\r\n")
+        came, started, marks = 0, time.monotonic(), []
+        while len(marks) < 2:
+            came += len(sock.recv(65536))
+            if time.monotonic() - started >= len(marks) + 1:
+                marks.append(came)
+        first, second = marks[0], marks[1] - marks[0]  # each second's bytes (the head's included in the first)
+        assert 150 < first < 600 and 150 < second < 450, marks
+
+
+def test_a_rule_answers_drops_request_headers_and_rewrites_bodies(target, origin):
+    def rule(seen):
+        if seen.path == "/bytes/10":
+            return Rewrite(status=503, answer=b"busy", headers=(("Retry-After", "2"),))
+        if seen.path == "/headers":
+            return Rewrite(drop=("X-Secret",))
+        if seen.path.startswith(("/bytes/", "/chunked/")):
+            return Rewrite(body=lambda body: body[::-1] + b"!")
+        return None
+
+    with FarNetwork(target, latency_s=0, bytes_per_s=None) as proxy:
+        proxy.rewrite(rule)
+        conn = connect(proxy)
+        conn.request("GET", "/bytes/10?x=1")
+        response = conn.getresponse()
+        assert (response.status, response.read(), response.getheader("Retry-After")) == (503, b"busy", "2")
+        assert origin.seen == []  # answered by the proxy
+        status, names = get(conn, "/headers", {"X-Secret": "s3cr3t", "X-Kept": "1"})
+        assert status == 200 and b"x-kept" in names.split(b"\n") and b"x-secret" not in names.split(b"\n")
+        assert get(conn, "/bytes/5000") == (200, payload(5000)[::-1] + b"!")
+        assert get(conn, "/chunked/70000") == (200, payload(70_000)[::-1] + b"!")  # sent whole, its length set
+        assert get(conn, "/bytes/5000", method="HEAD") == (200, b"")
+        proxy.rewrite(None)
+        assert get(conn, "/bytes/10") == (200, payload(10))  # the same connection throughout
+        done = [(r.method, r.path, r.query, r.status, r.response_bytes) for r in answered(proxy, 6)]
+    assert done == [("GET", "/bytes/10", "x=1", 503, 4), ("GET", "/headers", "", 200, len(names)),
+                    ("GET", "/bytes/5000", "", 200, 5001), ("GET", "/chunked/70000", "", 200, 70_001),
+                    ("HEAD", "/bytes/5000", "", 200, 0), ("GET", "/bytes/10", "", 200, 10)]
+    assert len({port for _, _, port in origin.seen}) == 1
 
 
 def test_a_cut_drops_a_body_mid_way_refuses_new_connections_then_ends(target):

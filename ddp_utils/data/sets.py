@@ -18,6 +18,7 @@ from torch.utils.data import Dataset, Subset
 
 from .. import hashing
 from ..config import UsageError
+from ..runtime.logs import masked
 from .image_files import FolderListing, ImageFiles, ShardFiles, underlying
 from .object_store import check_address, is_object_store
 from .shard_cache import NodeCache
@@ -108,7 +109,7 @@ def check_data_dir(dataset: str, data_dir: str, download: bool, named: str = "--
     as written; its contents are checked when the job reads its index (``train.preflight``)."""
     if is_object_store(data_dir):
         if dataset != "shards":
-            return (f"{named} {data_dir}: an object store holds shards only; write them with write_shards.py, "
+            return (f"{named} {masked(data_dir)}: an object store holds shards only; write them with write_shards.py, "
                     f"copy them there and add --dataset shards")
         return check_address(data_dir, named)
     root = Path(data_dir)

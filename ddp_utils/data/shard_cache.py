@@ -42,8 +42,8 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from .object_store import (
     SCHEME,
+    STORE_FAULTS,
     Patience,
-    ShardChanged,
     ShardRef,
     StoreError,
     StoreUnavailable,
@@ -56,7 +56,7 @@ DOWNLOADS = "downloads.txt"
 POLL_S = 0.02          # s: how often a process waiting for a shard looks for it
 WORKER_SLACK_S = 120.0  # s: beyond the store's patience, how long a worker waits before it reports its shard missing
 CLOSE_WAIT_S = 1.0      # s: how long the end of a run waits for the downloads under way
-FAULTS = {kind.__name__: kind for kind in (StoreUnavailable, ShardChanged)}
+FAULTS = {kind.__name__: kind for kind in STORE_FAULTS}
 
 
 def local_name(address: str) -> str:

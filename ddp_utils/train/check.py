@@ -4,7 +4,6 @@ lines. The launch/ scripts run it once before starting workers, so a mistake is 
 exit 2, never a restarted group or a launcher's traceback."""
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -29,6 +28,7 @@ from ..data.shards import shards_not_matching
 from ..data.unreadable import decode_every_file
 from ..runtime.device import device_type
 from ..runtime.launch import LaunchEnv, detect_launch, restart_count
+from ..runtime.logs import masked, say_error
 from ..runtime.stopping import EXIT_OK
 from .accumulation import steps_per_epoch
 from .data_record import check_same_data
@@ -50,11 +50,11 @@ def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCh
         lines = _checked_run(cfg, script, model, script_check, launch)
     except UsageError as err:
         if says and not err.said:
-            print(f"{script}: error: {err}", file=sys.stderr, flush=True)
+            say_error(f"{script}: error: {err}")
         return err.exit_code
     if says:
-        print(f"{script} --check: ok, nothing written; the run:", *(f"  {line}" for line in lines), sep="\n",
-              flush=True)
+        print(masked(f"{script} --check: ok, nothing written; the run:"), *(masked(f"  {line}") for line in lines),
+              sep="\n", flush=True)
     return EXIT_OK
 
 

@@ -36,7 +36,7 @@ from ..runtime.device import memory_format
 from ..runtime.dist import DistInfo, cleanup_distributed, init_distributed
 from ..runtime.faults import FaultPlan
 from ..runtime.launch import detect_launch, node_name
-from ..runtime.logs import release_held_logs, setup_logging
+from ..runtime.logs import masked, release_held_logs, say_error, setup_logging
 from ..runtime.stopping import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -128,7 +128,7 @@ class RunSession:
         if isinstance(err, UsageError):
             release_held_logs(show=False)  # the error line says it all
             if self.reporter and not err.said:
-                print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr, flush=True)
+                say_error(f"{Path(sys.argv[0]).name}: error: {err}")
             self.exit_code = err.exit_code
             self._mark_store_fault(err)
             return True
@@ -163,7 +163,7 @@ class RunSession:
         fresh run's folder is left alone: nothing is written there before its start)."""
         out = Path(self.cfg.out)
         if self.exit_code == EXIT_STORE and self.reporter and out.is_dir():
-            (out / STORE_MARKER).write_text(f"{datetime.now().isoformat(timespec='seconds')}\t{err}\n")
+            (out / STORE_MARKER).write_text(masked(f"{datetime.now().isoformat(timespec='seconds')}\t{err}\n"))
 
     def _leave(self, code: int) -> None:
         """Leave at once: tearing down a process group whose peer may be dead can abort the

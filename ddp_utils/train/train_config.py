@@ -34,6 +34,7 @@ from ..data.sets import DATASETS, IMAGE_FILES, NATIVE_SIZE, NORMALIZATIONS
 from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
 from ..runtime.device import check_device, device_type, visible_cuda_devices
 from ..runtime.launch import LaunchEnv, detect_launch, restart_count
+from ..runtime.logs import say_error
 from ..runtime.precision import AMP_MODES, resolve_amp
 from ..runtime.stopping import EXIT_USAGE
 from .optimization import EPOCH_WARMUP_SCHEDULES, LR_SCHEDULES, WARMUP_METHODS, parse_milestones
@@ -109,9 +110,10 @@ class TrainConfig:
     shard_downloads: int = opt(4, "shard downloads at once per rank, a connection each (one GET "
                                "per shard)", group=DATA, on_resume="free", above=0, at_most=32,
                                applies_to=IN_AN_OBJECT_STORE)
-    store_timeout: float = opt(300.0, "seconds the store may fail to answer (unreachable, "
-                               "throttling) before every rank stops with exit 75 after a checkpoint, to be restarted; "
-                               "shorter outages are waited out. Less than --dist-timeout - 60",
+    store_timeout: float = opt(300.0, "seconds a request to the store may take, its faults (unreachable, "
+                               "throttling) and a shard's whole download included, before every rank stops with exit "
+                               "75 after a checkpoint, to be restarted; shorter outages are waited out. Less than "
+                               "--dist-timeout - 60",
                                group=DATA, on_resume="free", above=0, applies_to=IN_AN_OBJECT_STORE)
     store_if_match: bool = opt(True, "pin each shard's GET to the version the run listed with If-Match on its ETag "
                                "(the answer's ETag is compared too); --no-store-if-match for a store that rejects "
@@ -422,7 +424,7 @@ def parse_args(cls: type[C], argv: Sequence[str] | None, doc: str,
         recorded = recorded_run(argv)
     except UsageError as err:
         if says:
-            print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr, flush=True)
+            say_error(f"{Path(sys.argv[0]).name}: error: {err}")
         raise SystemExit(EXIT_USAGE) from None
     if recorded and says:
         warn_if_launch_differs(cfg, launch, *recorded)
