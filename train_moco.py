@@ -179,8 +179,9 @@ class MocoConfig(TrainConfig):
         return self.shuffle_bn and not self.sync_bn and world_size == 1 and self.bn_splits > 1
 
     def bank_samples(self) -> int | None:
-        """The kNN monitor's bank: ``--knn-bank-samples`` of the training split (0: all)."""
-        return self.knn_bank_samples
+        """The kNN monitor's bank: ``--knn-bank-samples`` of the training split (0: all); none
+        without the monitor (``--knn-every 0``)."""
+        return self.knn_bank_samples if self.knn_every else None
 
 
 @dataclass(kw_only=True)

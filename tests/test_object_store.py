@@ -320,12 +320,14 @@ def test_the_index_in_the_bucket_is_read_and_checked(bucket, written):
 def test_the_caches_room_is_checked_in_one_line(bucket, written, tmp_path, monkeypatch):
     """The minimum is what the loaders hold at once (shard_cache.shards_in_use over the training
     pass, 2 workers x prefetch 2 + the batch received, windows of 4 shuffled shards, and the
-    evaluation passes, in shard order) and the shard the training process reads itself."""
+    evaluation pass, in shard order; never more than the split's shards) and the shard the
+    training process reads itself."""
     indexes = (ShardIndex.read(str(written / "train")), ShardIndex.read(str(written / "val")))
     largest = max(shard["bytes"] for index in indexes for shard in index.shards)
     fewest = [int(np.bincount(index.shard).min()) for index in indexes]
-    in_use = max(min(SHUFFLE_SHARDS * ((5 * 4 - 2) // (SHUFFLE_SHARDS * fewest[0]) + 2), 5 * 4),  # 5 batches of 4
-                 min((3 * 16 - 2) // fewest[1] + 2, 3 * 16))  # validation: 2 workers + 1 batches of 16
+    in_use = max(min(SHUFFLE_SHARDS * ((5 * 4 - 2) // (SHUFFLE_SHARDS * fewest[0]) + 2), 5 * 4,  # 5 batches of 4
+                     len(indexes[0].shards)),  # nor more than there are
+                 min((3 * 16 - 2) // fewest[1] + 2, 3 * 16, len(indexes[1].shards)))  # validation: 3 batches of 16
     cfg = ClassifierConfig(dataset="shards", data_dir=bucket, shard_cache_dir=str(tmp_path / "new" / "cache"),
                            batch_size=4, workers=2)
     resolved = preflight.resolved_settings(cfg, "torchrun", 8, torch.device("cpu"))
@@ -648,7 +650,7 @@ def test_check_reads_the_bucket_and_an_unreachable_store_is_one_line(bucket, s3_
     assert "data: shards, 39 training and 12 validation images" in proc.stdout
     assert re.search(r"object store: each node caches up to 0.0\d GB of shards in \S+/ddp-shards-\w+-nodeN \(never more; "
                      r"deleted at the end\); each rank reads at least 8 shard\(s\) ahead and downloads up to 16 at "
-                     r"once \(from 2, as many as its loaders' demand needs\); a store that does not answer is waited "
+                     r"once \(from 4, as many as its loaders' demand needs\); a store that does not answer is waited "
                      r"for 300 s", proc.stdout), proc.stdout
     closed = f"http://127.0.0.1:{free_port()}"
     proc = subprocess.run(args, cwd=REPO, env=cli_env({**s3_server, "AWS_ENDPOINT_URL": closed}), capture_output=True,

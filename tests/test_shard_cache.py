@@ -156,8 +156,9 @@ def test_a_worker_gives_up_within_the_store_timeout_and_the_training_process_rai
         bucket, through, tmp_path, monkeypatch):
     """The proxy holds every request: the rank's read-ahead never delivers. The DataLoader
     worker waiting for the shard gives up after the patience and the slack (the slack shortened
-    here from its 30 s), recording the fault; the training process, reading the sample again as
-    the unreadable-file check does, raises it at once instead of waiting as long again."""
+    here from its 30 s), recording the fault for the rank; the training process, reading the
+    sample again as the unreadable-file check does, raises it at once instead of waiting as long
+    again, and the worker's next wait ends at once too."""
     monkeypatch.setattr(shard_cache, "WAIT_SLACK_S", 0.5)  # read by the forked worker too
     index = ShardIndex.read(f"{bucket}/train")
     cache = NodeCache(str(tmp_path / "cache"), 1 << 30, rank=0, patience=1.0).prepare()
@@ -180,6 +181,9 @@ def test_a_worker_gives_up_within_the_store_timeout_and_the_training_process_rai
                                                    r"within 2 s; endpoint http://127.0.0.1:\d+\)"):
             why_unreadable(files, -1 - target.item())
         assert time.monotonic() - started < 0.2  # at once: neither a wait nor a fetch of its own
+        started = time.monotonic()
+        _, target = next(batches)  # the worker's next wait, whatever its shard: the rank's fault at once
+        assert target.item() < 0 and time.monotonic() - started < 1.0
         del batches
     finally:
         through.release()

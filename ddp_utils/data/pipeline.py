@@ -319,13 +319,16 @@ def rank_shards_in_use(plan: DataPlan, train_shards: np.ndarray, val_shards: np.
     if plan.bank_samples is not None:
         bank = bank_subset(range(len(train_shards)), plan.bank_samples, plan.seed).indices  # type: ignore[arg-type]
         passes.append((eval_asked, eval_batch, train_shards[np.asarray(bank, dtype=np.int64)], 1))
-    return max(shards_in_use((asked + 1) * batch, _fewest_per_shard(shard_of), window)
-               for asked, batch, shard_of, window in passes if len(shard_of))
+    return max(_in_use(shard_of, (asked + 1) * batch, window) for asked, batch, shard_of, window in passes
+               if len(shard_of))
 
 
-def _fewest_per_shard(shard_of: np.ndarray) -> int:
+def _in_use(shard_of: np.ndarray, asked: int, window: int) -> int:
+    """``shards_in_use`` of a pass over the samples ``shard_of``: the smallest shard's count of
+    them, and never more than the shards there are."""
     counts = np.bincount(shard_of)
-    return int(counts[counts > 0].min())
+    counts = counts[counts > 0]
+    return min(shards_in_use(asked, int(counts.min()), window), len(counts))
 
 
 def shards_of(raw: Dataset) -> np.ndarray:

@@ -32,7 +32,7 @@ Who talks to the store: each rank's read-ahead threads, in its training process.
 worker never does: it waits for its rank's link, or for a fault, which it hands on as an
 unreadable sample (``image_files``), so the training process learns of it and every rank stops
 together at the step's agreement. A wait never outlasts ``--store-timeout`` + ``WAIT_SLACK_S``:
-a worker that gives up records the fault for the node, and the training process, reading the
+a worker that gives up records the fault for its rank, and the training process, reading the
 sample again, raises it at once. A read in the training process outside a loader's pass (the
 augmentation preview, a sample checked again) fetches what it needs itself.
 """
@@ -77,7 +77,7 @@ POLL_S = 0.02           # s: how often a process waiting for a shard looks for i
 # overshoot by (it is checked between reads: one read's timeout, and a connection's), and a margin
 WAIT_SLACK_S = READ_TIMEOUT_S + CONNECT_TIMEOUT_S + 5.0
 CLOSE_WAIT_S = 1.0      # s: how long the end of a run waits for the downloads under way
-START_DOWNLOADS = 2     # downloads at once a rank starts with, and starts again from after a fault
+START_DOWNLOADS = 4     # downloads at once a rank starts with, and again after a fault (the fixed 4 before)
 HEADROOM = 1.5          # downloads kept in flight: this many times what the measured demand needs
 DEMAND_WINDOW_S = 10.0  # s: the loaders' demand is measured over this much of the recent past
 
@@ -378,14 +378,16 @@ class NodeCache:
     def _wait_for(self, held: Path, ref: ShardRef) -> None:
         """Until ``held`` exists: a fault recorded meanwhile is raised; after ``patience`` +
         ``WAIT_SLACK_S`` seconds the shard counts as the store not answering, recorded for the
-        node (the training process, reading the sample again, raises it at once)."""
+        rank: the training process, reading the sample again, raises it at once, and so does
+        every later wait of the rank's workers (a batch of several missing shards stalls the
+        rank that long once, not once a shard)."""
         name, limit = local_name(ref.address), self.patience + WAIT_SLACK_S
         deadline = time.monotonic() + limit
         while not held.exists():
             self.raise_fault(name)
             if time.monotonic() > deadline:
                 late = StoreUnavailable(ref.address, f"not fetched by the rank's read-ahead within {limit:.0f} s")
-                self.record_fault(name, late)
+                self.record_fault(name, late, rank_wide=True)
                 raise late
             time.sleep(POLL_S)
 
@@ -426,11 +428,13 @@ class DownloadPace:
     """How many downloads a rank keeps in flight: enough to cover what its loaders read. By
     Little's law the downloads in flight are the demand (bytes a second) times the time a
     download takes per byte; the rank aims at ``HEADROOM`` times that, so that one whose loaders
-    wait (the demand measured is then what arrived) still asks for more. The number grows by one
-    for each download that arrives while it is below the aim (doubling each download's time, as
-    TCP's slow start), never beyond ``ceiling``; a fault (a request sent again after the store
-    failed to answer) starts it again from ``START_DOWNLOADS``, so a recovering store is not
-    stormed. Its owner keeps it under a lock."""
+    wait (the demand measured is then what arrived) still asks for more, and at least at the
+    shards its workers were asked for and do not have yet (needed now: at a pass's start, before
+    any demand is measured). The number grows by one for each download that arrives while it is
+    below the aim (doubling each download's time, as TCP's slow start), never beyond
+    ``ceiling``; a fault (a request sent again after the store failed to answer) starts it again
+    from ``START_DOWNLOADS``, so a recovering store is not stormed. Its owner keeps it under a
+    lock."""
 
     def __init__(self, ceiling: int):
         self.ceiling = ceiling
@@ -458,15 +462,17 @@ class DownloadPace:
     def seconds_per_mb(self) -> float:
         return (self._per_byte or 0.0) * 1e6
 
-    def aim(self, now: float) -> int:
-        """Downloads in flight that cover the demand, with headroom."""
-        return math.ceil(HEADROOM * self.demand(now) * (self._per_byte or 0.0))
+    def aim(self, now: float, missing: int) -> int:
+        """Downloads in flight that cover the demand, with headroom, and the ``missing`` shards
+        the workers wait for."""
+        return max(math.ceil(HEADROOM * self.demand(now) * (self._per_byte or 0.0)), missing)
 
-    def downloaded(self, size: int, seconds: float, now: float) -> None:
-        """A download of ``size`` bytes took ``seconds`` (none of its requests failed)."""
+    def downloaded(self, size: int, seconds: float, now: float, missing: int) -> None:
+        """A download of ``size`` bytes took ``seconds`` (none of its requests failed); the
+        workers wait for ``missing`` shards."""
         per_byte = seconds / max(size, 1)
         self._per_byte = per_byte if self._per_byte is None else 0.8 * self._per_byte + 0.2 * per_byte
-        if self.aim(now) > self.target:
+        if self.aim(now, missing) > self.target:
             self.target = min(self.ceiling, self.target + 1)
 
     def fault(self) -> None:
@@ -653,7 +659,9 @@ class ReadAhead:
             if ref.address in self._faulted:  # its time includes the store's silence
                 self._faulted.discard(ref.address)
             else:
-                self.pace.downloaded(ref.size, seconds, time.monotonic())
+                missing = sum(1 for need, required in self._ahead(following=False)
+                              if required and need.ref.address not in self._held)
+                self.pace.downloaded(ref.size, seconds, time.monotonic(), missing)
             self._cond.notify_all()
 
     def _recovered(self, address: str, waited: float, reason: str) -> None:

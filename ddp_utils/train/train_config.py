@@ -97,8 +97,10 @@ class TrainConfig:
                      "train as their image folder, bit for bit); auto = shards for --dataset shards, else samples",
                      choices=("auto", *ORDERS), group=DATA)
     shard_cache_dir: str = opt("", "the node-local folder that holds the node's cache of the shards "
-                               "(shared by its ranks, emptied at start, deleted at the end unless "
-                               "--keep-shard-cache); '' = the system's temporary folder (TMPDIR)",
+                               "(shared by its ranks; emptied at a run's start, an attempt that resumes keeping "
+                               "the shards it lists; deleted when the run ends unless --keep-shard-cache, kept "
+                               "for the next attempt when it stops to be started again); '' = the system's "
+                               "temporary folder (TMPDIR)",
                                group=DATA, on_resume="free", applies_to=IN_AN_OBJECT_STORE)
     shard_cache_gb: float = opt(0.0, "GB of local disk the node's cache of shards may fill, shared by its ranks "
                                 "(it never holds more; the shards held least recently go first); 0 = what the ranks "
