@@ -458,9 +458,11 @@ def test_a_shard_is_one_get_pinned_to_the_version_listed(bucket, written, throug
 RUN = ["--device", "cpu", "--arch", "small_cnn", "--image-size", "32", "--batch-size", "4", "--workers", "2",
        "--log-every", "1", "--aug-on", "device", "--moco-k", "32", "--dataset", "shards", "--epochs", "2",
        "--knn-every", "2"]  # 2 epochs of 9 steps; the kNN monitor at step 0 and at the end
-# A node cache far smaller than the data, no kNN pass (which reads every shard): every step downloads;
-# the first epoch, which ends as the whole run's (checkpoint_prev1.pt)
-TIGHT = ["--shard-read-ahead", "0", "--shard-cache-gb", "0", "--knn-every", "0", "--max-steps", "9"]
+# A node cache smaller than the data and one download at a time, no kNN pass (which reads every
+# shard): the downloads spread over the steps; the first epoch, which ends as the whole run's
+# (checkpoint_prev1.pt)
+TIGHT = ["--shard-read-ahead", "0", "--shard-downloads", "1", "--shard-cache-gb", "0", "--knn-every", "0",
+         "--max-steps", "9"]
 
 
 @pytest.fixture(scope="module")

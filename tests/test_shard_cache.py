@@ -85,9 +85,9 @@ class _Samples(Dataset):
 
 
 class _OnDisk:
-    """Samples, on a thread, the bytes ``folder``'s shards take on disk: each file once (hard
-    links share one), and every file deleted from it that a process of this test (this one, its
-    DataLoader workers) still holds open. ``peak``: the most bytes (st_size) seen; ``over``: the most
+    """Samples, on a thread, the bytes ``folder``'s shards take on disk: its files (the ranks'
+    holds are hard links to them), and every file deleted from it that a process of this test
+    (this one, its DataLoader workers) still holds open. ``peak``: the most bytes (st_size) seen; ``over``: the most
     allocated bytes (st_blocks) beyond ``peak``'s count, less a block per file (a file's last
     block is allocated whole)."""
 
@@ -106,16 +106,15 @@ class _OnDisk:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            files = {}
-            for root, _, names in os.walk(self.folder):
-                for name in names if not root.endswith("/locks") else ():  # the locks: empty files
-                    if name == DOWNLOADS:  # the record of downloads, a line each: not the cache's shards
-                        continue
+            files = {}  # the folder's own files, read at once: a rank's hold is a link to one of them
+            for entry in _scandir(self.folder):
+                if entry.name != DOWNLOADS:  # the record of downloads, a line each: not the cache's shards
                     try:
-                        stat = os.lstat(os.path.join(root, name))
+                        stat = entry.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    files[stat.st_ino] = stat
+                    if not entry.is_dir(follow_symlinks=False):
+                        files[stat.st_ino] = stat
             for pid in _family(os.getpid()):
                 for fd in _listdir(f"/proc/{pid}/fd"):
                     try:
@@ -129,6 +128,14 @@ class _OnDisk:
             self.peak = max(self.peak, size)
             self.over = max(self.over, sum(stat.st_blocks * 512 for stat in files.values()) - size - 4096 * len(files))
             time.sleep(0.002)
+
+
+def _scandir(path: str) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as entries:
+            return list(entries)
+    except OSError:
+        return []
 
 
 def _listdir(path: str) -> list[str]:
