@@ -27,12 +27,13 @@ EXIT_CODES = {
     EXIT_FAILURE: ("a crash, a lost peer, a checkpoint that could not be written",
                    "the previous checkpoints, untouched"),
     EXIT_USAGE: ("bad input: one line naming the fix, before any work; or, met during the run, an image file that "
-                 "cannot be decoded or a shard that changed in the object store", "nothing new; for what was met "
+                 "cannot be decoded, a shard that changed in the object store, or a shards' cache disk that is full",
+                 "nothing new; for what was met "
                  "during the run, a checkpoint of the last completed step (and for a file, `UNREADABLE`)"),
     EXIT_NONFINITE: ("a NaN or Inf loss (beyond `--skip-nonfinite`), or weights that became NaN or Inf",
                      "the last good checkpoint; the bad step was not applied"),
     EXIT_STORE: ("the object store (`--data-dir s3://...`) did not answer for `--store-timeout` seconds (unreachable, "
-                 "throttling, a full cache disk), during the run or at a restarted attempt's start",
+                 "throttling, a shard that did not arrive), during the run or at a restarted attempt's start",
                  "a checkpoint of the last completed step and `STORE_UNAVAILABLE`; torchrun's `--max-restarts` and the "
                  "SLURM script (a requeue) start the job again, which waits for the store, then resumes"),
     EXIT_INTERRUPTED: ("Ctrl-C", "the first Ctrl-C during training: a checkpoint of the optimizer step in "
