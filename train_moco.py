@@ -181,6 +181,11 @@ class MocoConfig(TrainConfig):
     def uses_split_bn(self, world_size: int) -> bool:
         return self.shuffle_bn and not self.sync_bn and world_size == 1 and self.bn_splits > 1
 
+    def bank_samples(self) -> int | None:
+        """The kNN monitor's bank: ``--knn-bank-samples`` of the training split (0: all); none
+        without the monitor (``--knn-every 0``)."""
+        return self.knn_bank_samples if self.knn_every else None
+
 
 @dataclass(kw_only=True)
 class MocoRun(TrainRun):
@@ -232,9 +237,10 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
         # Two views per training sample; the kNN monitor's bank: the un-augmented train split (or
         # --knn-bank-samples of it).
         recipe = moco_recipe(cfg.dataset, resolved.image_size, cfg.aug, cfg.crop_min, cfg.normalization)
-        plan = cfg.data_plan(resolved, recipe, bank_samples=cfg.knn_bank_samples, listings=listings)
-        loaders = session.close_at_exit(build_data(plan, rank=info.rank, world_size=info.world_size, device=info.device,
-                                                   ranks_on_node=info.local_world_size))
+        plan = cfg.data_plan(resolved, recipe, bank_samples=cfg.bank_samples(), listings=listings)
+        loaders = session.close_loaders_at_exit(build_data(plan, rank=info.rank, world_size=info.world_size,
+                                                           device=info.device, ranks_on_node=info.local_world_size,
+                                                           node=info.node))
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         if info.is_main:
             for remark in queue_remarks(cfg, len(loaders.train_set)):

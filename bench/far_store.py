@@ -1,29 +1,35 @@
 """Training from an object store near and far, measured side by side in one run.
 
-    python bench/far_store.py                          # 1,200 + 60 ImageNet-like images in 1 MB shards
+    python bench/far_store.py                          # 2,400 + 120 ImageNet-like images in 1 MB shards
     python bench/far_store.py --before 28751f1         # and the code of another commit, with the same data
     python bench/far_store.py --rounds 3               # each run 3 times, interleaved: the median
 
 A local S3 server (moto) holds the shards of an ImageNet-like folder (``bench/imagenet_like.py``,
 written by ``write_shards.py``); ``bench/far_network.py``'s proxy sits in front of it. Each row
 is a real 2-rank MoCo run of ``train_moco.py`` under torchrun (2 DataLoader workers per rank, a
-node cache smaller than the training split, ``--epochs`` epochs), whose requests the proxy counts:
+node cache smaller than the training split: the size ``--shard-cache-gb 0`` gives, ``--epochs``
+epochs), whose requests the proxy counts:
 
 * near: the proxy with no latency and no cap (the loopback server as it is);
 * far: ``--latency-ms`` per request and ``--mbps`` MB/s per connection (100 ms and 2 MB/s: one
   connection carries about a third of what a rank reads here, as 100 MB/s does against the
   320 MB/s a GPU rank needs at 2,500 img/s of ImageNet);
-* far, no read-ahead: the same, each rank fetching only what its workers ask for, two shards at
-  a time (``--shard-read-ahead 0 --shard-downloads 2``);
+* far, slow connections: the same latency and ``--slow-mbps`` MB/s per connection (0.3: a tenth,
+  as a far region's 10-30 MB/s against a GPU rank's 320 MB/s), which only many downloads in
+  flight carry;
+* far, no read-ahead: the far network, each rank fetching only what its workers ask for, two
+  shards at a time (``--shard-read-ahead 0 --shard-downloads 2``);
 * ``--before REV``: the far and near rows run with the code of commit REV (a git worktree).
 
 Printed per run and epoch: images per second, the share of the epoch the training loop waited for
-data (the epoch's own log line), and, per shard of the store: GETs, HEADs, ranged requests and MB
-downloaded. The figures in docs/performance.md come from this command.
+data (the epoch's own log line) beside the near run's, the most downloads in flight the run's log
+reports, and, per shard of the store: GETs, HEADs, ranged requests and MB downloaded. The figures
+in docs/performance.md come from this command.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -44,14 +50,17 @@ from bench.shards import start_s3  # noqa: E402
 
 EPOCH_LINE = re.compile(r"epoch (\d+) trained in [\d.]+ s \((?:resumed part way, )?([\d,]+) img/s, waited for data "
                         r"(\d+)% of it\)")
+IN_FLIGHT_LINE = re.compile(r"the read-ahead keeps up to \d+ download\(s\) in flight \((\d+) at most this epoch")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, default=1200, help="training images (val: a twentieth)")
+    parser.add_argument("--images", type=int, default=2400, help="training images (val: a twentieth)")
     parser.add_argument("--shard-mb", type=float, default=1.0, help="MB per shard (write_shards.py --shard-mb)")
     parser.add_argument("--latency-ms", type=float, default=100.0, help="ms the far network adds to each request")
     parser.add_argument("--mbps", type=float, default=2.0, help="MB/s of each connection through the far network")
+    parser.add_argument("--slow-mbps", type=float, default=0.3,
+                        help="MB/s of each connection in the far row of slow connections")
     parser.add_argument("--epochs", type=int, default=2, help="epochs of each run")
     parser.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
     parser.add_argument("--image-size", type=int, default=64, help="px the network sees")
@@ -66,9 +75,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def train(repo: Path, data_dir: str, out: Path, args: argparse.Namespace, extra: list[str], endpoint: str
-          ) -> tuple[list[tuple[int, float, int]], float]:
-    """One 2-rank MoCo run of ``repo``'s train_moco.py from ``data_dir``: [(epoch, img/s, data wait %)]
-    from its log (kept in ``out``/log.txt), and its wall seconds."""
+          ) -> tuple[list[tuple[int, float, int, int | None]], float]:
+    """One 2-rank MoCo run of ``repo``'s train_moco.py from ``data_dir``: [(epoch, img/s, data wait
+    %, most downloads in flight or None)] from its log (kept in ``out``/log.txt), and its wall
+    seconds."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(repo / "train_moco.py"), "--dataset", "shards", "--data-dir", data_dir, "--device", "cpu",
                "--arch", "small_cnn", "--image-size", str(args.image_size), "--batch-size", str(args.batch_size),
@@ -82,7 +92,9 @@ def train(repo: Path, data_dir: str, out: Path, args: argparse.Namespace, extra:
     (out / "log.txt").write_text(proc.stdout + proc.stderr)  # the run's own lines, to read its phases
     if proc.returncode != 0:
         raise SystemExit(f"far_store: the run in {out} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    epochs = [(int(e), float(rate.replace(",", "")), int(wait)) for e, rate, wait in EPOCH_LINE.findall(proc.stdout)]
+    in_flight = [int(most) for most in IN_FLIGHT_LINE.findall(proc.stdout)] or [None] * args.epochs  # rank 0's
+    epochs = [(int(e), float(rate.replace(",", "")), int(wait), most)
+              for (e, rate, wait), most in zip(EPOCH_LINE.findall(proc.stdout), in_flight)]
     return epochs, took
 
 
@@ -96,14 +108,34 @@ def shard_requests(requests: list, shard_names: set[str]) -> dict[str, float]:
             "MB": sum(r.response_bytes for r in per_shard) / 1e6 / shards}
 
 
-def summary(rounds: list) -> tuple[dict[int, tuple[float, float]], float, dict[str, float]]:
-    """A run's rounds as one row: per epoch the median img/s and data wait, the median wall
-    seconds, and the requests of its first round (the same every round)."""
-    epochs = sorted({epoch for run_epochs, _, _ in rounds for epoch, _, _ in run_epochs})
-    per_epoch = {epoch: (statistics.median(rate for run, _, _ in rounds for e, rate, _ in run if e == epoch),
-                         statistics.median(wait for run, _, _ in rounds for e, _, wait in run if e == epoch))
-                 for epoch in epochs}
+def summary(rounds: list) -> tuple[dict[int, tuple[float, float, int | None]], float, dict[str, float]]:
+    """A run's rounds as one row: per epoch the median img/s and data wait and the most downloads
+    in flight, the median wall seconds, and the requests of its first round (the same every round)."""
+    epochs = sorted({epoch for run_epochs, _, _ in rounds for epoch, *_ in run_epochs})
+    per_epoch = {}
+    for epoch in epochs:
+        rows = [row for run, _, _ in rounds for row in run if row[0] == epoch]
+        flights = [most for *_, most in rows if most is not None]
+        per_epoch[epoch] = (statistics.median(rate for _, rate, _, _ in rows),
+                            statistics.median(wait for _, _, wait, _ in rows), max(flights) if flights else None)
     return per_epoch, statistics.median(took for _, took, _ in rounds), rounds[0][2]
+
+
+def node_cache_gb(bucket: str, shards: Path, args: argparse.Namespace, work: Path) -> float:
+    """GB of the node cache every run gets: what ``--shard-cache-gb 0`` sizes it to for these
+    runs (the pre-flight's own sum; below the training split), rounded up to a kB. Passed to
+    each run as it is, so that a ``--before`` revision gets the same."""
+    import torch
+
+    from ddp_utils.data.shards import ShardIndex
+    from ddp_utils.train.preflight import check_cache_room, resolved_settings
+    from train_moco import MocoConfig
+
+    cfg = MocoConfig(dataset="shards", data_dir=bucket, workers=2, batch_size=args.batch_size, knn_every=0,
+                     image_size=args.image_size, shard_cache_dir=str(work / "sizing"))
+    resolved = resolved_settings(cfg, "torchrun", 2, torch.device("cpu"))
+    indexes = tuple(ShardIndex.read(str(shards / split)) for split in ("train", "val"))
+    return math.ceil(check_cache_room(cfg, resolved, indexes, ranks_on_node=2, node="0") / 1e3) / 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,14 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         assert write_shards.main([str(folder), str(shards), "--shard-mb", str(args.shard_mb)]) == 0
     names = {p.name for p in (shards / "train").glob("*.tar")}  # the kNN monitor is off: val is not read
     train_mb = sum(p.stat().st_size for p in (shards / "train").glob("*.tar")) / 1e6
-    largest = max(p.stat().st_size for p in shards.rglob("*.tar"))
     s3 = start_s3(shards)
     if s3 is None:
         raise SystemExit("far_store: moto_server is missing; pip install -r requirements-dev.txt")
     server, bucket = s3
     port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
-    # A node cache of 2 ranks x 17 of the largest shard (today's default with the read-ahead of 8): below the split
-    node_gb = 2 * 17 * largest / 1e9
+    node_gb = node_cache_gb(bucket, shards, args, work)
     before = None
     if args.before:
         before = work / f"before-{args.before}"
@@ -134,19 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list] = {}  # run: [(epochs, wall s, requests) per round]
     try:
         with FarNetwork(("127.0.0.1", port), latency_s=None, bytes_per_s=None) as proxy:
-            runs = [("near", REPO, None, []), ("far", REPO, "far", []),
-                    ("far, no read-ahead", REPO, "far", ["--shard-read-ahead", "0", "--shard-downloads", "2"])]
+            far, slow = (args.latency_ms / 1000, args.mbps * 1e6), (args.latency_ms / 1000, args.slow_mbps * 1e6)
+            runs = [("near", REPO, None, []), ("far", REPO, far, []),
+                    (f"far, {args.slow_mbps:g} MB/s per connection", REPO, slow, []),
+                    ("far, no read-ahead", REPO, far, ["--shard-read-ahead", "0", "--shard-downloads", "2"])]
             if args.smoke:  # that it runs, not the figures
                 runs = runs[1:2]
             if before is not None:
-                runs += [(f"near, {args.before}", before, None, []), (f"far, {args.before}", before, "far", [])]
+                runs += [(f"near, {args.before}", before, None, []), (f"far, {args.before}", before, far, [])]
             for round_ in range(args.rounds):  # the runs interleaved: a slow minute of the machine hits each alike
                 for name, repo, network, extra in runs:
                     cache = ["--shard-cache-gb", f"{node_gb if repo == REPO else node_gb / 2:.6f}"]  # then: per rank
-                    if network == "far":
-                        proxy.set(latency_s=args.latency_ms / 1000, bytes_per_s=args.mbps * 1e6)
-                    else:
-                        proxy.set(latency_s=None, bytes_per_s=None)
+                    latency_s, bytes_per_s = network or (None, None)
+                    proxy.set(latency_s=latency_s, bytes_per_s=bytes_per_s)
                     first = len(proxy.requests)
                     out = work / "runs" / re.sub(r"\W+", "-", name)
                     shutil.rmtree(out, ignore_errors=True)
@@ -159,17 +189,18 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=REPO, capture_output=True)
     print(f"\n{args.images} training images in {len(names)} shards of about {args.shard_mb:g} MB ({train_mb:.0f} MB), "
           f"2 ranks x 2 workers, batch {args.batch_size}, {args.image_size} px; node cache "
-          f"{node_gb * 1e3:.0f} MB; far: {args.latency_ms:g} ms per request, {args.mbps:g} MB/s per connection; "
-          f"median of {args.rounds} round(s), runs interleaved\n")
+          f"{node_gb * 1e3:.0f} MB; far: {args.latency_ms:g} ms per request, {args.mbps:g} MB/s per connection "
+          f"({args.slow_mbps:g} MB/s in the slow row); median of {args.rounds} round(s), runs interleaved\n")
     table = {name: summary(rounds) for name, rounds in results.items()}
     near = table.get("near", next(iter(table.values())))[0]
-    print("| run | epoch | img/s | vs near | waited for data | GET per shard | HEAD | ranged | MB per shard | "
-          "wall s |\n| --- | --: | --: | --: | --: | --: | --: | --: | --: | --: |")
+    print("| run | epoch | img/s | vs near | waited for data | near waited | downloads in flight, at most | "
+          "GET per shard | HEAD | ranged | MB per shard | wall s |\n"
+          "| --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |")
     for name, (epochs, took, requests) in table.items():
-        for epoch, (rate, wait) in epochs.items():
+        for epoch, (rate, wait, most) in epochs.items():
             print(f"| {name} | {epoch} | {rate:,.0f} | {rate / near[epoch][0]:.2f}x | {wait:.0f}% | "
-                  f"{requests['GET']:.2f} | {requests['HEAD']:.2f} | {requests['ranged']:.2f} | "
-                  f"{requests['MB']:.2f} | {took:.0f} |")
+                  f"{near[epoch][1]:.0f}% | {'' if most is None else most} | {requests['GET']:.2f} | "
+                  f"{requests['HEAD']:.2f} | {requests['ranged']:.2f} | {requests['MB']:.2f} | {took:.0f} |")
     return 0
 
 

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     sources = {"folder (a file per image)": folder_files, "shards on the file system": shard_files}
     s3 = start_s3(shards)
     if s3:
-        cache = NodeCache(str(work / "cache"), 8 << 30, rank=0, patience=0.0).start_empty()
+        cache = NodeCache(str(work / "cache"), 8 << 30, rank=0, patience=0.0).prepare()
         sources["shards from S3 on localhost (cache warm)"] = ShardFiles(ShardIndex.read(f"{s3[1]}/train"), cache)
     order = torch.randperm(len(folder_files), generator=torch.Generator().manual_seed(0)).tolist()
     for files in sources.values():  # page cache and the S3 cache warm: the decoding and the reads compared
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| shards on the file system (the samples order) | {sum(per_worker):,} | {sum(per_worker) / per_rank:.3f} |")
     if s3:
         aware = ShardAwareSampler(shard_files.index.shard, args.ranks, 0, seed=0)
-        cache = NodeCache(str(work / "cache-rank0"), 8 << 30, rank=0, patience=0.0).start_empty()
+        cache = NodeCache(str(work / "cache-rank0"), 8 << 30, rank=0, patience=0.0).prepare()
         bucket_files = ShardFiles(ShardIndex.read(f"{s3[1]}/train"), cache)
         for i in aware.order():
             bucket_files.bytes_of(int(i))

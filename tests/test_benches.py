@@ -48,8 +48,9 @@ def test_far_store_trains_through_the_far_network_and_counts_one_get_per_shard()
     rows = table_rows(proc.stdout, "| run |")
     assert set(rows) == {"far"}, rows
     for cells in rows.values():
-        epoch, rate, _, wait, gets, heads, ranged = cells[:7]
-        assert epoch == "1" and float(rate.replace(",", "")) > 0 and re.fullmatch(r"\d+%", wait)
+        epoch, rate, _, wait, near_wait, in_flight, gets, heads, ranged = cells[:9]
+        assert epoch == "1" and float(rate.replace(",", "")) > 0 and re.fullmatch(r"\d+%", wait) and near_wait == wait
+        assert 1 <= int(in_flight) <= 16  # the read-ahead's own report: --shard-downloads 16 at most
         assert float(gets) >= 1 and float(heads) == float(ranged) == 0  # whole GETs, nothing else
 
 

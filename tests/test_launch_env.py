@@ -18,7 +18,7 @@ from ddp_utils.runtime.launch import LaunchEnv, detect_launch, first_slurm_host,
 LAUNCH_VARS = ("CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_JOB_ID",
                "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_NODEID", "SLURM_TASKS_PER_NODE",
-               "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+               "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "GROUP_RANK", "SLURMD_NODENAME")
 
 
 @pytest.fixture
@@ -47,8 +47,9 @@ def test_torchrun_environment(clean_env):
     clean_env.setenv("LOCAL_WORLD_SIZE", "4")
     clean_env.setenv("MASTER_ADDR", "10.1.2.3")
     clean_env.setenv("MASTER_PORT", "4321")
+    clean_env.setenv("GROUP_RANK", "1")
     launch = detect_launch()
-    assert launch == LaunchEnv("torchrun", 5, 1, 8, 4, "10.1.2.3", 4321)
+    assert launch == LaunchEnv("torchrun", 5, 1, 8, 4, "10.1.2.3", 4321, node="1")
 
 
 def test_torchrun_with_one_process_initialises_nothing(clean_env):

@@ -34,6 +34,7 @@ from typing import Callable
 import boto3
 import numpy as np
 import pytest
+import torch
 from helpers import (
     REPO,
     assert_ok,
@@ -60,7 +61,6 @@ from ddp_utils.data.object_store import (
     masked,
 )
 from ddp_utils.data.order import (
-    SHARDS_IN_USE,
     SHUFFLE_SHARDS,
     ResumableDistributedSampler,
     ShardAwareSampler,
@@ -68,7 +68,7 @@ from ddp_utils.data.order import (
     epoch_sequence,
 )
 from ddp_utils.data.sets import check_data_dir
-from ddp_utils.data.shard_cache import NodeCache, ReadAhead, ReadAheadLoader, SplitShards, needs_of
+from ddp_utils.data.shard_cache import CacheFull, NodeCache, ReadAhead, ReadAheadLoader, SplitShards, needs_of
 from ddp_utils.data.shards import INDEX, RECORDS, ShardIndex, ShardReader
 from ddp_utils.runtime.stopping import EXIT_STORE
 from ddp_utils.train import preflight
@@ -190,18 +190,11 @@ def test_the_node_cache_keeps_its_bound_and_deletes_only_shards_no_rank_holds(bu
     refs, largest = index.refs(), max(shard["bytes"] for shard in index.shards)
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "left-by-a-preempted-attempt.part-1-1-100").write_bytes(b"x" * 100)
-    cache = NodeCache(str(tmp_path / "cache"), int(2.5 * largest), rank=0, patience=0).start_empty()
+    cache = NodeCache(str(tmp_path / "cache"), int(2.5 * largest), rank=0, patience=0).prepare()
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["locks"]
     patience = Patience(0)
-    cache.hold(refs[0], patience)
-    cache.hold(refs[1], patience)
-    cache.hold(refs[2], patience)  # no room, and every shard held: over the bound rather than lose a held one
-    assert all((tmp_path / "cache" / f"rank0/{local_name}").exists() for local_name in
-               (r.address[5:].replace("/", "--") for r in refs[:3]))
-    for ref in refs[:3]:
-        cache.release(ref.address)
     held = []
-    for ref in refs[3:]:  # each in turn: the ones let go are deleted, least recently held first
+    for ref in refs:  # each in turn: the ones let go are deleted, least recently held first
         cache.hold(ref, patience)
         cache.release(ref.address)
         held.append(sum(p.stat().st_size for p in (tmp_path / "cache").glob("*.tar")))
@@ -210,7 +203,16 @@ def test_the_node_cache_keeps_its_bound_and_deletes_only_shards_no_rank_holds(bu
     for i in np.argsort(index.shard, kind="stable").tolist()[::5]:  # read back through the cache: the same bytes
         assert bytes(reader.read(i).numpy()) == bytes(local.read(i).numpy())
     assert [address for address, _ in cache.downloads()][:len(refs)] == [r.address for r in refs]
-    assert reader.open_shards <= ShardReader.OPEN_FROM_CACHE
+    assert reader.open_shards == 0  # each read opens its shard and closes it
+    cache.hold(refs[0], patience)
+    cache.hold(refs[1], patience)
+    with pytest.raises(CacheFull, match=rf"^{tmp_path}/cache: the node's cache of shards may fill [\d.]+ GB and its "
+                                        r"ranks hold [\d.]+ GB of it: no room for [\d.]+ MB more; raise "
+                                        r"--shard-cache-gb"):
+        cache.hold(refs[2], patience)  # no room, and every shard held: refused rather than over the bound
+    assert all((tmp_path / "cache" / f"rank0/{local_name}").exists() for local_name in
+               (r.address[5:].replace("/", "--") for r in refs[:2]))
+    assert sum(p.stat().st_size for p in (tmp_path / "cache").glob("*.tar")) <= 2.5 * largest
 
 
 def _hold_as_rank(folder: str, rank: int, ref) -> None:
@@ -222,7 +224,7 @@ def test_the_ranks_of_a_node_download_a_shard_once(bucket, tmp_path):
     """Four processes as four ranks of one node ask for the same shard at once: one downloads it,
     the others wait and link it."""
     ref = ShardIndex.read(f"{bucket}/train").refs()[0]
-    NodeCache(str(tmp_path / "cache"), 1 << 30, rank=0, patience=10).start_empty()
+    NodeCache(str(tmp_path / "cache"), 1 << 30, rank=0, patience=10).prepare()
     context = multiprocessing.get_context("fork")
     ranks = [context.Process(target=_hold_as_rank, args=(str(tmp_path / "cache"), rank, ref)) for rank in range(4)]
     for rank in ranks:
@@ -239,8 +241,8 @@ def test_the_read_ahead_fetches_what_workers_asked_for_and_its_depth_then_lets_g
         bucket, tmp_path):
     index = ShardIndex.read(f"{bucket}/train")
     refs = index.refs()
-    cache = NodeCache(str(tmp_path / "cache"), 1 << 30, rank=0, patience=10).start_empty()
-    ahead = ReadAhead(cache, depth=1, downloads=2, quota=1 << 30)
+    cache = NodeCache(str(tmp_path / "cache"), 1 << 30, rank=0, patience=10).prepare()
+    ahead = ReadAhead(cache, depth=1, downloads=1, quota=1 << 30)  # one at a time: the depth is 1
     held = lambda: sorted(os.listdir(tmp_path / "cache" / "rank0")) if (tmp_path / "cache" / "rank0").is_dir() else []  # noqa: E731, E501
     name = lambda n: refs[n].address[5:].replace("/", "--")  # noqa: E731
     order = np.argsort(index.shard, kind="stable")  # a pass over the shards in turn
@@ -279,7 +281,7 @@ def test_a_read_ahead_loader_is_freed_by_its_last_reference(bucket, tmp_path):
     iterator alive until the cycle collector runs (which finalized the queues first and left a
     rank waiting 5 s per worker at its end)."""
     index = ShardIndex.read(f"{bucket}/train")
-    cache = NodeCache(str(tmp_path / "cache"), 1 << 30, rank=0, patience=10).start_empty()
+    cache = NodeCache(str(tmp_path / "cache"), 1 << 30, rank=0, patience=10).prepare()
     ahead = ReadAhead(cache, depth=1, downloads=1, quota=1 << 30)
     sampler = ShardAwareSampler(index.shard, 1, 0, seed=0, batch_size=8)
     gc.disable()
@@ -317,20 +319,33 @@ def test_the_index_in_the_bucket_is_read_and_checked(bucket, written):
 
 
 def test_the_caches_room_is_checked_in_one_line(bucket, written, tmp_path, monkeypatch):
+    """The minimum is what the loaders hold at once (shard_cache.shards_in_use over the training
+    pass, 2 workers x prefetch 2 + the batch received, windows of 4 shuffled shards, and the
+    evaluation pass, in shard order; never more than the split's shards) and the shard the
+    training process reads itself."""
     indexes = (ShardIndex.read(str(written / "train")), ShardIndex.read(str(written / "val")))
     largest = max(shard["bytes"] for index in indexes for shard in index.shards)
-    cfg = ClassifierConfig(dataset="shards", data_dir=bucket, shard_cache_dir=str(tmp_path / "new" / "cache"))
-    check_cache_room(cfg, indexes, ranks_on_node=8)  # 0: sized to the read-ahead; a folder made at start
-    small = ClassifierConfig(dataset="shards", data_dir=bucket, shard_cache_gb=0.001)
+    fewest = [int(np.bincount(index.shard).min()) for index in indexes]
+    in_use = max(min(SHUFFLE_SHARDS * ((5 * 4 - 2) // (SHUFFLE_SHARDS * fewest[0]) + 2), 5 * 4,  # 5 batches of 4
+                     len(indexes[0].shards)),  # nor more than there are
+                 min((3 * 16 - 2) // fewest[1] + 2, 3 * 16, len(indexes[1].shards)))  # validation: 3 batches of 16
+    cfg = ClassifierConfig(dataset="shards", data_dir=bucket, shard_cache_dir=str(tmp_path / "new" / "cache"),
+                           batch_size=4, workers=2)
+    resolved = preflight.resolved_settings(cfg, "torchrun", 8, torch.device("cpu"))
+    capacity = check_cache_room(cfg, resolved, indexes, ranks_on_node=8, node="0")  # 0: sized; a folder made at start
+    assert capacity == 8 * (in_use + 16 + 1) * largest  # and --shard-downloads 16 more, and one
+    small = dataclasses.replace(cfg, shard_cache_gb=0.001)
     with pytest.raises(UsageError, match=rf"^--shard-cache-gb 0.001: each of the node's 8 rank\(s\) must hold "
-                                         rf"{SHARDS_IN_USE} of the largest shard \({largest / 1e6:,.1f} MB\) at once, "
-                                         rf"[\d.]+ GB for the node; raise it \(0 sizes it to the read-ahead\)"):
-        check_cache_room(small, indexes, ranks_on_node=8)
+                                         rf"{in_use + 1} of the largest shard \({largest / 1e6:,.1f} MB\) at once "
+                                         rf"\({in_use} its loaders' workers read, one its training process reads\), "
+                                         rf"[\d.]+ GB for the node; raise it \(0 sizes it to the read-ahead\), or "
+                                         rf"lower --workers or --batch-size, or write larger shards"):
+        check_cache_room(small, resolved, indexes, ranks_on_node=8, node="0")
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 10**6))
     with pytest.raises(UsageError, match=rf"^--shard-cache-dir {tmp_path}/new/cache: 0.00 GB free, the node's cache of "
-                                         rf"shards may fill [\d.]+ GB \(8 rank\(s\), largest shard "
-                                         rf"{largest / 1e6:,.1f} MB\); point --shard-cache-dir at a local disk"):
-        check_cache_room(cfg, indexes, ranks_on_node=8)
+                                         rf"shards may fill [\d.]+ GB \(8 rank\(s\) x {in_use + 17} of the largest "
+                                         rf"shard, {largest / 1e6:,.1f} MB\); point --shard-cache-dir at a local disk"):
+        check_cache_room(cfg, resolved, indexes, ranks_on_node=8, node="0")
 
 
 def test_an_object_store_without_boto3_installed_is_one_line(monkeypatch):
@@ -456,9 +471,11 @@ def test_a_shard_is_one_get_pinned_to_the_version_listed(bucket, written, throug
 RUN = ["--device", "cpu", "--arch", "small_cnn", "--image-size", "32", "--batch-size", "4", "--workers", "2",
        "--log-every", "1", "--aug-on", "device", "--moco-k", "32", "--dataset", "shards", "--epochs", "2",
        "--knn-every", "2"]  # 2 epochs of 9 steps; the kNN monitor at step 0 and at the end
-# A node cache far smaller than the data, no kNN pass (which reads every shard): every step downloads;
-# the first epoch, which ends as the whole run's (checkpoint_prev1.pt)
-TIGHT = ["--shard-read-ahead", "0", "--shard-cache-gb", "0", "--knn-every", "0", "--max-steps", "9"]
+# A node cache smaller than the data and one download at a time, no kNN pass (which reads every
+# shard): the downloads spread over the steps; the first epoch, which ends as the whole run's
+# (checkpoint_prev1.pt)
+TIGHT = ["--shard-read-ahead", "0", "--shard-downloads", "1", "--shard-cache-gb", "0", "--knn-every", "0",
+         "--max-steps", "9"]
 
 
 @pytest.fixture(scope="module")
@@ -655,9 +672,10 @@ def test_check_reads_the_bucket_and_an_unreachable_store_is_one_line(bucket, s3_
     proc = subprocess.run(args, cwd=REPO, env=cli_env(s3_server), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "data: shards, 39 training and 12 validation images" in proc.stdout
-    assert re.search(r"object store: each node caches up to 0.01 GB of shards in \S+/ddp-shards-\w+-nodeN \(deleted at "
-                     r"the end\); each rank reads 8 shard\(s\) ahead, 4 download\(s\) at once; a store that does "
-                     r"not answer is waited for 300 s", proc.stdout), proc.stdout
+    assert re.search(r"object store: each node caches up to 0.0\d GB of shards in \S+/ddp-shards-\w+-nodeN \(never more; "
+                     r"deleted at the end\); each rank reads at least 8 shard\(s\) ahead and downloads up to 16 at "
+                     r"once \(from 4, as many as its loaders' demand needs\); a store that does not answer is waited "
+                     r"for 300 s", proc.stdout), proc.stdout
     closed = f"http://127.0.0.1:{free_port()}"
     proc = subprocess.run(args, cwd=REPO, env=cli_env({**s3_server, "AWS_ENDPOINT_URL": closed}), capture_output=True,
                           text=True, timeout=300)

@@ -63,9 +63,6 @@ from .. import hashing
 from ..config import UsageError
 
 SHUFFLE_SHARDS = 4  # a rank shuffles its samples within windows of this many consecutive shards
-# Shards a rank reads at once in the shards order: its workers' samples span at most two windows,
-# and the batch before theirs is kept for a batch's delay
-SHARDS_IN_USE = 2 * SHUFFLE_SHARDS + 1
 ORDERS = ("samples", "shards")
 # (epoch, sample index) or, repeated augmentation's, (epoch, sample index, repetition): what a training sampler yields
 Key = tuple[int, ...]

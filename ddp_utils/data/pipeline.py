@@ -45,7 +45,7 @@ from .host_memory import EVAL_PREFETCH, TRAIN_PREFETCH, check_shared_memory, eva
 from .image_files import FolderListing, ImageFiles, image_files_of, read_as
 from .object_store import StoreError
 from .order import (
-    SHARDS_IN_USE,
+    SHUFFLE_SHARDS,
     Key,
     RepeatedAugmentationSampler,
     ResumableDistributedSampler,
@@ -55,7 +55,7 @@ from .order import (
 )
 from .recipes import AugmentRecipe, eval_recipe
 from .sets import bank_subset, in_memory_tensors, load_raw_splits, num_classes_of
-from .shard_cache import NodeCache, ReadAhead, ReadAheadLoader, SplitShards
+from .shard_cache import NodeCache, ReadAhead, ReadAheadLoader, SplitShards, batches_asked, shards_in_use
 from .shards import largest_shard
 from .unreadable import UnreadableFiles, why_unreadable
 
@@ -71,21 +71,40 @@ class StoreCache:
     """Shards read from an object store: how each node keeps them (``shard_cache``)."""
 
     folder: str          # the job's cache folder; each node's is below it
-    gb: float            # GB of disk a node's cache may fill; 0: what its ranks' read-ahead needs
-    read_ahead: int      # shards a rank downloads beyond what its workers read
-    downloads: int       # downloads at once per rank
+    gb: float            # GB of disk a node's cache may fill; 0: what its ranks' loaders and downloads need
+    read_ahead: int      # shards a rank downloads beyond what its workers read, at least
+    downloads: int       # downloads at once per rank, at most
     timeout: float       # s a fault of the store is waited out before the run stops (exit 75)
     keep: bool = False   # keep the node's folder when the run ends
     if_match: bool = True  # GETs carry If-Match on the listed ETag (--no-store-if-match: the answer's ETag compared)
 
-    def node_folder(self, node: int) -> str:
+    def node_folder(self, node: str) -> str:
+        """The cache folder of node ``node`` (``launch.node_identity``)."""
         return f"{self.folder}-node{node}"
 
-    def node_bytes(self, largest_shard: int, ranks_on_node: int) -> int:
-        """The most a node's cache holds: ``gb``, or (0) its ranks' shards in use and read ahead."""
+    def rank_shards(self, in_use: int) -> int:
+        """Shards of a rank's share of the node's cache at ``gb`` 0: those its loaders hold at
+        once (``in_use``), as many more as it reads ahead or downloads at once, whichever is
+        more, and one its training process reads itself."""
+        return in_use + max(self.read_ahead, self.downloads) + 1
+
+    def node_bytes(self, largest_shard: int, ranks_on_node: int, in_use: int) -> int:
+        """The most a node's cache holds: ``gb``, or (0) its ranks' shares (:meth:`rank_shards`)."""
         if self.gb:
             return int(self.gb * 1e9)
-        return ranks_on_node * (SHARDS_IN_USE + self.read_ahead) * largest_shard
+        return ranks_on_node * self.rank_shards(in_use) * largest_shard
+
+    def too_small(self, largest_shard: int, ranks_on_node: int, in_use: int) -> str | None:
+        """One line when ``gb`` leaves a rank less than the shards its loaders hold at once and
+        the one its training process reads (``in_use`` + 1 of the largest shard), else None."""
+        needed = ranks_on_node * (in_use + 1) * largest_shard
+        if not self.gb or self.gb * 1e9 >= needed:
+            return None
+        return (f"--shard-cache-gb {self.gb:g}: each of the node's {ranks_on_node} rank(s) must hold {in_use + 1} of "
+                f"the largest shard ({largest_shard / 1e6:,.1f} MB) at once ({in_use} its loaders' workers read, "
+                f"one its training process reads), {needed / 1e9:.2f} GB for the node; raise it (0 sizes it to the "
+                f"read-ahead), or lower --workers or --batch-size, or write larger shards (write_shards.py "
+                f"--shard-mb: more images to a shard)")
 
 
 @dataclass(frozen=True)
@@ -137,12 +156,13 @@ class Loaders:
     read_ahead: ReadAhead | None = None  # shards from an object store: this rank's downloads
     decode_fallbacks: DecodeFallbacks | None = None  # image files on the device: what its decoder refused
 
-    def close(self) -> None:
+    def close(self, restartable: bool = False) -> None:
         """Shards from an object store: stop downloading, let this rank's holds go, and (the
-        node's last rank, unless the plan keeps it) delete the node's cache."""
+        node's last rank, unless the plan keeps it or the run stopped to be started again:
+        ``restartable``, whose next attempt keeps what it can use) delete the node's cache."""
         if self.read_ahead is not None:
             self.read_ahead.close()
-            self.read_ahead.cache.leave(keep=self.plan.store.keep)
+            self.read_ahead.cache.leave(keep=self.plan.store.keep or restartable)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -194,20 +214,28 @@ class _Kind:
     size: int  # px of the views' side
 
 
-def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.device, ranks_on_node: int = 1
-               ) -> Loaders:
+def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.device, ranks_on_node: int = 1,
+               node: str = "0") -> Loaders:
     """Every rank's batches for ``plan``: training (sharded, shuffled, drop_last; resumable),
     evaluation (sharded, each sample once) and, with ``plan.bank_samples`` set, the kNN bank.
     Bad input when ``/dev/shm`` cannot hold the workers' batches of ``ranks_on_node`` ranks.
-    Shards from an object store come through the node's cache (the node: ranks
-    ``ranks_on_node`` at a time), which the caller leaves with :meth:`Loaders.close`."""
-    cache = node_cache_of(plan, rank, ranks_on_node)
+    Shards from an object store come through the cache of node ``node``
+    (``launch.node_identity``), shared by its ``ranks_on_node`` ranks (bad input when
+    ``--shard-cache-gb`` cannot hold what they read at once), which the caller leaves with
+    :meth:`Loaders.close`."""
+    cache = node_cache_of(plan, rank, node)
     train_raw, val_raw = raw_splits(plan, cache)
     read_ahead = None
     if cache is not None:
         largest = largest_shard(image_files_of(train_raw).index, image_files_of(val_raw).index)
-        cache.capacity = plan.store.node_bytes(largest, ranks_on_node)
-        read_ahead = ReadAhead(cache, plan.store.read_ahead, plan.store.downloads, cache.capacity // ranks_on_node)
+        in_use = rank_shards_in_use(plan, shards_of(train_raw), shards_of(val_raw))
+        problem = plan.store.too_small(largest, ranks_on_node, in_use)
+        if problem:
+            raise UsageError(problem)
+        cache.capacity = plan.store.node_bytes(largest, ranks_on_node, in_use)
+        # each rank's share, less the shard its training process reads itself
+        quota = cache.capacity // ranks_on_node - largest
+        read_ahead = ReadAhead(cache, plan.store.read_ahead, plan.store.downloads, quota)
     check_shared_memory(plan_memory(plan, train_raw), ranks_on_node)
     unreadable = UnreadableFiles()
     held = _held_on_device(plan, train_raw, val_raw, device)
@@ -271,13 +299,36 @@ def training_order(plan: DataPlan, train_raw: Dataset, world_size: int, rank: in
     return ResumableDistributedSampler(train_raw, world_size, rank, plan.seed, plan.batch_size)
 
 
-def node_cache_of(plan: DataPlan, rank: int, ranks_on_node: int) -> NodeCache | None:
-    """This rank's view of its node's cache of shards from an object store (the node's local
-    rank 0 empties it at start: ``train.preflight``); None for data on a file system. Its
-    capacity is set once the shards' sizes are known."""
+def node_cache_of(plan: DataPlan, rank: int, node: str) -> NodeCache | None:
+    """Rank ``rank``'s view of the cache of shards from an object store of node ``node`` (the
+    node's local rank 0 prepares it at start: ``train.preflight``); None for data on a file
+    system. Its capacity is set once the shards' sizes are known."""
     if plan.store is None:
         return None
-    return NodeCache(plan.store.node_folder(rank // ranks_on_node), 0, rank, plan.store.timeout, plan.store.if_match)
+    return NodeCache(plan.store.node_folder(node), 0, rank, plan.store.timeout, plan.store.if_match)
+
+
+def rank_shards_in_use(plan: DataPlan, train_shards: np.ndarray, val_shards: np.ndarray) -> int:
+    """The most shards one rank's loaders hold at once, over the run's passes
+    (``shard_cache.shards_in_use``): training epochs in the shards order (windows of
+    ``SHUFFLE_SHARDS``), validation and the kNN bank in shard order, each with its workers'
+    prefetch and batch. ``train_shards``, ``val_shards``: each sample's shard."""
+    passes = [(batches_asked(plan.workers, TRAIN_PREFETCH), plan.batch_size, train_shards, SHUFFLE_SHARDS)]
+    eval_batch, eval_asked = eval_batch_size(plan.batch_size, True), batches_asked(plan.workers, EVAL_PREFETCH)
+    passes.append((eval_asked, eval_batch, val_shards, 1))
+    if plan.bank_samples is not None:
+        bank = bank_subset(range(len(train_shards)), plan.bank_samples, plan.seed).indices  # type: ignore[arg-type]
+        passes.append((eval_asked, eval_batch, train_shards[np.asarray(bank, dtype=np.int64)], 1))
+    return max(_in_use(shard_of, (asked + 1) * batch, window) for asked, batch, shard_of, window in passes
+               if len(shard_of))
+
+
+def _in_use(shard_of: np.ndarray, asked: int, window: int) -> int:
+    """``shards_in_use`` of a pass over the samples ``shard_of``: the smallest shard's count of
+    them, and never more than the shards there are."""
+    counts = np.bincount(shard_of)
+    counts = counts[counts > 0]
+    return min(shards_in_use(asked, int(counts.min()), window), len(counts))
 
 
 def shards_of(raw: Dataset) -> np.ndarray:

@@ -3,44 +3,63 @@ and their DataLoader workers (:class:`NodeCache`), filled ahead of the reads by 
 read-ahead (:class:`ReadAhead`), which learns the order of every pass from its loader
 (:class:`ReadAheadLoader`): an epoch's order is known when it starts.
 
-The cache folder (``--shard-cache-dir``, below it ``ddp-shards-RUN-nodeN/``) holds:
+The cache folder (``--shard-cache-dir``, below it ``ddp-shards-RUN-nodeN/``, N the launcher's
+node identity) holds:
 
 * ``NAME`` (the shard's address, ``/`` written ``--``): a whole downloaded shard (a download goes
   to ``NAME.part-...-BYTES`` and is renamed once all its bytes arrived);
-* ``rankR/NAME``: a hard link to it while rank R holds it (its loaders read it now or soon). A
-  shard is deleted to make room only when no rank holds it (its link count is 1), the one held
-  least recently first, so the folder stays within ``capacity`` bytes, the downloads in flight
-  counted;
-* ``NAME.failed`` and ``rankR.failed``: a shard the store did not give, and a rank whose
-  read-ahead stopped on it: the fault, for the rank's workers that wait;
+* ``rankR/NAME``: a hard link to it while rank R holds it (its loaders read it now or soon);
+  ``rankR-now/THREAD-NAME``: while a thread of rank R's training process reads it outside a
+  loader's pass. A shard is deleted to make room only when no rank holds it (its link count is
+  1), the one held least recently first;
+* ``NAME.failed`` and ``rankR.failed``: a shard the store did not give (or that did not arrive in
+  time), and a rank whose read-ahead stopped on it: the fault, for the rank's workers that wait;
 * ``locks/``: a lock per shard (one process downloads it, the others of the node wait and link
   it) and one for the room;
-* ``downloads.txt``: a line per download (address, bytes, requests, rank).
+* ``downloads.txt``: a line per download (address, bytes, ETag, VersionId, requests, rank,
+  seconds), what a later attempt of the run checks before it keeps the shard
+  (:meth:`NodeCache.prepare`).
+
+The bound: the folder never holds more than ``capacity`` bytes, the downloads under way counted
+at their full size. Every byte in it is a rank's: each rank's read-ahead holds and downloads
+within its share (``quota``), the shards its workers were asked for included, and its training
+process reads one shard of its own at a time; what no rank holds is deleted to make room. A
+read opens the shard and closes it again (:meth:`NodeCache.reading`), so a deleted shard never
+stays on disk behind an open descriptor. The pre-flight makes each rank's share hold the shards
+its loaders can need at once (:func:`shards_in_use`).
 
 Who talks to the store: each rank's read-ahead threads, in its training process. A DataLoader
-worker never does: it waits for its rank's link (:meth:`NodeCache.open`), or for a fault, which
-it hands on as an unreadable sample (``image_files``), so the training process learns of it and
-every rank stops together at the step's agreement. A read in the training process outside a
-loader's pass (the augmentation preview, a sample checked again) fetches what it needs itself.
+worker never does: it waits for its rank's link, or for a fault, which it hands on as an
+unreadable sample (``image_files``), so the training process learns of it and every rank stops
+together at the step's agreement. A wait never outlasts ``--store-timeout`` + ``WAIT_SLACK_S``:
+a worker that gives up records the fault for its rank, and the training process, reading the
+sample again, raises it at once. A read in the training process outside a loader's pass (the
+augmentation preview, a sample checked again) fetches what it needs itself.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import itertools
+import logging
+import math
 import os
 import shutil
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from torch.utils.data import DataLoader, get_worker_info
 
 from .object_store import (
+    BOTOCORE_ATTEMPTS,
+    CONNECT_TIMEOUT_S,
+    READ_TIMEOUT_S,
     SCHEME,
     STORE_FAULTS,
     Patience,
@@ -52,15 +71,47 @@ from .object_store import (
 )
 from .order import ShardAwareSampler
 
+log = logging.getLogger("train")
 DOWNLOADS = "downloads.txt"
-POLL_S = 0.02          # s: how often a process waiting for a shard looks for it
-WORKER_SLACK_S = 120.0  # s: beyond the store's patience, how long a worker waits before it reports its shard missing
+POLL_S = 0.02           # s: how often a process waiting for a shard looks for it
+# s: how long past --store-timeout a wait for a shard lasts: what a download's own deadline may
+# overshoot by (a request under way at it: botocore's tries, each a connection and a read), and a margin
+WAIT_SLACK_S = BOTOCORE_ATTEMPTS * (CONNECT_TIMEOUT_S + READ_TIMEOUT_S) + 5.0
 CLOSE_WAIT_S = 1.0      # s: how long the end of a run waits for the downloads under way
-FAULTS = {kind.__name__: kind for kind in STORE_FAULTS}
+START_DOWNLOADS = 4     # downloads at once a rank starts with, and again after a fault (the fixed 4 before)
+HEADROOM = 1.5          # downloads kept in flight: this many times what the measured demand needs
+DEMAND_WINDOW_S = 10.0  # s: the loaders' demand is measured over this much of the recent past
 
 
 def local_name(address: str) -> str:
     return address[len(SCHEME):].replace("/", "--")
+
+
+def batches_asked(workers: int, prefetch: int | None) -> int:
+    """Batches a loader's workers are asked for ahead of the one the training process receives
+    (DataLoader's ``prefetch_factor`` per worker; without workers, the batch being read)."""
+    return workers * (prefetch or 0) if workers else 1
+
+
+def shards_in_use(asked: int, per_shard: int, window: int = 1) -> int:
+    """The most shards a rank holds at once for a pass of one loader: those of the positions
+    its workers were asked for and the training process has not received, the last batch
+    received included (``asked`` consecutive positions of the pass at most: that batch and the
+    workers' prefetch, ``(batches_asked + 1) x batch``), when every whole shard has at least
+    ``per_shard`` of the pass's samples and the pass shuffles its samples within windows of
+    ``window`` consecutive shards (the shards order's ``SHUFFLE_SHARDS``; 1: not shuffled).
+
+    A shard is held from the first of its positions to the last. Those positions touch a first
+    and a last window and, between them, only whole windows of whole shards (a rank's piece may
+    cut a shard only at its start and its end), each at least ``window x per_shard`` positions
+    long: at most ``(asked - 2) // (window x per_shard) + 2`` windows, whose shards are all the
+    rank may hold. Nor more than one shard a position, but for shards with positions on both
+    sides of them all, which only one window can hold: at most ``max(asked, window)``. An epoch
+    that continues a checkpoint saved at another world size reads shards part of which were
+    consumed: it may need more."""
+    if asked < 2:
+        return window
+    return min(window * ((asked - 2) // (window * per_shard) + 2), max(asked, window))
 
 
 @dataclass(frozen=True)
@@ -85,6 +136,48 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+class CacheFull(StoreError):
+    """The node's cache of shards cannot take a shard: its disk is full (or cannot be written),
+    or every byte of its bound is held. Exit 2: a restart would fill it again."""
+
+    def describe(self) -> str:
+        return f"{self.address}: {self.reason}"
+
+
+FAULTS = {kind.__name__: kind for kind in (*STORE_FAULTS, CacheFull)}  # a recorded fault, raised again by its name
+
+
+@dataclass(frozen=True)
+class Download:
+    """A line of ``downloads.txt``: a shard downloaded into the node's cache, and the version."""
+
+    address: str
+    size: int
+    etag: str
+    version: str
+    requests: int
+    rank: str
+    seconds: float
+
+    @classmethod
+    def parse(cls, line: str) -> Download | None:
+        fields = line.rstrip("\n").split("\t")
+        if len(fields) != 7:
+            return None  # cut short by a kill, or written by other code: its shard is not kept
+        address, size, etag, version, requests, rank, seconds = fields
+        return cls(address, int(size), etag, version, int(requests), rank, float(seconds))
+
+    def line(self) -> str:
+        return "\t".join(map(str, (self.address, self.size, self.etag, self.version, self.requests, self.rank,
+                                   f"{self.seconds:.3f}"))) + "\n"
+
+    def pins(self, ref: ShardRef) -> bool:
+        """Whether this download is the version ``ref`` describes (an ETag or a VersionId to
+        compare is needed: a size alone does not tell a rewritten shard)."""
+        return bool(ref.etag or ref.version) and (self.address, self.size, self.etag, self.version) == (
+            ref.address, ref.size, ref.etag, ref.version)
+
+
 class NodeCache:
     """One node's cache of shards in ``folder`` (at most ``capacity`` bytes), as rank ``rank``
     uses it; every process of the node may use it at once (locks, hard links). ``patience``:
@@ -100,11 +193,31 @@ class NodeCache:
         return {**self.__dict__, "read_ahead": None}  # a spawned worker's copy: its threads stay behind
 
     # -------------------------------------------------------------- the node's folder
-    def start_empty(self) -> NodeCache:
-        """Delete whatever an earlier attempt of the job left (a preempted job's shards, part
-        downloads, holds and faults). Once per node, before any of its ranks reads."""
-        shutil.rmtree(self.folder, ignore_errors=True)
-        (self.folder / "locks").mkdir(parents=True)
+    def prepare(self, keep: Iterable[ShardRef] = ()) -> NodeCache:
+        """Once per node, before any of its ranks reads: keep the shards of ``keep`` that an
+        earlier attempt of the run downloaded whole, as its line in ``downloads.txt`` says (the
+        same address, size, ETag and VersionId), with their lines; delete everything else an
+        earlier attempt left (other shards, part downloads, holds, faults). Without ``keep``:
+        an empty folder."""
+        wanted = {ref.address: ref for ref in keep}
+        kept: dict[str, Download] = {}
+        for download in self._recorded():
+            ref = wanted.get(download.address)
+            name = local_name(download.address)
+            path = self.folder / name
+            if ref is not None and download.pins(ref) and path.is_file() and path.stat().st_size == ref.size:
+                kept[name] = download
+        if self.folder.is_dir():
+            for entry in os.scandir(self.folder):
+                if entry.name in kept:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+        (self.folder / "locks").mkdir(parents=True, exist_ok=True)
+        if kept:
+            (self.folder / DOWNLOADS).write_text("".join(download.line() for download in kept.values()))
         return self
 
     def leave(self, keep: bool) -> None:
@@ -129,37 +242,52 @@ class NodeCache:
 
     # -------------------------------------------------------------- holding a shard
     def _link(self, address: str, now: bool = False) -> Path:
-        return self.folder / f"rank{self.rank}{'-now' if now else ''}" / local_name(address)
+        if now:  # a thread's own: another thread's release must not take it away
+            return self.folder / f"rank{self.rank}-now" / f"{threading.get_ident()}-{local_name(address)}"
+        return self.folder / f"rank{self.rank}" / local_name(address)
 
-    def hold(self, ref: ShardRef, patience: Patience, now: bool = False) -> Path:
-        """Rank ``rank`` holds the shard (``now``: a hold of its own, for one read in this
-        process): downloaded first if the node has no copy, else linked. Raises the store's
-        fault (after recording it for the node's other processes)."""
+    def hold(self, ref: ShardRef, patience: Patience, now: bool = False,
+             downloaded: Callable[[ShardRef, float], None] | None = None) -> Path:
+        """Rank ``rank`` holds the shard (``now``: a hold of this thread's own, for one read):
+        downloaded first if the node has no copy (``downloaded(ref, seconds)`` told after a
+        download of this process's), else linked. Raises the store's fault, or
+        :class:`CacheFull` when the cache's disk cannot take it (after recording it for the
+        node's other processes)."""
         link, name = self._link(ref.address, now), local_name(ref.address)
         if link.exists():
             return link
-        link.parent.mkdir(parents=True, exist_ok=True)
         final = self.folder / name
-        with _locked(self.folder / "locks" / f"{name}.lock"):
-            self.raise_fault(name)
-            with _locked(self.folder / "locks" / "room"):
-                if final.exists():
-                    os.utime(final)  # held now: evicted last
-                    os.link(final, link)
-                    return link
-                part = self._reserve(name, ref.size)
-            try:
-                requests = fetch(ref, str(part), patience, self.if_match)
+        try:
+            link.parent.mkdir(parents=True, exist_ok=True)
+            with _locked(self.folder / "locks" / f"{name}.lock"):
+                self.raise_fault(name)
                 with _locked(self.folder / "locks" / "room"):
-                    os.replace(part, final)
-                    os.link(final, link)
-                with open(self.folder / DOWNLOADS, "a") as downloads:
-                    downloads.write(f"{ref.address} {ref.size} {requests} rank{self.rank}\n")
-            except StoreError as err:
-                self.record_fault(name, err)
-                raise
-            finally:
-                part.unlink(missing_ok=True)
+                    if final.exists():
+                        os.utime(final)  # held now: evicted last
+                        os.link(final, link)
+                        return link
+                    part = self._reserve(name, ref.size)
+                try:
+                    started = time.monotonic()
+                    requests = fetch(ref, str(part), patience, self.if_match)
+                    seconds = time.monotonic() - started
+                    with _locked(self.folder / "locks" / "room"):
+                        os.replace(part, final)
+                        os.link(final, link)
+                    with open(self.folder / DOWNLOADS, "a") as downloads:
+                        downloads.write(Download(ref.address, ref.size, ref.etag, ref.version, requests,
+                                                 f"rank{self.rank}", seconds).line())
+                finally:
+                    part.unlink(missing_ok=True)
+        except StoreError as err:
+            self.record_fault(name, err)
+            raise
+        except OSError as err:  # the cache's disk: full, or gone
+            full = self.disk_full(err)
+            self.record_fault(name, full)
+            raise full from None
+        if downloaded is not None:
+            downloaded(ref, seconds)
         return link
 
     def release(self, address: str, now: bool = False) -> None:
@@ -168,7 +296,8 @@ class NodeCache:
 
     def _reserve(self, name: str, size: int) -> Path:
         """Room for ``size`` more bytes (shards no rank holds deleted, the least recently held
-        first), reserved by a part file that names its size. Under the room lock."""
+        first), reserved by a part file that names its size. Under the room lock. Raises
+        :class:`CacheFull` when the shards the ranks hold leave no room: the bound is kept."""
         shards, reserved = [], 0
         for entry in os.scandir(self.folder):
             if not entry.is_file() or entry.name.endswith((".failed", ".active", ".txt")):
@@ -185,9 +314,24 @@ class NodeCache:
             if links == 1:  # held by no rank
                 os.unlink(path)
                 used -= bytes_
+        if used + size > self.capacity:
+            raise CacheFull(str(self.folder), f"the node's cache of shards may fill {self.capacity / 1e9:.2f} GB and "
+                                              f"its ranks hold {used / 1e9:.2f} GB of it: no room for "
+                                              f"{size / 1e6:,.1f} MB more; raise --shard-cache-gb (0 sizes it to "
+                                              f"what the ranks read at once)")
         part = self.folder / f"{name}.part-{os.getpid()}-{threading.get_ident()}-{size}"
         part.touch()
         return part
+
+    def disk_full(self, err: OSError) -> CacheFull:
+        """The fault of a cache whose disk could not be written (``err``): its folder, its free
+        room and what the cache needs."""
+        where = next((path for path in (self.folder, *self.folder.parents) if path.is_dir()), self.folder)
+        free = shutil.disk_usage(where).free
+        return CacheFull(str(self.folder), f"the node's cache of shards could not be written "
+                                           f"({err.strerror or err}): {free / 1e9:.2f} GB free there, the cache "
+                                           f"may fill {self.capacity / 1e9:.2f} GB; point --shard-cache-dir at a "
+                                           f"local disk with room, or lower --shard-cache-gb")
 
     # -------------------------------------------------------------- faults
     def record_fault(self, name: str, err: StoreError, rank_wide: bool = False) -> None:
@@ -207,40 +351,58 @@ class NodeCache:
             raise FAULTS[kind](address, reason)
 
     # -------------------------------------------------------------- reading
-    def open(self, ref: ShardRef) -> int:
-        """A read-only descriptor of the shard (it stays readable through it whatever the cache
-        does next). A DataLoader worker waits for its rank's read-ahead to hold it; the training
-        process opens what its rank holds, waits for what its read-ahead is fetching, and
-        fetches anything else itself. Raises the store's fault."""
-        held = self._link(ref.address)
-        if get_worker_info() is not None or (self.read_ahead is not None and self.read_ahead.fetching(ref.address)):
-            return os.open(self._wait_for(held, ref), os.O_RDONLY)
+    @contextmanager
+    def reading(self, ref: ShardRef) -> Iterator[int]:
+        """A read-only descriptor of the shard for one read, closed after it (so nothing the cache
+        deletes stays on disk behind it). What rank ``rank`` holds is opened at once. Otherwise
+        a fault recorded for the shard or the rank is raised at once; a DataLoader worker waits
+        for its rank's read-ahead to hold the shard, and so does the training process for a
+        shard its read-ahead will hold (the wait bounded: :meth:`_wait_for`); the training
+        process fetches anything else itself, held for the read. Raises the store's fault."""
+        held, now = self._link(ref.address), False
         try:
-            return os.open(held, os.O_RDONLY)
+            fd = os.open(held, os.O_RDONLY)
         except FileNotFoundError:
-            pass
-        path = self.hold(ref, Patience(self.patience, on_recovered=say_recovered), now=True)
-        try:
-            return os.open(path, os.O_RDONLY)
-        finally:
-            self.release(ref.address, now=True)
-
-    def _wait_for(self, held: Path, ref: ShardRef) -> Path:
-        deadline = time.monotonic() + self.patience + WORKER_SLACK_S
-        while not held.exists():
             self.raise_fault(local_name(ref.address))
+            if get_worker_info() is not None or (self.read_ahead is not None and self.read_ahead.will_hold(ref)):
+                self._wait_for(held, ref)
+            else:
+                held, now = self.hold(ref, Patience(self.patience, on_recovered=say_recovered), now=True), True
+            fd = os.open(held, os.O_RDONLY)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+            if now:
+                self.release(ref.address, now=True)
+
+    def _wait_for(self, held: Path, ref: ShardRef) -> None:
+        """Until ``held`` exists: a fault recorded meanwhile is raised; after ``patience`` +
+        ``WAIT_SLACK_S`` seconds the shard counts as the store not answering, recorded for the
+        rank: the training process, reading the sample again, raises it at once, and so does
+        every later wait of the rank's workers (a batch of several missing shards stalls the
+        rank that long once, not once a shard)."""
+        name, limit = local_name(ref.address), self.patience + WAIT_SLACK_S
+        deadline = time.monotonic() + limit
+        while not held.exists():
+            self.raise_fault(name)
             if time.monotonic() > deadline:
-                raise StoreUnavailable(ref.address, f"not fetched by the rank's read-ahead within "
-                                                    f"{self.patience + WORKER_SLACK_S:.0f} s")
+                late = StoreUnavailable(ref.address, f"not fetched by the rank's read-ahead within {limit:.0f} s")
+                self.record_fault(name, late, rank_wide=True)
+                raise late
             time.sleep(POLL_S)
-        return held
 
     def downloads(self) -> list[tuple[str, int]]:
-        """(address, bytes) of every shard this node downloaded since :meth:`start_empty`, in order."""
-        log_file = self.folder / DOWNLOADS
-        if not log_file.exists():
+        """(address, bytes) of every shard in this node's record of downloads, in order: those
+        kept by :meth:`prepare`, then those since."""
+        return [(download.address, download.size) for download in self._recorded()]
+
+    def _recorded(self) -> list[Download]:
+        try:
+            lines = (self.folder / DOWNLOADS).read_text().splitlines()
+        except FileNotFoundError:
             return []
-        return [(line.split()[0], int(line.split()[1])) for line in log_file.read_text().splitlines()]
+        return [download for download in map(Download.parse, lines) if download is not None]
 
 
 @dataclass(frozen=True)
@@ -263,28 +425,90 @@ def needs_of(shards: np.ndarray, refs: Sequence[ShardRef]) -> list[Need]:
                                                                           last.tolist()))]
 
 
+class DownloadPace:
+    """How many downloads a rank keeps in flight: enough to cover what its loaders read. By
+    Little's law the downloads in flight are the demand (bytes a second) times the time a
+    download takes per byte; the rank aims at ``HEADROOM`` times that, so that one whose loaders
+    wait (the demand measured is then what arrived) still asks for more, and at least at the
+    shards its workers were asked for and do not have yet (needed now: at a pass's start, before
+    any demand is measured). The number grows by one for each download that arrives while it is
+    below the aim (doubling each download's time, as TCP's slow start), never beyond
+    ``ceiling``; a fault (a request sent again after the store failed to answer) starts it again
+    from ``START_DOWNLOADS``, so a recovering store is not stormed. Its owner keeps it under a
+    lock."""
+
+    def __init__(self, ceiling: int):
+        self.ceiling = ceiling
+        self.target = min(START_DOWNLOADS, ceiling)
+        self._consumed: deque[tuple[float, float]] = deque()  # (when, bytes the loaders had read by then)
+        self._total = 0.0
+        self._per_byte: float | None = None  # s a download takes per byte, a moving average
+
+    def consumed(self, bytes_: float, now: float) -> None:
+        """The loaders read ``bytes_`` more of their shards."""
+        if not self._consumed:
+            self._consumed.append((now, self._total))
+        self._total += bytes_
+        self._consumed.append((now, self._total))
+
+    def demand(self, now: float) -> float:
+        """Bytes a second the loaders read over the last ``DEMAND_WINDOW_S`` (0 before two reads)."""
+        while len(self._consumed) > 2 and now - self._consumed[1][0] > DEMAND_WINDOW_S:
+            self._consumed.popleft()
+        if len(self._consumed) < 2:
+            return 0.0
+        since, before = self._consumed[0]
+        return (self._total - before) / (now - since) if now > since else 0.0
+
+    def seconds_per_mb(self) -> float:
+        return (self._per_byte or 0.0) * 1e6
+
+    def aim(self, now: float, missing: int) -> int:
+        """Downloads in flight that cover the demand, with headroom, and the ``missing`` shards
+        the workers wait for."""
+        return max(math.ceil(HEADROOM * self.demand(now) * (self._per_byte or 0.0)), missing)
+
+    def downloaded(self, size: int, seconds: float, now: float, missing: int) -> None:
+        """A download of ``size`` bytes took ``seconds`` (none of its requests failed); the
+        workers wait for ``missing`` shards."""
+        per_byte = seconds / max(size, 1)
+        self._per_byte = per_byte if self._per_byte is None else 0.8 * self._per_byte + 0.2 * per_byte
+        if self.aim(now, missing) > self.target:
+            self.target = min(self.ceiling, self.target + 1)
+
+    def fault(self) -> None:
+        self.target = min(START_DOWNLOADS, self.ceiling)
+
+
 class ReadAhead:
-    """One rank's downloads ahead of its loaders' reads, on ``downloads`` threads of its
-    training process. For the pass in progress it holds, in the pass's order: every shard of the
-    samples its workers were asked for (whatever the room), then up to ``depth`` more as long as
-    its holds stay within ``quota`` bytes (its share of the node's cache); once the pass is
-    covered, the first shards of the next training epoch. A shard is let go once every sample
-    of it was received, with a batch's delay (the training process may read the batch's files
-    again). A fault stops its downloads and is recorded for the rank's workers."""
+    """One rank's downloads ahead of its loaders' reads, on threads of its training process, at
+    most ``downloads`` at once (how many: :class:`DownloadPace`). For the pass in progress it
+    holds, in the pass's order: every shard of the samples its workers were asked for, then more
+    (``depth`` or as many as the downloads in flight, whichever is more); once the pass is
+    covered, the first shards of the next training epoch. It never starts a download beyond
+    ``quota`` bytes (its share of the node's cache), the shards its workers were asked for
+    included (the pre-flight makes those fit: :func:`shards_in_use`). A shard is let go once
+    every sample of it was received, with a batch's delay (the training process may read the
+    batch's files again). A fault stops its downloads and is recorded for the rank's workers."""
 
     def __init__(self, cache: NodeCache, depth: int, downloads: int, quota: int):
         self.cache, self.depth, self.quota = cache, depth, quota
-        self.patience = Patience(cache.patience, on_recovered=say_recovered)
+        self.pace = DownloadPace(downloads)
+        self.patience = Patience(cache.patience, on_recovered=self._recovered)
         self._threads = [threading.Thread(target=self._download, name=f"read-ahead-{k}", daemon=True)
                          for k in range(downloads)]
         self._cond = threading.Condition()
         self._pass: list[Need] = []
+        self._training = False                 # the pass is a training epoch's
+        self._bytes_per_position = 0.0         # of the pass: its shards' bytes over its samples
         self._done = self._asked = 0           # positions: samples received (less a batch), samples asked for
         self._next_epoch: Callable[[], list[Need]] | None = None
         self._following: list[Need] | None = None
         self._owed: list[Need] = []            # asked for by an abandoned pass's workers: fetched, held till the end
         self._held: dict[str, int] = {}        # address: bytes
         self._in_flight: dict[str, int] = {}
+        self._faulted: set[str] = set()        # downloads under way whose requests failed: not timed
+        self.most_in_flight = 0                # downloads at once, at most, since the last training epoch's end
         self.failure: StoreError | None = None
         self._started = self._closed = False
         cache.read_ahead = self
@@ -297,6 +521,9 @@ class ReadAhead:
         with self._cond:
             self._owed += [n for n in self._pass if n.first < self._asked and n.last >= self._done]
             self._pass, self._done, self._asked = needs, 0, asked
+            positions = max((n.last for n in needs), default=-1) + 1
+            self._bytes_per_position = sum(n.ref.size for n in needs) / positions if positions else 0.0
+            self._training = next_epoch is not None
             if next_epoch is not None:
                 self._next_epoch = next_epoch
             self._following = None
@@ -313,6 +540,8 @@ class ReadAhead:
         """The training process received the pass's samples before ``done`` (less a batch) and
         its workers were asked for those before ``asked``."""
         with self._cond:
+            if done > self._done:
+                self.pace.consumed((done - self._done) * self._bytes_per_position, time.monotonic())
             self._done, self._asked = done, asked
             owed = {n.ref.address for n in self._owed}
             for need in self._pass:
@@ -324,20 +553,29 @@ class ReadAhead:
         """The pass was read to its end: read ahead for the next training epoch."""
         needs = self._next_epoch() if self._next_epoch is not None else []
         with self._cond:
+            if self._training:
+                self._say_pace()
             self._done = self._asked = 1 << 62  # every sample received: none is owed
         self.start_pass(needs, 0)
+
+    def _say_pace(self) -> None:
+        pace = self.pace
+        log.info("data: the read-ahead keeps up to %d download(s) in flight (%d at most this epoch; --shard-downloads "
+                 "%d at most): the loaders read %.1f MB/s, a download takes %.2f s per MB", pace.target,
+                 self.most_in_flight, pace.ceiling, pace.demand(time.monotonic()) / 1e6, pace.seconds_per_mb())
+        self.most_in_flight = len(self._in_flight)
 
     def _ahead(self, following: bool) -> Iterator[tuple[Need, bool]]:
         """The shards the rank should hold now, in order, each with whether its samples were asked
         for (under the lock): the pass's from the first not yet passed, those of the samples asked
-        for and then ``depth`` more; with ``following``, once the pass is covered, the next
-        epoch's first ones within the same depth."""
-        beyond = 0
+        for and then ``depth`` more (or as many as the downloads in flight); with ``following``,
+        once the pass is covered, the next epoch's first ones within the same depth."""
+        beyond, depth = 0, max(self.depth, self.pace.target)
         needs = ((need, need.first < self._asked) for need in self._pass if need.last >= self._done)
         for need, required in itertools.chain(needs, self._next_epoch_needs() if following else ()):
             if not required:
                 beyond += 1
-                if beyond > self.depth:
+                if beyond > depth:
                     return
             yield need, required
 
@@ -346,9 +584,14 @@ class ReadAhead:
             self._following = self._next_epoch() if self._next_epoch is not None else []
         return ((need, False) for need in self._following)
 
-    def fetching(self, address: str) -> bool:
+    def will_hold(self, ref: ShardRef) -> bool:
+        """Whether the rank holds the shard soon: its download is under way, or its loader's
+        workers were asked for its samples."""
         with self._cond:
-            return address in self._in_flight
+            if ref.address in self._in_flight or any(n.ref.address == ref.address for n in self._owed):
+                return True
+            return any(need.ref.address == ref.address for need, required in self._ahead(following=False)
+                       if required)
 
     def close(self) -> None:
         """Stop downloading: no new download starts; one under way is not waited for beyond a
@@ -370,18 +613,16 @@ class ReadAhead:
         self.cache.release(address)
 
     def _next(self) -> Need | None:
-        """The next shard to download (under the lock), or None for now."""
-        if self.failure is not None or self._closed:
+        """The next shard to download (under the lock), or None for now: in order, the abandoned
+        passes' owed ones, then :meth:`_ahead`'s; none while the downloads in flight are as many
+        as the pace allows, nor when the next one does not fit in the quota."""
+        if self.failure is not None or self._closed or len(self._in_flight) >= self.pace.target:
             return None
-        for need in self._owed:
-            if need.ref.address not in self._held and need.ref.address not in self._in_flight:
-                return need
         room = self.quota - sum(self._held.values()) - sum(self._in_flight.values())
-        for need, required in self._ahead(following=True):
+        for need in itertools.chain(self._owed, (need for need, _ in self._ahead(following=True))):
             if need.ref.address in self._held or need.ref.address in self._in_flight:
                 continue
-            # what the workers were asked for, whatever the room; beyond it, only what fits
-            return need if required or need.ref.size <= room else None
+            return need if need.ref.size <= room else None
         return None
 
     def _wanted(self, address: str) -> bool:
@@ -397,8 +638,9 @@ class ReadAhead:
                     self._cond.wait(timeout=1.0)
                     need = self._next()
                 self._in_flight[need.ref.address] = need.ref.size
+                self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
             try:
-                self.cache.hold(need.ref, self.patience)
+                self.cache.hold(need.ref, self.patience, downloaded=self._downloaded)
             except StoreError as err:
                 self._fail(need, err)
                 continue
@@ -412,6 +654,22 @@ class ReadAhead:
                 else:
                     self.cache.release(need.ref.address)
                 self._cond.notify_all()
+
+    def _downloaded(self, ref: ShardRef, seconds: float) -> None:
+        with self._cond:
+            if ref.address in self._faulted:  # its time includes the store's silence
+                self._faulted.discard(ref.address)
+            else:
+                missing = sum(1 for need, required in self._ahead(following=False)
+                              if required and need.ref.address not in self._held)
+                self.pace.downloaded(ref.size, seconds, time.monotonic(), missing)
+            self._cond.notify_all()
+
+    def _recovered(self, address: str, waited: float, reason: str) -> None:
+        say_recovered(address, waited, reason)
+        with self._cond:
+            self._faulted.add(address)
+            self.pace.fault()
 
     def _fail(self, need: Need, err: StoreError) -> None:
         with self._cond:
@@ -434,7 +692,7 @@ class ReadAheadLoader(DataLoader):
 
     def _asked_at_once(self) -> int:
         """Batches the workers are asked for ahead of the one received (DataLoader's prefetch)."""
-        return self.num_workers * (self.prefetch_factor or 0) if self.num_workers else 1
+        return batches_asked(self.num_workers, self.prefetch_factor)
 
     def __iter__(self):
         positions = np.fromiter((key[1] if isinstance(key, tuple) else key for key in self.sampler), dtype=np.int64)

@@ -30,8 +30,10 @@ import resource
 import shutil
 import tarfile
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -196,14 +198,14 @@ def raise_open_file_limit(wanted: int) -> int:
 
 class ShardReader:
     """Sample ``i``'s bytes from the shards of ``index``, read with ``pread`` (which shares no
-    file position) from a shard opened once per process (a forked worker opens its own), as many
-    open at once as the process's limit of open files allows (the least recently read closed
-    first beyond it). Shards in an object store are read from ``cache``
-    (:class:`shard_cache.NodeCache`; a temporary one if None, which keeps what it fetched until
-    the process ends), at most ``OPEN_FROM_CACHE`` of them open at once so that the cache's
-    evictions free their space."""
+    file position). Shards on a file system are opened once per process (a forked worker opens
+    its own), as many at once as the process's limit of open files allows (the least recently
+    read closed first beyond it). Shards in an object store are read from ``cache``
+    (:class:`shard_cache.NodeCache`; None: a temporary one of this process, room for a shard per
+    CPU it may use and one more, deleted when the process ends), each opened for one read and
+    closed after it, so that a shard the cache deletes never stays on its disk behind a
+    descriptor (an open and a close, a few microseconds, against the milliseconds of decoding)."""
 
-    OPEN_FROM_CACHE = 4
     SPARE_DESCRIPTORS = 256  # of the process's limit, left for everything else (a DataLoader's pipes, ...)
 
     def __init__(self, index: ShardIndex, cache: NodeCache | None = None):
@@ -212,12 +214,13 @@ class ShardReader:
         if is_object_store(index.root) and cache is None:  # --check-data, say: a cache of its own, gone at exit
             folder = tempfile.mkdtemp(prefix="ddp-shards-")
             atexit.register(shutil.rmtree, folder, True)
-            self.cache = NodeCache(folder, capacity=1 << 62, rank=0, patience=0.0).start_empty()
-        if self.cache is not None:
-            self.max_open = self.OPEN_FROM_CACHE
-        else:  # every shard open at once where the limit allows (raised to what is needed, up to the hard limit)
-            limit = raise_open_file_limit(len(index.shards) + self.SPARE_DESCRIPTORS)
-            self.max_open = max(self.OPEN_FROM_CACHE, limit - self.SPARE_DESCRIPTORS)
+            # a shard for each thread that may read at once (check_decodes: one per CPU) and one more
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+            room = (cpus + 1) * largest_shard(index)
+            self.cache = NodeCache(folder, capacity=room, rank=0, patience=0.0).prepare()
+        # every shard open at once where the limit allows (raised to what is needed, up to the hard limit)
+        limit = raise_open_file_limit(len(index.shards) + self.SPARE_DESCRIPTORS) if self.cache is None else 0
+        self.max_open = max(1, limit - self.SPARE_DESCRIPTORS)
 
     def __getstate__(self):
         return {"index": self.index, "cache": self.cache}  # a worker started by spawn opens its own
@@ -227,40 +230,57 @@ class ShardReader:
 
     def read(self, i: int) -> Tensor:
         """The original file's bytes of sample ``i``, as a 1-D uint8 tensor."""
+        shard = int(self.index.shard[i])
+        if self.cache is not None:
+            with self.cache.reading(self._refs[shard]) as fd:
+                return self._pread(fd, shard, i)
         if os.getpid() != self._pid:  # forked: the parent's descriptors are shared, not ours to keep
             self._open, self._pid = {}, os.getpid()
-        shard = int(self.index.shard[i])
         fd = self._open.pop(shard, None)
         if fd is None:
-            fd = self.open_shard(shard)
+            fd = os.open(self._path(shard), os.O_RDONLY)
             if len(self._open) >= self.max_open:
                 os.close(self._open.pop(next(iter(self._open))))  # the least recently read
         self._open[shard] = fd  # last in the dict: the most recently read
+        return self._pread(fd, shard, i)
+
+    def _pread(self, fd: int, shard: int, i: int) -> Tensor:
         size, offset = int(self.index.size[i]), int(self.index.offset[i])
         data = torch.empty(size, dtype=torch.uint8)
         if os.preadv(fd, [data.numpy()], offset) != size:  # read straight into the tensor
             raise OSError(f"{self.index.shards[shard]['name']} ends inside sample {i}")
-        if self.cache is not None:
-            os.utime(fd)  # read now: the cache evicts it last
         return data
 
-    def open_shard(self, shard: int) -> int:
-        """A new read-only descriptor of shard number ``shard`` (from the cache for an object store)."""
-        if self.cache is None:
-            return os.open(os.path.join(self.index.root, self.index.shards[shard]["name"]), os.O_RDONLY)
-        return self.cache.open(self._refs[shard])
+    def _path(self, shard: int) -> str:
+        return os.path.join(self.index.root, self.index.shards[shard]["name"])
+
+    @contextmanager
+    def shard_file(self, shard: int) -> Iterator[int]:
+        """A read-only descriptor of shard number ``shard`` while the block runs (held in the
+        cache meanwhile, for an object store)."""
+        if self.cache is not None:
+            with self.cache.reading(self._refs[shard]) as fd:
+                yield fd
+            return
+        fd = os.open(self._path(shard), os.O_RDONLY)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     @property
     def open_shards(self) -> int:
+        """Shards this process keeps open between reads (those on a file system)."""
         return len(self._open)
 
 
-def shards_not_matching(index: ShardIndex, cache: NodeCache | None = None) -> list[str]:
-    """The shards whose bytes are not those the index was written with (their sha256 differs),
-    one line each."""
-    reader, found = ShardReader(index, cache), []
+def shards_not_matching(reader: ShardReader) -> list[str]:
+    """The shards of ``reader``'s index whose bytes are not those the index was written with
+    (their sha256 differs), one line each; read one at a time, through its cache for an object
+    store."""
+    index, found = reader.index, []
     for number, shard in enumerate(index.shards):
-        with os.fdopen(reader.open_shard(number), "rb") as f:
+        with reader.shard_file(number) as fd, os.fdopen(fd, "rb", closefd=False) as f:
             digest = stream_sha256(f)
         if digest != shard["sha256"]:
             found.append(f"{index.root}/{shard['name']}: its bytes are not those the index was written with "

@@ -18,6 +18,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 from torch.utils.data import Dataset
 
 from ..config import UsageError
@@ -90,11 +91,13 @@ class UnreadableFiles:
 
 
 def check_decodes(files: ImageFiles, threads: int) -> list[UnreadableImage]:
-    """Decode every file of ``files`` on ``threads`` threads (PIL's decoder releases the GIL);
-    the files that fail, in the data set's order."""
+    """Decode every file of ``files`` on ``threads`` threads (PIL's decoder releases the GIL),
+    shards' samples shard by shard (a cache smaller than the data downloads each shard once); the
+    files that fail, in the data set's order."""
+    order = np.argsort(files.index.shard, kind="stable") if isinstance(files, ShardFiles) else np.arange(len(files))
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        found = pool.map(lambda index: decode_problem(files, index), range(len(files)))
-        return [err for err in found if err is not None]
+        found = zip(order.tolist(), pool.map(lambda index: decode_problem(files, index), order.tolist()))
+        return [err for _, err in sorted(found, key=lambda pair: pair[0]) if err is not None]
 
 
 def decode_every_file(*splits: Dataset, threads: int) -> int:

@@ -31,6 +31,7 @@ class DistInfo:
     device: torch.device
     backend: str | None  # None when running as one process without a process group
     launcher: str
+    node: str = "0"  # which node of the job (``launch.node_identity``): a node's ranks share its cache of shards
 
     @property
     def is_main(self) -> bool:
@@ -52,7 +53,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0,
     launch = detect_launch(env)
     torch_device, backend = select_device(device, launch)
     if launch.world_size == 1:
-        return DistInfo(0, 0, 1, 1, torch_device, None, launch.launcher)
+        return DistInfo(0, 0, 1, 1, torch_device, None, launch.launcher, launch.node)
     if not dist.is_initialized():
         if launch.launcher == "torchrun":
             init_method = "env://"  # torchrun may hand over a TCPStore; env:// reuses it
@@ -67,7 +68,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0,
             device_id=torch_device if backend == "nccl" else None,
         )
     return DistInfo(launch.rank, launch.local_rank, launch.world_size,
-                    launch.local_world_size, torch_device, backend, launch.launcher)
+                    launch.local_world_size, torch_device, backend, launch.launcher, launch.node)
 
 
 def _bracket_ipv6(host: str | None) -> str:

@@ -7,7 +7,8 @@ this project is started.
    so two jobs sharing a node do not collide.
 3. ``python script.py``: one process, no process group at all.
 
-Also the name of this node and how many times the job was restarted.
+Also which node this process runs on (:func:`node_identity`, what keeps one cache of shards per
+node), the node's name and how many times the job was restarted.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class LaunchEnv:
     local_world_size: int
     master_addr: str | None = None
     master_port: int | None = None
+    node: str = "0"  # which node of the job this process runs on (node_identity)
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -79,6 +81,7 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
             master_addr=env.get("MASTER_ADDR"),
             master_port=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None,
+            node=node_identity(env),
         )
     # srun sets SLURM_STEP_NUM_TASKS for the job step; a batch script only has SLURM_NTASKS,
     # which counts tasks that do not exist yet, so a bare `python` in an sbatch script stays single.
@@ -95,14 +98,28 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
                 local_world_size=tasks_on_this_node(env),
                 master_addr=env.get("MASTER_ADDR") or first_slurm_host(nodelist),
                 master_port=int(env.get("MASTER_PORT") or _PORT_BASE + job_id % _PORT_SPAN),
+                node=node_identity(env),
             )
-    return LaunchEnv(launcher="single", rank=0, local_rank=0, world_size=1, local_world_size=1)
+    return LaunchEnv(launcher="single", rank=0, local_rank=0, world_size=1, local_world_size=1,
+                     node=node_identity(env))
 
 
-def node_name() -> str:
+def node_name(env: Mapping[str, str] | None = None) -> str:
     """The node this process runs on: SLURM's name for it inside a job (two slurmd on one machine
     are two nodes of one host name), else the host name."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    env = os.environ if env is None else env
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def node_identity(env: Mapping[str, str] | None = None) -> str:
+    """Which node of the job this process runs on, the same for every process of the node and
+    different on every other node, written for a file name: SLURM's node number (under srun, and
+    inherited by a torchrun that srun started), else torchrun's GROUP_RANK (its agent's number),
+    else the node's name. Never derived from the ranks: tasks per node may be uneven (SLURM's
+    ``4(x2),3``) and ranks dealt to the nodes in turn (``--distribution=cyclic``)."""
+    env = os.environ if env is None else env
+    identity = env.get("SLURM_NODEID") or env.get("GROUP_RANK") or node_name(env)
+    return re.sub(r"[^\w.-]", "_", identity)
 
 
 def restart_count(env: Mapping[str, str] | None = None) -> int:

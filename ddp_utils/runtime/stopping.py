@@ -28,14 +28,15 @@ EXIT_CODES = {
                    "the previous checkpoints, untouched"),
     EXIT_USAGE: ("bad input: one line naming the fix, before any work; or, met during the run, an image file that "
                  "cannot be decoded, or an object store's fault no restart fixes (a shard changed or removed, access "
-                 "refused, no such bucket, credentials that stay expired, a store that rejects If-Match)",
+                 "refused, no such bucket, credentials that stay expired, a store that rejects If-Match, a full "
+                 "cache disk)",
                  "nothing new; for what was met during the run, a checkpoint of the last completed step (and for a "
-                 "file, `UNREADABLE`)"),
+                 "file or a shard, `UNREADABLE`)"),
     EXIT_NONFINITE: ("a NaN or Inf loss (beyond `--skip-nonfinite`), or weights that became NaN or Inf",
                      "the last good checkpoint; the bad step was not applied"),
     EXIT_STORE: ("the object store (`--data-dir s3://...`) did not answer for `--store-timeout` seconds (unreachable, "
-                 "throttling, server errors, a shard still not all there), or a full cache disk, during the run or at "
-                 "a restarted attempt's start",
+                 "throttling, server errors, a shard still not all there), during the run or at a restarted attempt's "
+                 "start",
                  "a checkpoint of the last completed step and `STORE_UNAVAILABLE`; torchrun's `--max-restarts` and the "
                  "SLURM script (a requeue) start the job again, which waits for the store, then resumes"),
     EXIT_INTERRUPTED: ("Ctrl-C", "the first Ctrl-C during training: a checkpoint of the optimizer step in "

@@ -24,6 +24,7 @@ from ..data.pipeline import (
 )
 from ..data.recipes import AugmentRecipe
 from ..data.sets import IMAGE_FILES, check_data_dir, list_image_files
+from ..data.shard_cache import START_DOWNLOADS
 from ..data.shards import shards_not_matching
 from ..data.unreadable import decode_every_file
 from ..runtime.device import device_type
@@ -79,15 +80,17 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         train, val = raw_splits(plan)
         facts, extra = script_check(train)
         samples_per_rank = training_order(plan, train, world_size, 0).num_samples
-        capacity = check_cache_room(cfg, (image_files_of(train).index, image_files_of(val).index),
-                                    launch.local_world_size) if cfg.dataset == "shards" else None
+        capacity = check_cache_room(cfg, resolved, (image_files_of(train).index, image_files_of(val).index),
+                                    launch.local_world_size, launch.node) if cfg.dataset == "shards" else None
         batches = require_a_batch(samples_per_rank // cfg.batch_size, len(train), world_size, cfg.batch_size)
         steps = steps_per_epoch(batches, cfg.accum_steps)
         lines.append(f"data: {cfg.dataset}, {len(train):,} training and {len(val):,} validation images; {settings}")
         store = cfg.store_cache()
         if capacity is not None:
-            lines.append(f"object store: each node caches up to {capacity / 1e9:.2f} GB of shards in {store.folder}-nodeN ({'kept' if store.keep else 'deleted'} at the end); "
-                         f"each rank reads {store.read_ahead} shard(s) ahead, {store.downloads} download(s) at once; "
+            lines.append(f"object store: each node caches up to {capacity / 1e9:.2f} GB of shards in "
+                         f"{store.folder}-nodeN (never more; {'kept' if store.keep else 'deleted'} at the end); each "
+                         f"rank reads at least {store.read_ahead} shard(s) ahead and downloads up to "
+                         f"{store.downloads} at once (from {START_DOWNLOADS}, as many as its loaders' demand needs); "
                          f"a store that does not answer is waited for {store.timeout:g} s")
         memory = plan_memory(plan, train)
         check_shared_memory(memory, launch.local_world_size)
@@ -96,7 +99,7 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         if cfg.check_data:
             started, threads = time.perf_counter(), usable_cpus()
             if cfg.dataset == "shards":  # first the shards' checksums: a damaged copy is one line a shard
-                damaged = [line for split in (train, val) for line in shards_not_matching(image_files_of(split).index)]
+                damaged = [line for split in (train, val) for line in shards_not_matching(image_files_of(split).reader)]
                 if damaged:
                     raise UsageError(f"--check-data: {len(damaged)} shard(s) differ from the ones the index was "
                                      f"written with:" + "".join(f"\n  {line}" for line in damaged))

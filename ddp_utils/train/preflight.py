@@ -12,9 +12,8 @@ import torch
 
 from ..config import UsageError, dataset_values, flag_name
 from ..data.image_files import FolderListing, data_fingerprint
-from ..data.order import SHARDS_IN_USE
-from ..data.pipeline import default_workers, usable_cpus, worker_start_hazard
-from ..data.recipes import augment_on_device
+from ..data.pipeline import default_workers, rank_shards_in_use, usable_cpus, worker_start_hazard
+from ..data.recipes import AugmentRecipe, augment_on_device
 from ..data.sets import IMAGE_FILES, check_data_dir, download_cifar10, list_image_files
 from ..data.shard_cache import NodeCache
 from ..data.shards import ShardIndex, largest_shard
@@ -55,12 +54,12 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, Res
     listings, data_changes = list_image_files_once(cfg, info, restarted, resume)
     if info.is_main:
         forget_unreadable(cfg.out)  # what a run here stopped on is fixed, or put back, or this run starts afresh
-    empty_shard_cache_once_per_node(cfg, info, listings)
+    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
+    prepare_shard_cache_once_per_node(cfg, info, resolved, listings, resume)
     if info.device.type == "cuda" and info.is_distributed:
         problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))
         if problem:
             raise UsageError(problem)
-    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
     if listings is not None:
         resolved = dataclasses.replace(resolved, data_fingerprint=data_fingerprint(*listings),
                                        data_changes=data_changes)
@@ -132,43 +131,52 @@ def named_by(resume: Resume | None) -> list[str]:
     return named_by_the_run(str(resume.path.parent)) if resume is not None else []
 
 
-def check_cache_room(cfg: TrainConfig, indexes: Listings, ranks_on_node: int) -> int | None:
-    """Shards from an object store: the bytes the node's cache may fill; bad input when each of
-    a node's ``ranks_on_node`` ranks gets less of it than the shards its workers read at once
-    (``order.SHARDS_IN_USE``), or when the cache's disk (here) has less room than that. Other
-    data: None, nothing to check."""
+def check_cache_room(cfg: TrainConfig, resolved: ResolvedSettings, indexes: Listings, ranks_on_node: int,
+                     node: str) -> int | None:
+    """Shards from an object store: the bytes the cache of node ``node`` may fill; bad input
+    when each of its ``ranks_on_node`` ranks gets less of it than the shards its loaders hold at
+    once (``pipeline.rank_shards_in_use``, from the resolved workers, the batch and the index's
+    images per shard) and one more, or when the cache's disk (here) has less room than that,
+    the shards already in the node's folder counted as room. Other data: None, nothing to
+    check."""
     store = cfg.store_cache()
     if store is None:
         return None
-    largest = largest_shard(*indexes)
-    capacity, needed = store.node_bytes(largest, ranks_on_node), ranks_on_node * SHARDS_IN_USE * largest
-    if capacity < needed:
-        raise UsageError(f"--shard-cache-gb {cfg.shard_cache_gb:g}: each of the node's {ranks_on_node} rank(s) must "
-                         f"hold {SHARDS_IN_USE} of the largest shard ({largest / 1e6:,.1f} MB) at once, "
-                         f"{needed / 1e9:.2f} GB for the node; raise it (0 sizes it to the read-ahead), or write "
-                         f"smaller shards (write_shards.py --shard-mb)")
+    plan = cfg.data_plan(resolved, AugmentRecipe(), bank_samples=cfg.bank_samples())  # the augmentation plays no part
+    largest, in_use = largest_shard(*indexes), rank_shards_in_use(plan, indexes[0].shard, indexes[1].shard)
+    problem = store.too_small(largest, ranks_on_node, in_use)
+    if problem:
+        raise UsageError(problem)
+    capacity = store.node_bytes(largest, ranks_on_node, in_use)
     folder = Path(store.folder).parent
     existing = next(path for path in (folder, *folder.parents) if path.is_dir())  # made at start if missing
-    free = shutil.disk_usage(existing).free
+    node_folder = Path(store.node_folder(node))
+    cached = sum(path.stat().st_size for path in node_folder.iterdir() if path.is_file()) if node_folder.is_dir() else 0
+    free = shutil.disk_usage(existing).free + cached
     if free < capacity:
         raise UsageError(f"--shard-cache-dir {folder}: {free / 1e9:.2f} GB free, the node's cache of shards may fill "
-                         f"{capacity / 1e9:.2f} GB ({ranks_on_node} rank(s), largest shard {largest / 1e6:,.1f} MB); "
-                         f"point --shard-cache-dir at a local disk with room, or lower --shard-read-ahead or "
-                         f"--shard-cache-gb")
+                         f"{capacity / 1e9:.2f} GB ({ranks_on_node} rank(s) x {store.rank_shards(in_use)} of the "
+                         f"largest shard, {largest / 1e6:,.1f} MB); point --shard-cache-dir at a local disk with room, "
+                         f"or lower --shard-read-ahead, --shard-downloads or --shard-cache-gb")
     return capacity
 
 
-def empty_shard_cache_once_per_node(cfg: TrainConfig, info: DistInfo, indexes: Listings | None) -> None:
-    """Shards from an object store: each node's local rank 0 checks its cache's disk and empties
-    the node's cache folder of what an earlier attempt left, before any rank of the node reads
-    (every rank waits for the agreement)."""
+def prepare_shard_cache_once_per_node(cfg: TrainConfig, info: DistInfo, resolved: ResolvedSettings,
+                                      indexes: Listings | None, resume: Resume | None) -> None:
+    """Shards from an object store: each node's local rank 0 (the launcher's: ``info.node``
+    names the node) checks its cache's disk and prepares the node's cache folder before any
+    rank of the node reads (every rank waits for the agreement): a run that continues a
+    checkpoint (``resume``: a restarted attempt, or a resume into the same --out) keeps the
+    shards an earlier attempt downloaded of the listing it reads (``NodeCache.prepare``); a new
+    run starts with an empty folder."""
     store = cfg.store_cache()
     if store is None:
         return
     with all_ranks_agree():
         if info.local_rank == 0:
-            check_cache_room(cfg, indexes, info.local_world_size)
-            NodeCache(store.node_folder(info.rank // info.local_world_size), 0, info.rank, 0.0).start_empty()
+            check_cache_room(cfg, resolved, indexes, info.local_world_size, info.node)
+            keep = [ref for index in indexes for ref in index.refs()] if resume is not None else []
+            NodeCache(store.node_folder(info.node), 0, info.rank, 0.0).prepare(keep)
 
 
 def ranks_sharing_cpus(launcher: str, local_world_size: int) -> int:

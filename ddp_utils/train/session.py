@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import UsageError
+from ..data.pipeline import Loaders
 from ..runtime.collectives import all_gather_object
 from ..runtime.device import memory_format
 from ..runtime.dist import DistInfo, cleanup_distributed, init_distributed
@@ -42,6 +43,7 @@ from ..runtime.stopping import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_STORE,
+    EXIT_USAGE,
     STORE_MARKER,
     RunStopped,
     StepGuard,
@@ -113,6 +115,13 @@ class RunSession:
         self._closing.callback(resource.close)
         return resource
 
+    def close_loaders_at_exit(self, loaders: Loaders) -> Loaders:
+        """``loaders.close()`` when the session ends, told whether the run stopped to be started
+        again (any exit but a finished run's or bad input's: the store, a preemption, a failure
+        that torchrun restarts), whose next attempt keeps the node's cache of shards."""
+        self._closing.callback(lambda: loaders.close(restartable=self.exit_code not in (EXIT_OK, EXIT_USAGE)))
+        return loaders
+
     def __exit__(self, kind, err: BaseException | None, tb: TracebackType | None) -> bool:
         try:
             return self._end(err)
@@ -168,6 +177,7 @@ class RunSession:
     def _leave(self, code: int) -> None:
         """Leave at once: tearing down a process group whose peer may be dead can abort the
         process (gloo: "terminate called without an active exception")."""
+        self.exit_code = code
         self._closing.close()
         logging.shutdown()
         sys.stdout.flush()

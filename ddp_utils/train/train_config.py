@@ -27,10 +27,11 @@ from ..config import (
     recorded_run,
 )
 from ..data.object_store import is_object_store
-from ..data.order import ORDERS, SHARDS_IN_USE
+from ..data.order import ORDERS
 from ..data.pipeline import DataPlan, StoreCache
 from ..data.recipes import AUG_ON, AugmentRecipe, augment_on_device
 from ..data.sets import DATASETS, IMAGE_FILES, NATIVE_SIZE, NORMALIZATIONS
+from ..data.shard_cache import START_DOWNLOADS, WAIT_SLACK_S
 from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
 from ..runtime.device import check_device, device_type, visible_cuda_devices
 from ..runtime.launch import LaunchEnv, detect_launch, restart_count
@@ -71,7 +72,9 @@ IN_AN_OBJECT_STORE = data_flag("shards in an object store (s3://)", lambda cfg: 
 DATA, MODEL, SPEED, RUN_FOLDER, DISTRIBUTED = ("data", "model and optimisation", "precision and speed",
                                               "run folder and checkpoints", "distributed")
 
-STORE_MARGIN_S = 60.0  # s: --dist-timeout beyond --store-timeout, the time a shard's download itself may take
+# s: --dist-timeout beyond --store-timeout: how long a wait for a shard may last past it
+# (shard_cache.WAIT_SLACK_S), and as much again for the step that stops to reach the agreement
+STORE_MARGIN_S = 2 * WAIT_SLACK_S
 OUT_HELP = ("run folder: config.json, checkpoint_last.pt, tb/ (TensorBoard); a fresh run refuses a folder "
             "that already holds a checkpoint")
 
@@ -95,25 +98,31 @@ class TrainConfig:
                      "train as their image folder, bit for bit); auto = shards for --dataset shards, else samples",
                      choices=("auto", *ORDERS), group=DATA)
     shard_cache_dir: str = opt("", "the node-local folder that holds the node's cache of the shards "
-                               "(shared by its ranks, emptied at start, deleted at the end unless "
-                               "--keep-shard-cache); '' = the system's temporary folder (TMPDIR)",
+                               "(shared by its ranks; emptied at a run's start, an attempt that resumes keeping "
+                               "the shards it lists; deleted when the run ends unless --keep-shard-cache, kept "
+                               "for the next attempt when it stops to be started again); '' = the system's "
+                               "temporary folder (TMPDIR)",
                                group=DATA, on_resume="free", applies_to=IN_AN_OBJECT_STORE)
-    shard_cache_gb: float = opt(0.0, "GB of local disk the node's cache of shards may fill, shared by "
-                                f"its ranks (the shards held least recently go first); 0 = what the read-ahead needs: "
-                                f"ranks on the node x ({SHARDS_IN_USE} + --shard-read-ahead) x the largest shard; "
-                                f"more keeps shards for later epochs", group=DATA, on_resume="free", at_least=0,
-                                applies_to=IN_AN_OBJECT_STORE)
-    shard_read_ahead: int = opt(8, "shards each rank downloads beyond those its workers "
-                                "read now (the next epoch's first ones before this epoch ends), within its share of "
-                                "the node's cache", group=DATA, on_resume="free", at_least=0,
-                                applies_to=IN_AN_OBJECT_STORE)
-    shard_downloads: int = opt(4, "shard downloads at once per rank, a connection each (one GET "
-                               "per shard)", group=DATA, on_resume="free", above=0, at_most=32,
+    shard_cache_gb: float = opt(0.0, "GB of local disk the node's cache of shards may fill, shared by its ranks "
+                                "(it never holds more; the shards held least recently go first); 0 = what the ranks "
+                                "need: each the shards its loaders' workers read at once (from --workers, --batch-size "
+                                "and the images per shard), max(--shard-read-ahead, --shard-downloads) more and one, x "
+                                "the largest shard; more keeps shards for later epochs", group=DATA, on_resume="free",
+                                at_least=0, applies_to=IN_AN_OBJECT_STORE)
+    shard_read_ahead: int = opt(8, "shards each rank downloads beyond those its workers read now, at least (as many "
+                                "as its downloads in flight when more; the next epoch's first ones before this epoch "
+                                "ends), within its share of the node's cache", group=DATA, on_resume="free",
+                                at_least=0, applies_to=IN_AN_OBJECT_STORE)
+    shard_downloads: int = opt(16, f"the most shard downloads at once per rank, a connection each (one GET per "
+                               f"shard): a rank starts with {START_DOWNLOADS} and keeps as many in flight as its "
+                               f"loaders' demand and each download's pace need, starting low again after the store "
+                               f"failed to answer", group=DATA, on_resume="free", above=0, at_most=32,
                                applies_to=IN_AN_OBJECT_STORE)
     store_timeout: float = opt(300.0, "seconds a request to the store may take, its faults (unreachable, "
                                "throttling) and a shard's whole download included, before every rank stops with exit "
-                               "75 after a checkpoint, to be restarted; shorter outages are waited out. Less than "
-                               "--dist-timeout - 60",
+                               "75 after a checkpoint, to be restarted; shorter outages are waited out (a wait for a "
+                               f"shard lasts at most {WAIT_SLACK_S:g} s more). Less than --dist-timeout - "
+                               f"{STORE_MARGIN_S:g}",
                                group=DATA, on_resume="free", above=0, applies_to=IN_AN_OBJECT_STORE)
     store_if_match: bool = opt(True, "pin each shard's GET to the version the run listed with If-Match on its ETag "
                                "(the answer's ETag is compared too); --no-store-if-match for a store that rejects "
@@ -319,6 +328,11 @@ class TrainConfig:
         """{flag: path} of the files or folders this config names that must exist (the pre-flight
         checks them); the data and --out are checked on their own."""
         return {}
+
+    def bank_samples(self) -> int | None:
+        """The training samples a kNN bank reads (0: all of them), None without one; a script
+        with a bank says so (its data plan's, what the shards' cache is sized for)."""
+        return None
 
     def for_machine(self: C, cuda_devices: int) -> C:
         """The config with what "auto" means with ``cuda_devices`` visible devices filled in
