@@ -179,7 +179,7 @@ def _listing_worker(info, data_dir: str, empty_class_dir: str):
 
     datasets.DatasetFolder.make_dataset = staticmethod(counted)
     cfg = ClassifierConfig(dataset="imagefolder", data_dir=data_dir, device="cpu")
-    listings = list_image_files_once(cfg, info)
+    listings, _ = list_image_files_once(cfg, info)
     resolved = ResolvedSettings(image_size=32, workers=0, aug_on="loader", decode_on="loader", order="samples")
     train, val = raw_splits(cfg.data_plan(resolved, AugmentRecipe(), listings=listings))
     results = {"scans": [str(Path(path).relative_to(data_dir)) for path in scans],

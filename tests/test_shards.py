@@ -305,13 +305,15 @@ def test_a_damaged_record_mid_epoch_stops_after_a_checkpoint_and_the_fixed_run_e
     proc = in_process(train_classifier.main, args + ["--data-dir", str(shards), "--out", str(out)], capsys)
     said = proc.stdout + proc.stderr
     assert proc.returncode == 2 and said.count(name) == 1 and "Traceback" not in said, said
-    assert re.search(rf"ERROR step 6 \(not taken\): cannot decode {re.escape(name)} \(.*\); fix or remove it", said)
+    assert re.search(rf"ERROR step 6 \(not taken\): cannot decode {re.escape(name)} \(.*\); copy its shard again from "
+                     r"where write_shards.py wrote it \(--check-data compares every shard with its index\), then "
+                     r"continue with --resume auto", said)
     stopped = load_ckpt(out / "checkpoint_last.pt")
     assert (stopped["step"], stopped["epoch"], stopped["batches_done"]) == (5, 0, 5)
     proc = in_process(train_classifier.main, args + ["--data-dir", str(shards), "--out", str(out), "--resume", "auto"],
                       capsys)
     assert proc.returncode == 2 and f"cannot decode {name}" in proc.stderr and "stopped there" in proc.stderr
-    shard.write_bytes(original)  # copied again
+    shard.write_bytes(original)  # copied again, as the line says
     assert_ok(in_process(train_classifier.main, args + ["--data-dir", str(shards), "--out", str(out), "--resume",
                                                          "auto"], capsys))
     assert not (out / "UNREADABLE").exists()
