@@ -209,6 +209,23 @@ def far(s3_server):
         yield proxy, {**s3_server, "AWS_ENDPOINT_URL": proxy.url}
 
 
+@pytest.fixture
+def proxied(far, bucket, monkeypatch):
+    """This process's requests through the proxy (a client of its own made for it), the test
+    bucket made; the proxy as it was afterwards: no rule, no cap, no cut."""
+    from ddp_utils.data.object_store import forget_client
+
+    proxy, env = far
+    monkeypatch.setenv("AWS_ENDPOINT_URL", env["AWS_ENDPOINT_URL"])
+    forget_client()
+    proxy.set(latency_s=None, bytes_per_s=None)
+    yield proxy
+    proxy.rewrite(None)
+    proxy.set(latency_s=None, bytes_per_s=None)
+    proxy.end_cut()
+    forget_client()
+
+
 @pytest.fixture(scope="session")
 def one_per_shard(bucket, tmp_path_factory) -> tuple[Path, str]:
     """An ImageNet-like folder of 72 + 12 JPEGs (bench/imagenet_like.py) in shards of one image,

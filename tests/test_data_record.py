@@ -9,16 +9,22 @@
   reading it pinned by its content (the index's sha256), and config.json says so."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+from typing import Callable
 
 import boto3
 import numpy as np
 import pytest
 from boto3.s3.transfer import TransferConfig
-from helpers import assert_ok, in_process, load_ckpt
+from helpers import assert_ok, in_process, load_ckpt, s3_error
 
 import train_classifier
+from bench.far_network import Rewrite, Seen
+from ddp_utils.data import shard_cache
+from ddp_utils.data.object_store import fetch
 from ddp_utils.data.order import ShardAwareSampler
 from ddp_utils.data.shards import INDEX, RECORDS, ShardIndex
 from ddp_utils.train.data_record import LISTED
@@ -31,7 +37,7 @@ MULTIPART = TransferConfig(multipart_threshold=1)  # one part: the same bytes, a
 @pytest.fixture
 def prefix(written, bucket, request) -> str:
     """A copy of ``written`` in the bucket of its own, to rewrite."""
-    client, name = boto3.client("s3"), f"record-{request.node.name[-40:]}"
+    client, name = boto3.client("s3"), "record-" + re.sub(r"\W+", "-", request.node.name)[-40:]
     for path in written.rglob("*"):
         if path.is_file():
             client.upload_file(str(path), "ddp-test", f"{name}/{path.relative_to(written)}")
@@ -123,3 +129,79 @@ def test_a_shard_record_that_cannot_be_decoded_is_mended_as_its_stop_line_says(p
     assert_ok(proc)
     assert f"{prefix}/train/{name} changed (ETag" in proc.stdout and "(the run named it" in proc.stdout
     assert load_ckpt(out / "checkpoint_last.pt")["step"] == len(order) // 4  # the epoch to its end
+
+
+# ----------------------------------------------------------------------------- every stop line, followed as written
+STOPS = {  # the fault, met at the epoch's last shard: the words of its line, and what the line says to do
+    "access refused": (r"the object store refused access \(AccessDenied; endpoint \S+\); check the credentials "
+                       r"\(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the machine's role\) and the "
+                       r"bucket's policy", "the store lets it in again"),
+    "credentials expired": (r"the credentials expired \(ExpiredToken, for \d+ s, read again before each try; endpoint "
+                            r"\S+\); refresh them", "the store takes them again"),
+    "store rejects If-Match": (r"the object store rejects If-Match \(412 Precondition Failed to If-Match \S+, the ETag "
+                               r"it lists for the object\); add --no-store-if-match", "--no-store-if-match"),
+    "shard removed": (r"removed from the store since this run listed it \(NoSuchKey\); the data changed under the "
+                      r"run: put it back", "put back"),
+    "shard rewritten": (r"not the version this run listed at its start \(ETag \S+ listed, \S+ now\); the data "
+                        r"changed under the run: put the listed version back", "put back"),
+    "cache disk full": (r"the node's cache of shards could not be written \(No space left on device\): [\d.]+ GB "
+                        r"free there, the cache may fill [\d.]+ GB; point --shard-cache-dir at a local disk with room, "
+                        r"or lower --shard-cache-gb", "the disk has room again"),
+}
+
+
+@pytest.mark.slow  # two runs a case
+@pytest.mark.parametrize("case", list(STOPS))
+def test_each_stop_line_of_a_bucket_run_followed_as_written_continues_the_run(case, prefix, written, s3_server,
+                                                                              proxied, monkeypatch, tmp_path, capsys):
+    """A fault at the epoch's last shard stops the run (a single process, through the proxy)
+    with exit 2 and one line naming what to fix, then "continue with --resume auto"; done as the
+    line says (the store's rule lifted, the listed shard put back as the same bytes uploaded in
+    one part, whose ETag differs, the flag added), that command runs to the epoch's end."""
+    words, fix = STOPS[case]
+    index = ShardIndex.read(str(written / "train"))
+    sampler = ShardAwareSampler(index.shard, 1, 0, seed=0, batch_size=4)
+    sampler.set_epoch(0)
+    name = index.shards[int(index.shard[[i for _, i in sampler][-1]])]["name"]
+    address, key = f"{prefix}/train/{name}", f"{prefix[len('s3://ddp-test/'):]}/train/{name}"
+    direct = boto3.client("s3", endpoint_url=s3_server["AWS_ENDPOINT_URL"])  # past the proxy
+
+    def at_the_shard(answer: Callable[[Seen], Rewrite | None]) -> None:
+        proxied.rewrite(lambda seen: answer(seen) if seen.method == "GET" and seen.path.endswith(key) else None)
+
+    if case == "access refused":
+        at_the_shard(lambda seen: s3_error(403, "AccessDenied"))
+    elif case == "credentials expired":
+        at_the_shard(lambda seen: s3_error(400, "ExpiredToken"))
+    elif case == "store rejects If-Match":
+        at_the_shard(lambda seen: s3_error(412, "PreconditionFailed") if "if-match" in seen.headers else None)
+    elif case == "shard removed":  # after the listing, as its download starts
+        at_the_shard(lambda seen: direct.delete_object(Bucket="ddp-test", Key=key) and None)
+    elif case == "shard rewritten":
+        at_the_shard(lambda seen: direct.put_object(Bucket="ddp-test", Key=key, Body=b"\0" * 10240) and None)
+    else:
+        def no_room(ref, *args):
+            if ref.address == address:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return fetch(ref, *args)
+        monkeypatch.setattr(shard_cache, "fetch", no_room)
+    out = tmp_path / "run"
+    args = RUN + ["--data-dir", prefix, "--shard-cache-dir", str(tmp_path / "cache"), "--shard-read-ahead", "0",
+                  "--shard-downloads", "1", "--store-timeout", "3", "--out", str(out)]
+    proc = in_process(train_classifier.main, args, capsys)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in said, said
+    (line,) = [line for line in said.splitlines() if "(not taken)" in line]
+    where = r"\S+/ddp-shards-\w+-node\S+" if case == "cache disk full" else re.escape(address)
+    assert re.search(rf"ERROR step \d+ \(not taken\): {where}: {words}[^;]*; continue with --resume auto; the last "
+                     rf"good checkpoint is {re.escape(str(out))}/checkpoint_last.pt \(step \d+\)$", line), line
+    proxied.rewrite(None)
+    monkeypatch.setattr(shard_cache, "fetch", fetch)
+    resume = args + ["--resume", "auto"]
+    if fix == "--no-store-if-match":
+        resume.append(fix)
+    elif fix == "put back":  # the listed bytes again, in one multipart part: another ETag
+        direct.upload_file(str(written / "train" / name), "ddp-test", key, Config=MULTIPART)
+    proc = in_process(train_classifier.main, resume, capsys)
+    assert_ok(proc)
+    assert load_ckpt(out / "checkpoint_last.pt")["step"] == len(index) // 4  # the epoch to its end

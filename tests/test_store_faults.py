@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 import boto3
 import pytest
-from helpers import REPO, cli_env, free_port, wait_until
+from helpers import REPO, cli_env, free_port, s3_error, wait_until
 
 from bench.far_network import Rewrite
 from ddp_utils.data import object_store
@@ -58,28 +58,6 @@ PIECES = [KEY, SECRET, ENCODED, *(piece for piece in re.split(r"[/+]", SECRET) i
 def leaked(text: str) -> list[str]:
     """The key, the secret (either form) or any of its pieces of 4 characters or more in ``text``."""
     return [piece for piece in PIECES if piece in text]
-
-
-@pytest.fixture
-def proxied(far, bucket, monkeypatch):
-    """This process's requests through the proxy (a client of its own made for it), the test
-    bucket made; the proxy as it was afterwards: no rule, no cap, no cut."""
-    proxy, env = far
-    monkeypatch.setenv("AWS_ENDPOINT_URL", env["AWS_ENDPOINT_URL"])
-    forget_client()
-    proxy.set(latency_s=None, bytes_per_s=None)
-    yield proxy
-    proxy.rewrite(None)
-    proxy.set(latency_s=None, bytes_per_s=None)
-    proxy.end_cut()
-    forget_client()
-
-
-def s3_error(status: int, code: str, headers: tuple[tuple[str, str], ...] = ()) -> Rewrite:
-    """The proxy's answer as an S3 store words an error (no body at all for code "")."""
-    body = f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>said by the proxy</Message>' \
-           f'</Error>'.encode() if code else b""
-    return Rewrite(status=status, answer=body, headers=(("Content-Type", "application/xml"), *headers))
 
 
 def path_of(address: str) -> str:
