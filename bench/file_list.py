@@ -65,7 +65,7 @@ def _rank(rank: int, root: str, rounds: int, results: str) -> None:
             if mode == "every rank scans" or (mode == "rank 0 scans alone" and info.is_main):
                 listings = (list_image_split(root, True), list_image_split(root, False))
             elif mode == "rank 0 scans, sends":
-                listings = list_image_files_once(cfg, info)
+                listings, _ = list_image_files_once(cfg, info)
             else:
                 continue  # the others idle
             files = [ImageFiles(listing) for listing in listings]  # what a run's data set holds
