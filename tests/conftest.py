@@ -212,7 +212,7 @@ def far(s3_server):
 @pytest.fixture
 def proxied(far, bucket, monkeypatch):
     """This process's requests through the proxy (a client of its own made for it), the test
-    bucket made; the proxy as it was afterwards: no rule, no cap, no cut."""
+    bucket made; the proxy as it was afterwards: no rule, no cap, no hold, no cut."""
     from ddp_utils.data.object_store import forget_client
 
     proxy, env = far
@@ -222,6 +222,7 @@ def proxied(far, bucket, monkeypatch):
     yield proxy
     proxy.rewrite(None)
     proxy.set(latency_s=None, bytes_per_s=None)
+    proxy.release()
     proxy.end_cut()
     forget_client()
 

@@ -174,17 +174,6 @@ def test_each_sampler_continues_its_own_state_and_refuses_the_others_mid_epoch()
 
 
 # ----------------------------------------------------------------------------- the store, the cache
-@pytest.fixture
-def through(far, monkeypatch):
-    """This process's requests through the proxy (a fresh client for it)."""
-    proxy, env = far
-    monkeypatch.setenv("AWS_ENDPOINT_URL", env["AWS_ENDPOINT_URL"])
-    monkeypatch.setattr("ddp_utils.data.object_store._clients", {})
-    proxy.set(latency_s=None, bytes_per_s=None)
-    yield proxy
-    proxy.end_cut()
-
-
 def test_the_node_cache_keeps_its_bound_and_deletes_only_shards_no_rank_holds(bucket, written, tmp_path):
     index, local = ShardIndex.read(f"{bucket}/train"), ShardReader(ShardIndex.read(str(written / "train")))
     refs, largest = index.refs(), max(shard["bytes"] for shard in index.shards)
@@ -414,15 +403,15 @@ def test_throttling_and_server_faults_are_waited_out_and_a_wrong_address_is_not(
     assert said[0] == "s3://b/x" and said[1] > 0 and said[2] == "503"
 
 
-def test_a_fault_shorter_than_the_patience_is_waited_out_and_a_longer_one_exits_75(bucket, through):
+def test_a_fault_shorter_than_the_patience_is_waited_out_and_a_longer_one_exits_75(bucket, proxied):
     """The pre-flight's reads through a cut: waited out within the patience (a restarted
     attempt's), bad input at once without it (a first start: likely a wrong address), exit 75
     after it."""
-    through.cut(1.5)
+    proxied.cut(1.5)
     started = time.monotonic()
     index = ShardIndex.read(f"{bucket}/val", patience=30)
     assert time.monotonic() - started >= 1.4 and len(index) == 12
-    through.cut(60)
+    proxied.cut(60)
     with pytest.raises(UsageError, match=r"^s3://ddp-test/imagenet-like/val/index.json: the object store could not "
                                          r"be reached \((EndpointConnectionError|ConnectionClosedError)"):
         ShardIndex.read(f"{bucket}/val")
@@ -433,13 +422,13 @@ def test_a_fault_shorter_than_the_patience_is_waited_out_and_a_longer_one_exits_
     assert err.value.exit_code == EXIT_STORE
 
 
-def test_a_shard_is_one_get_pinned_to_the_version_listed(bucket, written, through, tmp_path):
+def test_a_shard_is_one_get_pinned_to_the_version_listed(bucket, written, proxied, tmp_path):
     index = ShardIndex.read(f"{bucket}/train")
     ref = index.refs()[0]
     # Only this shard's requests: the proxy logs a request once it has sent the whole answer, so the
     # index's own requests may still be arriving in the log
     path = "/ddp-test/imagenet-like/train/shard-000000.tar"
-    gets = lambda: [r for r in through.requests if r.path == path]  # noqa: E731
+    gets = lambda: [r for r in proxied.requests if r.path == path]  # noqa: E731
     logged = lambda count: wait_until(lambda: len(gets()) >= count, 5) and len(gets())  # noqa: E731
     before = len(gets())
     assert fetch(ref, str(tmp_path / "a"), Patience(0)) == 1
@@ -457,9 +446,9 @@ def test_a_shard_is_one_get_pinned_to_the_version_listed(bucket, written, throug
                                            rf"\({ref.size:,} bytes arrived, the index says {ref.size + 1:,}\)"):
         fetch(dataclasses.replace(ref, size=ref.size + 1), str(tmp_path / "b"), Patience(30))
     assert logged(before + 4) == before + 4
-    through.set(bytes_per_s=300_000)
+    proxied.set(bytes_per_s=300_000)
     started, before = time.monotonic(), len(gets())
-    threading.Timer(0.6, through.cut, (1.0,)).start()  # the body cut part way: continued once the store answers
+    threading.Timer(0.6, proxied.cut, (1.0,)).start()  # the body cut part way: continued once the store answers
     assert fetch(ref, str(tmp_path / "c"), Patience(30)) >= 2
     assert (tmp_path / "c").read_bytes() == (tmp_path / "a").read_bytes() and time.monotonic() - started > 1.2
     logged(before + 1)

@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 from ddp_utils.config import UsageError
 from ddp_utils.data import shard_cache
 from ddp_utils.data.image_files import ShardFiles, read_as
-from ddp_utils.data.object_store import StoreUnavailable
+from ddp_utils.data.object_store import Patience, StoreUnavailable, fetch
 from ddp_utils.data.order import SHUFFLE_SHARDS, ShardAwareSampler, ShardedEvalSampler
 from ddp_utils.data.pipeline import StoreCache, node_cache_of
 from ddp_utils.data.recipes import AugmentRecipe
@@ -57,19 +57,6 @@ from ddp_utils.train.train_config import STORE_MARGIN_S
 from train_classifier import ClassifierConfig
 
 
-@pytest.fixture
-def through(far, monkeypatch):
-    """This process's requests through the proxy (a fresh client for it), no latency, no cap."""
-    proxy, env = far
-    monkeypatch.setenv("AWS_ENDPOINT_URL", env["AWS_ENDPOINT_URL"])
-    monkeypatch.setattr("ddp_utils.data.object_store._clients", {})
-    proxy.set(latency_s=None, bytes_per_s=None)
-    yield proxy
-    proxy.release()
-    proxy.end_cut()
-    proxy.set(latency_s=None, bytes_per_s=None)
-
-
 class _Samples(Dataset):
     """A loader's (epoch, index) keys to ``files``' samples: the encoded bytes (a placeholder
     with target -1 - index when they cannot be read)."""
@@ -87,9 +74,10 @@ class _Samples(Dataset):
 class _OnDisk:
     """Samples, on a thread, the bytes ``folder``'s shards take on disk: its files (the ranks'
     holds are hard links to them), and every file deleted from it that a process of this test
-    (this one, its DataLoader workers) still holds open. ``peak``: the most bytes (st_size) seen; ``over``: the most
-    allocated bytes (st_blocks) beyond ``peak``'s count, less a block per file (a file's last
-    block is allocated whole)."""
+    (this one, its DataLoader workers) still holds open. ``peak``: the most bytes (st_size)
+    seen; ``over``: the most allocated bytes (st_blocks) beyond their sizes, less a block per
+    file (a file's last block is allocated whole), downloads under way left out (their blocks
+    run ahead of their size while a write is under way)."""
 
     def __init__(self, folder: Path):
         self.folder, self.peak, self.over = str(folder), 0, 0
@@ -106,7 +94,7 @@ class _OnDisk:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            files = {}  # the folder's own files, read at once: a rank's hold is a link to one of them
+            files, writing = {}, set()  # the folder's own files, read at once: a rank's hold is a link to one of them
             for entry in _scandir(self.folder):
                 if entry.name != DOWNLOADS:  # the record of downloads, a line each: not the cache's shards
                     try:
@@ -115,6 +103,8 @@ class _OnDisk:
                         continue
                     if not entry.is_dir(follow_symlinks=False):
                         files[stat.st_ino] = stat
+                        if ".part-" in entry.name:
+                            writing.add(stat.st_ino)
             for pid in _family(os.getpid()):
                 for fd in _listdir(f"/proc/{pid}/fd"):
                     try:
@@ -126,7 +116,8 @@ class _OnDisk:
                         continue
             size = sum(stat.st_size for stat in files.values())
             self.peak = max(self.peak, size)
-            self.over = max(self.over, sum(stat.st_blocks * 512 for stat in files.values()) - size - 4096 * len(files))
+            whole = [stat for ino, stat in files.items() if ino not in writing]
+            self.over = max(self.over, sum(stat.st_blocks * 512 - stat.st_size - 4096 for stat in whole))
             time.sleep(0.002)
 
 
@@ -160,7 +151,7 @@ def _family(pid: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- the waits
 def test_a_worker_gives_up_within_the_store_timeout_and_the_training_process_raises_at_once(
-        bucket, through, tmp_path, monkeypatch):
+        bucket, proxied, tmp_path, monkeypatch):
     """The proxy holds every request: the rank's read-ahead never delivers. The DataLoader
     worker waiting for the shard gives up after the patience and the slack (the slack shortened
     here from its 30 s), recording the fault for the rank; the training process, reading the
@@ -174,7 +165,7 @@ def test_a_worker_gives_up_within_the_store_timeout_and_the_training_process_rai
     sampler = ShardAwareSampler(index.shard, 1, 0, seed=0, batch_size=1)
     loader = ReadAheadLoader(_Samples(files), batch_size=1, sampler=sampler, num_workers=1,
                              read_ahead=ahead, shards=SplitShards(index.shard, index.refs()))
-    through.hold()
+    proxied.hold()
     try:
         batches = iter(loader)
         started = time.monotonic()
@@ -193,7 +184,7 @@ def test_a_worker_gives_up_within_the_store_timeout_and_the_training_process_rai
         assert target.item() < 0 and time.monotonic() - started < 1.0
         del batches
     finally:
-        through.release()
+        proxied.release()
         ahead.close()
         cache.leave(keep=False)
 
@@ -292,7 +283,7 @@ def test_shards_in_use_bounds_what_the_read_ahead_holds_and_is_reached(per_shard
     assert reached and all(most > bound - SHUFFLE_SHARDS for bound, most in reached.items()), reached
 
 
-def test_the_cache_never_holds_more_than_its_bound_while_workers_read_more_shards(one_per_shard, through, tmp_path):
+def test_the_cache_never_holds_more_than_its_bound_while_workers_read_more_shards(one_per_shard, proxied, tmp_path):
     """A pass of 72 shards of one image through 2 workers, 2 images a batch, a cache sized as
     build_data sizes it (the shards the workers read at once, a read-ahead of 2 and one): the
     folder, with whatever deleted files the processes keep open, never exceeds it; the
@@ -334,7 +325,31 @@ def test_the_cache_never_holds_more_than_its_bound_while_workers_read_more_shard
         cache.leave(keep=False)
 
 
-def test_check_data_on_a_bucket_streams_through_a_bounded_cache(bucket, through):
+def test_a_process_forked_during_a_download_keeps_none_of_its_files(bucket, proxied, tmp_path):
+    """A DataLoader worker forked while a download writes its file gets a copy of the descriptor;
+    kept, it would hold the shard on disk after the cache deletes it, past the bound, for as long
+    as the worker lives (the bound test above met it). The child's copy no longer names the file."""
+    ref = ShardIndex.read(f"{bucket}/train").refs()[0]
+    proxied.set(bytes_per_s=300_000)  # a second or two a shard: the fork comes mid-transfer
+    part = tmp_path / "shard.part"
+    download = threading.Thread(target=fetch, args=(ref, str(part), Patience(30)))
+    download.start()
+    assert wait_until(lambda: part.exists() and part.stat().st_size > 0, 10)
+    pid = os.fork()
+    if pid == 0:  # the child: how many of its descriptors name the file being written?
+        named = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                named += os.readlink(f"/proc/self/fd/{fd}") == str(part)
+            except OSError:
+                pass
+        os._exit(named)
+    _, status = os.waitpid(pid, 0)
+    download.join()
+    assert os.waitstatus_to_exitcode(status) == 0 and part.stat().st_size == ref.size
+
+
+def test_check_data_on_a_bucket_streams_through_a_bounded_cache(bucket, proxied):
     """--check-data's reader of a bucket: a temporary cache of a shard per CPU and one (3 here:
     half the split), which decoding every file (shard by shard, on 2 threads) never exceeds,
     each shard downloaded once."""
@@ -350,7 +365,7 @@ def test_check_data_on_a_bucket_streams_through_a_bounded_cache(bucket, through)
     assert sorted(address for address, _ in cache.downloads()) == sorted(r.address for r in index.refs())
 
 
-def test_a_full_cache_disk_stops_the_rank_with_one_line_and_exit_2(bucket, through, tmp_path, monkeypatch):
+def test_a_full_cache_disk_stops_the_rank_with_one_line_and_exit_2(bucket, proxied, tmp_path, monkeypatch):
     """A write of the cache that fails (the disk full: ENOSPC from the download's write, which
     object_store.fetch lets through) is CacheFull, exit 2, naming the folder, its free room and
     what the cache needs; recorded for the node, so the rank's workers and a later read raise
@@ -382,7 +397,7 @@ def test_a_full_cache_disk_stops_the_rank_with_one_line_and_exit_2(bucket, throu
 
 
 # ----------------------------------------------------------------------------- a restart starts warm
-def test_a_later_attempt_keeps_the_shards_it_listed_and_a_new_run_starts_empty(bucket, through, tmp_path,
+def test_a_later_attempt_keeps_the_shards_it_listed_and_a_new_run_starts_empty(bucket, proxied, tmp_path,
                                                                                monkeypatch):
     """A first attempt downloaded 4 shards and left a part file, a fault, another rank's hold and
     a file without its line in downloads.txt. The next attempt, whose listing has another ETag
@@ -393,7 +408,7 @@ def test_a_later_attempt_keeps_the_shards_it_listed_and_a_new_run_starts_empty(b
     names = [local_name(ref.address) for ref in refs]
 
     def gets(ref) -> int:
-        return sum(request.path == "/" + ref.address[len("s3://"):] for request in through.requests)
+        return sum(request.path == "/" + ref.address[len("s3://"):] for request in proxied.requests)
 
     first = [gets(ref) for ref in refs]
     cache = NodeCache(str(folder), 1 << 30, rank=0, patience=10).prepare()
@@ -431,7 +446,7 @@ def test_a_later_attempt_keeps_the_shards_it_listed_and_a_new_run_starts_empty(b
 
 
 # ----------------------------------------------------------------------------- downloads in flight
-def test_the_downloads_in_flight_follow_the_loaders_demand(one_per_shard, through, tmp_path):
+def test_the_downloads_in_flight_follow_the_loaders_demand(one_per_shard, proxied, tmp_path):
     """Connections of 100 kB/s (a shard of about 80 kB: 0.8 s) and a loader reading 10 shards a
     second: 8 downloads in flight cover it, a fixed 4 would make it wait half the time. The
     read-ahead starts at 2 and keeps more in flight as it measures the demand and each
@@ -440,7 +455,7 @@ def test_the_downloads_in_flight_follow_the_loaders_demand(one_per_shard, throug
     index = ShardIndex.read(f"{address}/train")
     order = np.argsort(index.shard, kind="stable")[:60]
     needs = needs_of(index.shard[order], index.refs())
-    through.set(bytes_per_s=100_000)
+    proxied.set(bytes_per_s=100_000)
     cache = NodeCache(str(tmp_path / "cache"), 1 << 30, rank=0, patience=10).prepare()
     ahead = ReadAhead(cache, depth=2, downloads=16, quota=1 << 30)
     held = [cache.folder / "rank0" / local_name(need.ref.address) for need in needs]
