@@ -22,7 +22,7 @@ _FORMAT = "%(asctime)s [rank{rank}] %(levelname)s %(message)s"
 _USER_PART = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)(\S*)@")
 _SIGNED_QUERY = re.compile(r"(X-Amz-(?:Credential|Signature|Security-Token)=)[^&\s]+", re.IGNORECASE)
 SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
-SHORTEST_PIECE = 4  # characters: a credential's shorter pieces are too common to mask as text
+SHORTEST_PIECE = 8  # characters: a credential's shorter pieces are too common to mask as text
 MASK = "***"
 _seen_user_parts: set[str] = set()  # the user parts of every address masked so far in this process
 _literals: tuple[frozenset[str], re.Pattern | None] = (frozenset(), None)
