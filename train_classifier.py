@@ -430,7 +430,7 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
         loaders = session.close_loaders_at_exit(build_data(cfg.data_plan(resolved, recipe, listings=listings),
                                                            rank=info.rank, world_size=info.world_size,
                                                            device=info.device, ranks_on_node=info.local_world_size,
-                                                           node=info.node))
+                                                           node=info.node, fresh=resume is None))
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         model = build_network(cfg, info, loaders.num_classes)
         ema = build_ema(cfg, model, info) if cfg.model_ema else None

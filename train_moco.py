@@ -240,7 +240,7 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
         plan = cfg.data_plan(resolved, recipe, bank_samples=cfg.bank_samples(), listings=listings)
         loaders = session.close_loaders_at_exit(build_data(plan, rank=info.rank, world_size=info.world_size,
                                                            device=info.device, ranks_on_node=info.local_world_size,
-                                                           node=info.node))
+                                                           node=info.node, fresh=resume is None))
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         if info.is_main:
             for remark in queue_remarks(cfg, len(loaders.train_set)):

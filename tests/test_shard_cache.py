@@ -33,10 +33,11 @@ from ddp_utils.data import shard_cache
 from ddp_utils.data.image_files import ShardFiles, read_as
 from ddp_utils.data.object_store import Patience, StoreUnavailable, fetch
 from ddp_utils.data.order import SHUFFLE_SHARDS, ShardAwareSampler, ShardedEvalSampler
-from ddp_utils.data.pipeline import StoreCache, node_cache_of
+from ddp_utils.data.pipeline import DataPlan, StoreCache, build_data, node_cache_of
 from ddp_utils.data.recipes import AugmentRecipe
 from ddp_utils.data.shard_cache import (
     DOWNLOADS,
+    START_DOWNLOADS,
     WAIT_SLACK_S,
     CacheFull,
     NodeCache,
@@ -476,3 +477,35 @@ def test_the_downloads_in_flight_follow_the_loaders_demand(one_per_shard, proxie
     later = waits[len(waits) // 2:]
     assert ahead.most_in_flight > 4, ahead.most_in_flight
     assert sum(later) / (sum(later) + 0.1 * len(later)) < 0.2, later  # a fixed 4: about half
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_a_fresh_run_downloads_its_first_shards_while_it_sets_itself_up(one_per_shard, proxied, tmp_path, fresh):
+    """build_data for a fresh run (no checkpoint: its first epoch is known) starts the epoch's
+    first shards downloading before any loader iterates, as many at once as --shard-downloads
+    allows (the pace's fresh start: growing by arrivals from 4 starves the first batches through
+    slow connections, docs/performance.md); one that continues a checkpoint waits for its first
+    pass. A fault starts the pace low again, so a recovering store is not stormed."""
+    _, address = one_per_shard
+    store = StoreCache(str(tmp_path / "cache"), 1.0, read_ahead=8, downloads=6, timeout=10)
+    plan = DataPlan(dataset="shards", data_dir=address, image_size=16, synthetic_samples=0, debug=False, seed=0,
+                    batch_size=2, workers=0, normalization="auto", recipe=AugmentRecipe(), views=1,
+                    aug_on_device=False, order="shards", store=store)
+    NodeCache(store.node_folder("0"), 0, rank=0, patience=10).prepare()
+    loaders = build_data(plan, rank=0, world_size=1, device=torch.device("cpu"), fresh=fresh)
+    try:
+        cache = loaders.read_ahead.cache
+        if fresh:
+            assert wait_until(lambda: len(cache.downloads()) >= 8, 10)
+            assert loaders.read_ahead.pace.target == 6 and loaders.read_ahead.most_in_flight > START_DOWNLOADS
+            first = [need.ref.address for need in needs_of(
+                ShardIndex.read(f"{address}/train").shard[loaders.train_sampler.indices_of_epoch(0)],
+                ShardIndex.read(f"{address}/train").refs())[:8]]
+            assert sorted(address for address, _ in cache.downloads()[:8]) == sorted(first)
+            loaders.read_ahead.pace.fault()
+            assert loaders.read_ahead.pace.target == START_DOWNLOADS
+        else:
+            time.sleep(1.0)
+            assert cache.downloads() == []
+    finally:
+        loaders.close()

@@ -55,7 +55,15 @@ from .order import (
 )
 from .recipes import AugmentRecipe, eval_recipe
 from .sets import bank_subset, in_memory_tensors, load_raw_splits, num_classes_of
-from .shard_cache import NodeCache, ReadAhead, ReadAheadLoader, SplitShards, batches_asked, shards_in_use
+from .shard_cache import (
+    NodeCache,
+    ReadAhead,
+    ReadAheadLoader,
+    SplitShards,
+    batches_asked,
+    needs_of,
+    shards_in_use,
+)
 from .shards import largest_shard
 from .unreadable import UnreadableFiles, why_unreadable
 
@@ -215,14 +223,15 @@ class _Kind:
 
 
 def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.device, ranks_on_node: int = 1,
-               node: str = "0") -> Loaders:
+               node: str = "0", fresh: bool = False) -> Loaders:
     """Every rank's batches for ``plan``: training (sharded, shuffled, drop_last; resumable),
     evaluation (sharded, each sample once) and, with ``plan.bank_samples`` set, the kNN bank.
     Bad input when ``/dev/shm`` cannot hold the workers' batches of ``ranks_on_node`` ranks.
     Shards from an object store come through the cache of node ``node``
     (``launch.node_identity``), shared by its ``ranks_on_node`` ranks (bad input when
     ``--shard-cache-gb`` cannot hold what they read at once), which the caller leaves with
-    :meth:`Loaders.close`."""
+    :meth:`Loaders.close`; a ``fresh`` run (no checkpoint to continue: its first epoch is known
+    now) starts downloading that epoch's first shards at once, while it sets itself up."""
     cache = node_cache_of(plan, rank, node)
     train_raw, val_raw = raw_splits(plan, cache)
     read_ahead = None
@@ -256,6 +265,9 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
         return record_unreadable(made, raw, unreadable)
 
     sampler = training_order(plan, train_raw, world_size, rank)
+    if read_ahead is not None and fresh:
+        shards = split_shards(train_raw)
+        read_ahead.start_early(needs_of(shards.of(sampler.indices_of_epoch(0)), shards.refs))
     if plan.ra_reps > 1 and rank == 0:
         log.info("data: repeated augmentation: each sample %d times an epoch, its copies dealt to the ranks in turn; "
                  "%d samples a rank an epoch, about %d distinct images in all", plan.ra_reps, sampler.num_samples,

@@ -434,8 +434,8 @@ class DownloadPace:
     any demand is measured). The number grows by one for each download that arrives while it is
     below the aim (doubling each download's time, as TCP's slow start), never beyond
     ``ceiling``; a fault (a request sent again after the store failed to answer) starts it again
-    from ``START_DOWNLOADS``, so a recovering store is not stormed. Its owner keeps it under a
-    lock."""
+    from ``START_DOWNLOADS``, so a recovering store is not stormed; a run's first start begins at
+    the ceiling (:meth:`fresh_start`). Its owner keeps it under a lock."""
 
     def __init__(self, ceiling: int):
         self.ceiling = ceiling
@@ -475,6 +475,13 @@ class DownloadPace:
         self._per_byte = per_byte if self._per_byte is None else 0.8 * self._per_byte + 0.2 * per_byte
         if self.aim(now, missing) > self.target:
             self.target = min(self.ceiling, self.target + 1)
+
+    def fresh_start(self) -> None:
+        """A run's first start: as many downloads as the ceiling allows, before any is timed. Its
+        first epoch's shards are all wanted and the store has not failed; growing by one an
+        arrival from ``START_DOWNLOADS`` would starve the first batches through slow connections
+        (a restarted attempt keeps its cache warm instead, and starts low)."""
+        self.target = self.ceiling
 
     def fault(self) -> None:
         self.target = min(START_DOWNLOADS, self.ceiling)
@@ -535,6 +542,15 @@ class ReadAhead:
                 for thread in self._threads:
                     thread.start()
             self._cond.notify_all()
+
+    def start_early(self, needs: list[Need]) -> None:
+        """Before any loader's pass: download ``needs`` (a fresh run's first epoch, in its order)
+        as the next training epoch's first shards, while the run sets itself up, as many at once
+        as the ceiling allows (:meth:`DownloadPace.fresh_start`); the passes that start later take
+        over (an evaluation's first, then this epoch's own)."""
+        with self._cond:
+            self.pace.fresh_start()
+        self.start_pass([], 0, next_epoch=lambda: needs)
 
     def received(self, done: int, asked: int) -> None:
         """The training process received the pass's samples before ``done`` (less a batch) and
