@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 from ddp_utils.config import UsageError
 from ddp_utils.data import shard_cache
 from ddp_utils.data.image_files import ShardFiles, read_as
-from ddp_utils.data.object_store import Patience, StoreUnavailable, fetch
+from ddp_utils.data.object_store import Patience, StoreUnavailable
 from ddp_utils.data.order import SHUFFLE_SHARDS, ShardAwareSampler, ShardedEvalSampler
 from ddp_utils.data.pipeline import DataPlan, StoreCache, build_data, node_cache_of
 from ddp_utils.data.recipes import AugmentRecipe
@@ -326,28 +326,39 @@ def test_the_cache_never_holds_more_than_its_bound_while_workers_read_more_shard
         cache.leave(keep=False)
 
 
-def test_a_process_forked_during_a_download_keeps_none_of_its_files(bucket, proxied, tmp_path):
-    """A DataLoader worker forked while a download writes its file gets a copy of the descriptor;
-    kept, it would hold the shard on disk after the cache deletes it, past the bound, for as long
-    as the worker lives (the bound test above met it). The child's copy no longer names the file."""
-    ref = ShardIndex.read(f"{bucket}/train").refs()[0]
+def test_a_process_forked_while_the_cache_has_files_open_keeps_none_of_them(bucket, proxied, tmp_path):
+    """A DataLoader worker forked while a thread of its parent has a file of the node's cache
+    open gets a copy of the descriptor; kept, it would hold the shard on disk after the cache
+    deletes it, past the bound, for as long as the worker lives (the bound test above met it).
+    Forked while one shard downloads and another is being read, the child's copies name no
+    file of the cache; the parent's still do."""
+    first, second = ShardIndex.read(f"{bucket}/train").refs()[:2]
+    cache = NodeCache(str(tmp_path / "cache"), 10 * (first.size + second.size), rank=0, patience=30).prepare()
+    cache.hold(first, Patience(30))
     proxied.set(bytes_per_s=300_000)  # a second or two a shard: the fork comes mid-transfer
-    part = tmp_path / "shard.part"
-    download = threading.Thread(target=fetch, args=(ref, str(part), Patience(30)))
+    download = threading.Thread(target=cache.hold, args=(second, Patience(30)))
     download.start()
-    assert wait_until(lambda: part.exists() and part.stat().st_size > 0, 10)
-    pid = os.fork()
-    if pid == 0:  # the child: how many of its descriptors name the file being written?
+    assert wait_until(lambda: any(p.stat().st_size > 0 for p in (tmp_path / "cache").glob("*.part-*")), 10)
+
+    def naming_the_cache() -> int:
         named = 0
         for fd in os.listdir("/proc/self/fd"):
             try:
-                named += os.readlink(f"/proc/self/fd/{fd}") == str(part)
+                named += os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "cache"))
             except OSError:
                 pass
-        os._exit(named)
+        return named
+
+    with cache.reading(first):
+        pid = os.fork()
+        if pid == 0:  # the child: how many of its descriptors name a file of the cache?
+            os._exit(min(naming_the_cache(), 100))
+        in_parent = naming_the_cache()
     _, status = os.waitpid(pid, 0)
     download.join()
-    assert os.waitstatus_to_exitcode(status) == 0 and part.stat().st_size == ref.size
+    assert in_parent >= 2  # the read and the download, at least
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (tmp_path / "cache" / local_name(second.address)).stat().st_size == second.size
 
 
 def test_check_data_on_a_bucket_streams_through_a_bounded_cache(bucket, proxied):

@@ -34,9 +34,8 @@ import os
 import random
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterator, TypeVar
+from typing import Callable, TypeVar
 
 from ..config import UsageError
 from ..runtime.logs import masked
@@ -482,42 +481,6 @@ def _bare(etag: str) -> str:
     return etag.strip().removeprefix("W/").strip('"')
 
 
-# The descriptors of the files downloads write now (threads of this process). A process forked
-# meanwhile (a DataLoader worker) gets a copy of each, which it never closes: it would keep on
-# disk a shard the node's cache deletes. Opened and closed under the lock, so a fork sees the
-# set as it is; in the child each points at /dev/null instead.
-_writing: set[int] = set()
-_fork_guard = threading.Lock()
-
-
-def _let_go_of_downloads_in_child() -> None:
-    _fork_guard.release()
-    if _writing:
-        null = os.open(os.devnull, os.O_RDONLY)
-        for fd in _writing:
-            os.dup2(null, fd)  # the number stays open for whatever closes it; the file no longer is
-        os.close(null)
-        _writing.clear()
-
-
-os.register_at_fork(before=_fork_guard.acquire, after_in_parent=_fork_guard.release,
-                    after_in_child=_let_go_of_downloads_in_child)
-
-
-@contextmanager
-def _download_file(path: str, mode: str) -> Iterator[BinaryIO]:
-    """``open(path, mode)`` of a download's file, which a forked process does not keep."""
-    with _fork_guard:
-        file = open(path, mode)
-        _writing.add(file.fileno())
-    try:
-        yield file
-    finally:
-        with _fork_guard:
-            _writing.discard(file.fileno())
-            file.close()
-
-
 def fetch(ref: ShardRef, to: str, patience: Patience, if_match: bool = True) -> int:
     """The object at ``ref.address`` into the local file ``to`` with one GET, its ``ref.size``
     bytes checked, pinned to the version the run listed: ``ref.version`` where there is one
@@ -537,7 +500,7 @@ def fetch(ref: ShardRef, to: str, patience: Patience, if_match: bool = True) -> 
     pin = {"VersionId": ref.version} if ref.version else {"IfMatch": ref.etag} if ref.etag and if_match else {}
     digest = hashlib.sha256() if ref.sha256 and not (ref.etag or ref.version) else None  # nothing else pins it
     gets, started = 0, time.monotonic()
-    with _download_file(to, "wb"):  # a file of its own, empty
+    with open(to, "wb"):  # a file of its own, empty
         pass
 
     def get(**extra):
@@ -547,7 +510,7 @@ def fetch(ref: ShardRef, to: str, patience: Patience, if_match: bool = True) -> 
 
     def request(deadline: float) -> int:
         nonlocal digest
-        with _download_file(to, "r+b") as out:
+        with open(to, "r+b") as out:
             have = out.seek(0, os.SEEK_END)  # what earlier tries brought: asked for no more
             response = answer(have)
             if have and not response.get("ContentRange"):  # the whole object came: start over

@@ -78,9 +78,40 @@ POLL_S = 0.02           # s: how often a process waiting for a shard looks for i
 # overshoot by (a request under way at it: botocore's tries, each a connection and a read), and a margin
 WAIT_SLACK_S = BOTOCORE_ATTEMPTS * (CONNECT_TIMEOUT_S + READ_TIMEOUT_S) + 5.0
 CLOSE_WAIT_S = 1.0      # s: how long the end of a run waits for the downloads under way
-START_DOWNLOADS = 4     # downloads at once a rank starts with, and again after a fault (the fixed 4 before)
+START_DOWNLOADS = 4     # downloads at once a rank starts with, and again after a fault
 HEADROOM = 1.5          # downloads kept in flight: this many times what the measured demand needs
 DEMAND_WINDOW_S = 10.0  # s: the loaders' demand is measured over this much of the recent past
+
+
+# The node caches' folders this process uses. A process forked from it (a DataLoader worker)
+# gets a copy of every descriptor open at that moment in any of its threads (a download
+# writing, a part file being made, a read), which it never closes: the file would stay on disk
+# after the cache deletes it, beyond the bound. The child points each copy into these folders
+# at /dev/null before it runs anything else (Linux's /proc; elsewhere nothing is done).
+_FOLDERS: set[str] = set()
+
+
+def _let_go_of_cache_files_in_child() -> None:
+    if not _FOLDERS:
+        return
+    folders, null = tuple(_FOLDERS), None
+    try:
+        descriptors = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for fd in descriptors:
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith(folders):
+                continue
+            null = os.open(os.devnull, os.O_RDONLY) if null is None else null
+            os.dup2(null, int(fd))  # the number stays open for whatever closes it; the file no longer is
+        except OSError:  # the listing's own descriptor, gone
+            continue
+    if null is not None:
+        os.close(null)
+
+
+os.register_at_fork(after_in_child=_let_go_of_cache_files_in_child)
 
 
 def local_name(address: str) -> str:
@@ -187,6 +218,7 @@ class NodeCache:
     def __init__(self, folder: str, capacity: int, rank: int, patience: float, if_match: bool = True):
         self.folder, self.capacity, self.rank, self.patience = Path(folder), capacity, rank, patience
         self.if_match = if_match
+        _FOLDERS.add(os.path.join(os.path.realpath(folder), ""))
         self.read_ahead: ReadAhead | None = None  # the training process's, never a worker's
 
     def __getstate__(self):
