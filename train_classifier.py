@@ -38,6 +38,7 @@ torchvision's recipe (references/classification/train.py), flag for flag: --labe
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import sys
 from dataclasses import dataclass
@@ -55,7 +56,16 @@ from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import AUTO_AUGMENTS, AugmentRecipe, classifier_recipe, evaluation_resize
 from ddp_utils.data.sets import IMAGE_FILES, num_classes_of
-from ddp_utils.models.backbones import CIFAR_STEM_MAX_SIZE, MIN_IMAGE_SIZE, LinearProbe, build_model
+from ddp_utils.models.backbones import (
+    CIFAR_STEM_MAX_SIZE,
+    SMALL_NETS,
+    LinearProbe,
+    build_model,
+    ends_in_fc,
+    has_cifar_stem,
+    min_image_size,
+    model_names,
+)
 from ddp_utils.runtime.collectives import (
     all_ranks_agree,
     all_reduce_sum,
@@ -126,6 +136,9 @@ class ClassifierConfig(TrainConfig):
                                            PRETRAINED)
 
     out: str = opt("runs/classifier", OUT_HELP, group=RUN_FOLDER, on_resume="invocation")
+    arch: str = opt("small_cnn", f"network: {', '.join(SMALL_NETS)}, or any classification model torchvision lists "
+                    f"(torchvision.models.list_models(), e.g. resnet50, vit_b_16, convnext_tiny), built with the "
+                    f"data set's classes and no weights", group=MODEL, on_resume="fixed", spellings=("--model",))
     pretrained: str = opt("", "initialise the backbone from a train_moco.py checkpoint, its run folder "
                           "(the newest checkpoint) or an exported backbone (--export-backbone); fc starts "
                           "fresh; --image-size 0 then means the size it was pretrained at",
@@ -207,7 +220,16 @@ class ClassifierConfig(TrainConfig):
                                applies_to=IMAGE_FILE_SIZES)
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
+        if self.arch not in SMALL_NETS and self.arch not in model_names():
+            close = difflib.get_close_matches(self.arch, model_names(), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise UsageError(f"--arch {self.arch}: not a model of this project or of torchvision; {hint}(every "
+                             f"name: python -c 'import torchvision; print(torchvision.models.list_models())')")
         super().validate(launch, cuda_devices)
+        if (self.linear_probe or self.pretrained) and not ends_in_fc(self.arch):
+            flag = "--linear-probe" if self.linear_probe else "--pretrained"
+            raise UsageError(f"{flag} puts a new fc on the backbone, and --arch {self.arch}'s classifier is not "
+                             f"one named fc: give {', '.join(SMALL_NETS)} or a ResNet (resnet*, resnext*, wide_resnet*)")
         if self.probe_bn and not self.linear_probe:
             raise UsageError("--probe-bn only applies with --linear-probe")
         self.check_recipe_flags()
@@ -265,10 +287,10 @@ class ClassifierConfig(TrainConfig):
         if self.val_resize_size and self.val_resize_size < size:
             raise UsageError(f"--val-resize-size {self.val_resize_size} is smaller than the evaluation crop "
                              f"--image-size {size}: give at least {size}")
-        if train and train < MIN_IMAGE_SIZE[self.arch]:
+        if train and train < (min_image_size(self.arch) or 0):
             raise UsageError(f"--train-crop-size {train} is too small for --arch {self.arch}: give at least "
-                             f"{MIN_IMAGE_SIZE[self.arch]} px")
-        if train and self.arch.startswith("resnet") and (train <= CIFAR_STEM_MAX_SIZE) != (size <= CIFAR_STEM_MAX_SIZE):
+                             f"{min_image_size(self.arch)} px")
+        if train and has_cifar_stem(self.arch) and (train <= CIFAR_STEM_MAX_SIZE) != (size <= CIFAR_STEM_MAX_SIZE):
             raise UsageError(f"--arch {self.arch} has a CIFAR stem up to {CIFAR_STEM_MAX_SIZE} px and ImageNet's above, "
                              f"chosen by --image-size {size}: --train-crop-size {train} would train it at the other "
                              f"stem's size; keep both on one side of {CIFAR_STEM_MAX_SIZE} px")

@@ -61,13 +61,14 @@ class AppliesTo:
 def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group: str | None = None,
         on_resume: str = "experiment", from_file: bool = True, at_least: float | None = None,
         above: float | None = None, below: float | None = None, at_most: float | None = None,
-        applies_to: AppliesTo | None = None) -> Any:
+        applies_to: AppliesTo | None = None, spellings: tuple[str, ...] = ()) -> Any:
     """A config field: its default, help text (unit and meaning) and allowed values; the --help
     section it is listed in (``group``; None: at the top, with --config); what a resume may do
     with it (``on_resume``, one of ON_RESUME); whether ``--config FILE`` may set it; the bounds of
     a number (``at_least``/``above`` below it, ``below``/``at_most`` above it), which
     :func:`check_bounds` enforces whatever set the value; where it does something
-    (``applies_to``), which :func:`check_applies` enforces."""
+    (``applies_to``), which :func:`check_applies` enforces; ``spellings``: other flags that set
+    it (another project's name for it, as ``--model`` for ``--arch``), also keys of a config file."""
     if on_resume not in ON_RESUME:
         raise ValueError(f"opt: on_resume must be one of {', '.join(ON_RESUME)}, got {on_resume!r}")
     if at_least is not None and above is not None or below is not None and at_most is not None:
@@ -75,7 +76,8 @@ def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group:
     bounds = {"at_least": at_least, "above": above, "below": below, "at_most": at_most}
     return dataclasses.field(default=default, metadata={
         "help": help, "choices": choices, "group": group, "on_resume": on_resume, "from_file": from_file,
-        "bounds": {k: v for k, v in bounds.items() if v is not None}, "applies_to": applies_to})
+        "bounds": {k: v for k, v in bounds.items() if v is not None}, "applies_to": applies_to,
+        "spellings": spellings})
 
 
 def positional(help: str) -> Any:
@@ -240,13 +242,14 @@ def build_parser(cls: type, doc: str = "", quiet: bool = False, prog: str | None
         flag, where = flag_name(f.name), sections.get(f.name, parser)
         kind = field_type(hints[f.name])  # `float | None`: None = "set by the preset"
         meta = f.metadata
+        flags = (flag, *meta.get("spellings", ()))
         if kind is bool:
-            where.add_argument(flag, dest=f.name, default=f.default, help=help_text(cls, f),
+            where.add_argument(*flags, dest=f.name, default=f.default, help=help_text(cls, f),
                                action=argparse.BooleanOptionalAction)
             continue
         if kind not in (int, float, str):
             raise TypeError(f"config field {f.name} has unsupported type {kind}")
-        where.add_argument(flag, dest=f.name, type=finite_float if kind is float else kind,
+        where.add_argument(*flags, dest=f.name, type=finite_float if kind is float else kind,
                            default=f.default, help=help_text(cls, f), choices=meta.get("choices"),
                            metavar=None if meta.get("choices") else f.name.upper())
     return parser
@@ -335,12 +338,15 @@ def read_config_file(cls: type, path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: expected a JSON object of flag names and values")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    spelled = {spelling.lstrip("-").replace("-", "_"): f.name for f in fields.values()
+               for spelling in f.metadata.get("spellings", ())}
     hints = typing.get_type_hints(cls)
     values = {}
     for key, value in data.items():
         if key.startswith("_"):  # a note for the reader ("_source": ...), not a flag
             continue
         name = key.lstrip("-").replace("-", "_")
+        name = spelled.get(name, name)
         if name not in fields:
             close = difflib.get_close_matches(name, fields, n=1)
             hint = f"; did you mean {flag_name(close[0])}?" if close else ""
@@ -431,6 +437,7 @@ def markdown_flag_table(cls: type, config_file: bool = True) -> str:
             continue
         if field_type(hints[f.name]) is bool:
             flag = f"{flag} / --no-{flag[2:]}"
+        flag = "` / `".join((flag, *meta.get("spellings", ())))
         if f.default is None:
             default = "preset"
         elif isinstance(f.default, bool):

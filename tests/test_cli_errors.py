@@ -85,7 +85,7 @@ CASES = [
     ("classifier", ["--image-size", "8", "--arch", "lenet"], "--image-size 8 is too small for --arch lenet"),
     ("classifier", ["--image-size", "12", "--arch", "resnet18"], "give at least 16 px"),
     ("classifier", ["--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist'"),
-    ("classifier", ["--arch", "vgg"], "argument --arch: invalid choice: 'vgg'"),
+    ("classifier", ["--arch", "vgg"], "--arch vgg: not a model of this project or of torchvision; did you mean vgg19?"),
     ("classifier", ["--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
     ("classifier", ["--batch-size", "ten"], "argument --batch-size: invalid int value: 'ten'"),
     ("classifier", ["--lr-schedule", "step"], "--lr-schedule step needs --lr-milestones"),

@@ -1,12 +1,18 @@
-"""Backbones, and the linear probe around a trained one. Every model ends in a linear layer named
-``fc`` so MoCo can swap it for a projection head and the linear probe (:class:`LinearProbe`, MoCo's
-linear-classification protocol) for a new classifier."""
+"""Backbones, and the linear probe around a trained one. The classifier takes the small networks
+here and every classification model torchvision lists, by name; MoCo and the linear probe
+(:class:`LinearProbe`, MoCo's linear-classification protocol) take the models that end in a
+linear layer named ``fc`` (:data:`ARCHS`), which they swap for a projection head or a new
+classifier."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-ARCHS = ("lenet", "small_cnn", "resnet18", "resnet34", "resnet50")
+ARCHS = ("lenet", "small_cnn", "resnet18", "resnet34", "resnet50")  # MoCo's, and the linear probe's
+SMALL_NETS = ("lenet", "small_cnn")
+RESNET_FAMILY = ("resnet", "resnext", "wide_resnet")  # torchvision's ResNet class: conv1, maxpool, fc
+# Built without their auxiliary classifiers, whose second output a training step has no loss for.
+WITHOUT_AUX_LOGITS = ("googlenet", "inception_v3")
 
 # ResNets get the CIFAR stem (3x3 stride-1 conv, no max-pool) at or below this input size: the
 # ImageNet stem would shrink a 32 px image to 8 px before the first residual block.
@@ -15,6 +21,30 @@ CIFAR_STEM_MAX_SIZE = 64
 # sizes the last stage of the others would see less than 2x2 pixels (small_cnn halves twice, a
 # CIFAR-stem ResNet three times; above 64 px the ImageNet stem is used, far above its limit).
 MIN_IMAGE_SIZE = {"lenet": 16, "small_cnn": 8, "resnet18": 16, "resnet34": 16, "resnet50": 16}
+
+
+def model_names() -> list[str]:
+    """Every name the classifier's --arch takes: the small networks, then torchvision's
+    classification models (``list_models``; imported here: importing torchvision costs about 2 s)."""
+    import torchvision
+
+    return [*SMALL_NETS, *torchvision.models.list_models(module=torchvision.models)]
+
+
+def has_cifar_stem(arch: str) -> bool:
+    """Whether ``arch`` gets the CIFAR stem at or below ``CIFAR_STEM_MAX_SIZE`` (the ResNet family)."""
+    return arch.startswith(RESNET_FAMILY)
+
+
+def ends_in_fc(arch: str) -> bool:
+    """Whether ``arch``'s classifier is one linear layer named ``fc`` (what MoCo and the linear probe replace)."""
+    return arch in SMALL_NETS or has_cifar_stem(arch)
+
+
+def min_image_size(arch: str) -> int | None:
+    """The smallest input side (px) ``arch`` trains at, where this module knows it (None: the
+    model's own first forward says)."""
+    return MIN_IMAGE_SIZE.get(arch, MIN_IMAGE_SIZE["resnet18"] if has_cifar_stem(arch) else None)
 
 
 class LeNet(nn.Module):
@@ -64,15 +94,17 @@ def build_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
         return LeNet(num_classes)
     if arch == "small_cnn":
         return SmallCNN(num_classes)
-    if arch in ("resnet18", "resnet34", "resnet50"):
-        import torchvision  # here: importing it costs a process about 2 s (torch._dynamo), small CNNs need none
+    if arch not in model_names():
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(model_names())}")
+    import torchvision
 
-        model = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
-        if image_size <= CIFAR_STEM_MAX_SIZE:
-            model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-            model.maxpool = nn.Identity()
-        return model
-    raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    extra = {"image_size": image_size} if arch.startswith("vit_") else {}  # its position embedding fits the image
+    extra.update({"aux_logits": False, "init_weights": True} if arch in WITHOUT_AUX_LOGITS else {})
+    model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **extra)
+    if has_cifar_stem(arch) and image_size <= CIFAR_STEM_MAX_SIZE:
+        model.conv1 = nn.Conv2d(3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    return model
 
 
 def feature_dim(model: nn.Module) -> int:

@@ -32,7 +32,7 @@ from ..data.pipeline import DataPlan, StoreCache
 from ..data.recipes import AUG_ON, AugmentRecipe, augment_on_device
 from ..data.sets import DATASETS, IMAGE_FILES, NATIVE_SIZE, NORMALIZATIONS
 from ..data.shard_cache import START_DOWNLOADS, WAIT_SLACK_S
-from ..models.backbones import ARCHS, MIN_IMAGE_SIZE
+from ..models.backbones import ARCHS, min_image_size
 from ..runtime.device import check_device, device_type, visible_cuda_devices
 from ..runtime.launch import LaunchEnv, detect_launch, restart_count
 from ..runtime.logs import say_error
@@ -259,8 +259,8 @@ class TrainConfig:
             raise UsageError("--overwrite starts over and --resume continues: give only one of them")
         if self.allow_changes and not self.resume:
             raise UsageError("--allow-changes only applies with --resume")
-        size, smallest = self.resolved_image_size(), MIN_IMAGE_SIZE[self.arch]
-        if size < smallest:
+        size, smallest = self.resolved_image_size(), min_image_size(self.arch)
+        if smallest and size < smallest:
             raise UsageError(f"--image-size {size} is too small for --arch {self.arch}: give at least "
                              f"{smallest} px")
         try:

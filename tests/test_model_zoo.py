@@ -1,0 +1,98 @@
+"""The classifier's models by name: the small networks and every classification model torchvision
+lists (``--arch``, spelled ``--model`` as torchvision's reference script spells it), each able to
+take a training step, and the refusals of a name or a combination that cannot train."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import torchvision
+from helpers import assert_ok, in_process, run_ranks
+
+import train_classifier
+from ddp_utils.config import build_parser, parse_config
+from ddp_utils.models.backbones import build_model, model_names
+from train_classifier import ClassifierConfig
+
+DIGITS = ["--dataset", "digits", "--device", "cpu", "--batch-size", "8", "--epochs", "1"]
+
+# One model of each torchvision family, at a small input it takes (px); the fast tier keeps the
+# first five, whose steps take under a second each on 2 cores.
+FAMILIES = [("mobilenet_v3_small", 32), ("resnext50_32x4d", 32), ("efficientnet_b0", 32), ("vit_b_32", 32),
+            ("squeezenet1_1", 32), ("convnext_tiny", 32), ("swin_t", 32), ("swin_v2_t", 32),
+            ("efficientnet_v2_s", 32), ("densenet121", 32), ("regnet_x_400mf", 32), ("regnet_y_400mf", 32),
+            ("shufflenet_v2_x0_5", 32), ("mnasnet0_5", 32), ("mobilenet_v2", 32), ("wide_resnet50_2", 32),
+            ("vgg11_bn", 32), ("alexnet", 64), ("googlenet", 32), ("inception_v3", 80), ("maxvit_t", 224),
+            ("resnet152", 32)]
+FAST = 5
+
+
+def test_model_is_the_arch_flag_spelled_as_torchvision_spells_it(tmp_path):
+    assert parse_config(ClassifierConfig, ["--model", "vit_b_16"]).arch == "vit_b_16"
+    assert parse_config(ClassifierConfig, ["--arch", "vit_b_16"]).arch == "vit_b_16"
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"model": "convnext_tiny"}))
+    assert parse_config(ClassifierConfig, ["--config", str(recipe)]).arch == "convnext_tiny"
+    assert "--arch, --model ARCH" in build_parser(ClassifierConfig).format_help()
+
+
+def test_every_torchvision_classification_model_is_a_name_the_classifier_takes():
+    names = model_names()
+    assert names[:2] == ["lenet", "small_cnn"]
+    assert set(torchvision.models.list_models(module=torchvision.models)) == set(names[2:])
+    assert {family for family, _ in FAMILIES} <= set(names)
+
+
+@pytest.mark.parametrize("name,size", [pytest.param(name, size, marks=() if i < FAST else pytest.mark.slow)
+                                       for i, (name, size) in enumerate(FAMILIES)])
+def test_each_family_takes_a_training_step_with_the_data_sets_classes(name, size):
+    """Built with 5 classes and no weights, in training mode: logits of 5 per image (the
+    auxiliary classifiers left out), a finite loss, a gradient for every parameter (DDP, which
+    looks for no unused ones, would wait for the others forever), and one SGD step that changes
+    what the model answers."""
+    torch.manual_seed(0)
+    model = build_model(name, 5, size).train()
+    images, targets = torch.randn(2, 3, size, size), torch.tensor([1, 4])
+    logits = model(images)
+    assert isinstance(logits, torch.Tensor) and logits.shape == (2, 5)
+    loss = torch.nn.functional.cross_entropy(logits, targets)
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    with torch.no_grad():
+        answer = model.eval()(images)
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        assert not torch.equal(model(images), answer)
+
+
+def test_a_resnet_below_64_px_gets_the_cifar_stem_and_others_keep_theirs():
+    deep = build_model("resnet152", 10, 32)
+    assert deep.conv1.stride == (1, 1) and isinstance(deep.maxpool, torch.nn.Identity)
+    assert build_model("resnet152", 10, 224).conv1.stride == (2, 2)
+    assert build_model("vit_b_16", 10, 32).image_size == 32  # its position embedding fits the image
+
+
+def test_a_torchvision_model_trains_on_two_ranks_through_the_script(tmp_path):
+    """``--model`` through the script's own code on 2 gloo ranks, with accumulation: the run ends,
+    its ranks hold identical weights, and config.json and the checkpoint record the model."""
+    out = tmp_path / "run"
+    proc = run_ranks("train_classifier.py", [*DIGITS, "--model", "mobilenet_v3_small", "--image-size", "32",
+                                             "--accum-steps", "2", "--max-steps", "2", "--out", str(out)], tmp_path)
+    assert_ok(proc)
+    assert re.search(r"weights identical on all 2 ranks", proc.stdout + proc.stderr)
+    assert json.loads((out / "config.json").read_text())["config"]["arch"] == "mobilenet_v3_small"
+    state = torch.load(out / "checkpoint_last.pt", weights_only=True, map_location="cpu")
+    assert state["config"]["arch"] == "mobilenet_v3_small" and state["step"] == 2
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--model", "vit_b_61"], "--arch vit_b_61: not a model of this project or of torchvision; did you mean vit_b_16?"),
+    (["--model", "convnext_tiny", "--linear-probe"], "--linear-probe puts a new fc on the backbone, and --arch "
+                                                     "convnext_tiny's classifier is not one named fc"),
+])
+def test_a_model_that_cannot_train_is_one_line_and_exit_2(args, line, capsys):
+    proc = in_process(train_classifier.main, [*DIGITS, "--check", *args], capsys)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and line in proc.stderr
