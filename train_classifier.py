@@ -63,8 +63,10 @@ from ddp_utils.models.backbones import (
     build_model,
     ends_in_fc,
     has_cifar_stem,
+    input_refusal,
     min_image_size,
     model_names,
+    parameter_count,
 )
 from ddp_utils.runtime.collectives import (
     all_ranks_agree,
@@ -226,6 +228,13 @@ class ClassifierConfig(TrainConfig):
             raise UsageError(f"--arch {self.arch}: not a model of this project or of torchvision; {hint}(every "
                              f"name: python -c 'import torchvision; print(torchvision.models.list_models())')")
         super().validate(launch, cuda_devices)
+        if self.arch not in SMALL_NETS:
+            size, train = self.resolved_image_size(), self.train_crop_size or self.resolved_image_size()
+            refusal = input_refusal(self.arch, size, dict.fromkeys((train, size)))
+            if refusal:
+                flag = "--train-crop-size" if refusal[0] == train and self.train_crop_size else "--image-size"
+                raise UsageError(f"--arch {self.arch} cannot take {refusal[0]} px images ({refusal[1]}); give a "
+                                 f"{flag} it takes (torchvision trains most models at 224, Inception v3 at 299)")
         if (self.linear_probe or self.pretrained) and not ends_in_fc(self.arch):
             flag = "--linear-probe" if self.linear_probe else "--pretrained"
             raise UsageError(f"{flag} puts a new fc on the backbone, and --arch {self.arch}'s classifier is not "
@@ -436,11 +445,14 @@ def backbone_remarks(cfg: ClassifierConfig, trained: int | None) -> list[str]:
 
 
 def check_classifier(cfg: ClassifierConfig, train: Dataset) -> tuple[dict, list[str]]:
-    """--check's share of setup: the class count a resume must match, --pretrained fitting --arch."""
+    """--check's share of setup: the class count a resume must match, --pretrained fitting --arch,
+    the network's size."""
     num_classes = num_classes_of(train)
     trained_size = load_pretrained_backbone(build_model(cfg.arch, num_classes, cfg.resolved_image_size()),
                                             pretrained_file(cfg.pretrained), cfg.arch) if cfg.pretrained else None
-    return {"num_classes": num_classes}, backbone_remarks(cfg, trained_size)
+    parameters = parameter_count(cfg.arch, num_classes, cfg.resolved_image_size())
+    return {"num_classes": num_classes}, [f"network: {cfg.arch} for {num_classes} classes, {parameters:,} parameters",
+                                          *(f"warning: {remark}" for remark in backbone_remarks(cfg, trained_size))]
 
 
 def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:

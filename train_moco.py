@@ -397,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.check or cfg.check_data:  # every check of setup, in this one process; launch/ runs it first
         model = (f"MoCo {cfg.preset} {cfg.arch}, K {cfg.moco_k}, m {cfg.moco_m:g}, T {cfg.moco_t:g}, "
                  f"{'MLP' if cfg.mlp else 'linear'} head, {cfg.aug} augmentation")
-        return check_only(cfg, SCRIPT, model, lambda train: ({}, queue_remarks(cfg, len(train))))
+        return check_only(cfg, SCRIPT, model, lambda train: ({}, [f"warning: {remark}" for remark in
+                                                                     queue_remarks(cfg, len(train))]))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
         fit(setup(cfg, session))  # no name holds the run: its DDP model dies before the group (cleanup_distributed)
     return session.exit_code

@@ -13,7 +13,7 @@ from helpers import assert_ok, in_process, run_ranks
 
 import train_classifier
 from ddp_utils.config import build_parser, parse_config
-from ddp_utils.models.backbones import build_model, model_names
+from ddp_utils.models.backbones import build_model, input_refusal, model_names
 from train_classifier import ClassifierConfig
 
 DIGITS = ["--dataset", "digits", "--device", "cpu", "--batch-size", "8", "--epochs", "1"]
@@ -96,3 +96,37 @@ def test_a_model_that_cannot_train_is_one_line_and_exit_2(args, line, capsys):
     proc = in_process(train_classifier.main, [*DIGITS, "--check", *args], capsys)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and line in proc.stderr
+
+
+@pytest.mark.parametrize("name,size", [("alexnet", 32), ("alexnet", 64), ("maxvit_t", 32), ("vit_h_14", 32),
+                                       ("inception_v3", 64), ("inception_v3", 80), ("resnet50", 16)])
+def test_the_size_probe_agrees_with_a_real_forward(name, size):
+    """The meta device's refusal (no memory, no arithmetic) is the model's own: a real build and
+    training forward at that size on the CPU fail exactly where the probe refuses, with its words."""
+    refusal = input_refusal(name, size, [size])
+    try:
+        build_model(name, 10, size).train()(torch.randn(2, 3, size, size))
+        failed = None
+    except (RuntimeError, ValueError, AssertionError) as err:
+        failed = str(err).strip().splitlines()[0]
+    assert refusal == (None if failed is None else (size, failed))
+
+
+def test_a_vit_built_for_one_size_refuses_a_training_crop_of_another():
+    assert input_refusal("vit_b_16", 224, [176, 224]) == (176, "Wrong image height! Expected 224 but got 176!")
+    assert input_refusal("vit_b_16", 176, [176]) is None
+
+
+@pytest.mark.parametrize("name", ["resnet50", "regnet_y_400mf"])  # counted on the meta device; RegNet built on the CPU
+def test_check_names_the_network_and_its_parameters(name, capsys):
+    proc = in_process(train_classifier.main, [*DIGITS, "--check", "--model", name, "--image-size", "32"], capsys)
+    assert_ok(proc)
+    count = sum(p.numel() for p in build_model(name, 10, 32).parameters())
+    assert f"  network: {name} for 10 classes, {count:,} parameters\n" in proc.stdout
+
+
+def test_a_size_the_model_cannot_take_is_one_line_and_exit_2(capsys):
+    proc = in_process(train_classifier.main, [*DIGITS, "--check", "--model", "alexnet", "--image-size", "32"], capsys)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "--arch alexnet cannot take 32 px images (Given input size: (256x1x1)" in proc.stderr
+    assert "give a --image-size it takes" in proc.stderr

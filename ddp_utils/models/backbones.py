@@ -5,6 +5,8 @@ linear layer named ``fc`` (:data:`ARCHS`), which they swap for a projection head
 classifier."""
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch import nn
 
@@ -105,6 +107,48 @@ def build_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
         model.conv1 = nn.Conv2d(3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
     return model
+
+
+def _shapes_only(arch: str, num_classes: int, image_size: int) -> nn.Module | None:
+    """``arch`` with its parameters on the meta device (shapes, no memory, no arithmetic); None
+    where its construction computes with tensors (RegNet's widths)."""
+    try:
+        with torch.device("meta"):
+            return build_model(arch, num_classes, image_size)
+    except NotImplementedError:
+        return None
+
+
+def parameter_count(arch: str, num_classes: int, image_size: int) -> int:
+    """The parameters of ``arch`` built for ``num_classes``: counted on the meta device, or on a
+    CPU build where the meta device cannot build it."""
+    model = _shapes_only(arch, num_classes, image_size) or build_model(arch, num_classes, image_size)
+    return sum(p.numel() for p in model.parameters())
+
+
+def input_refusal(arch: str, image_size: int, sizes: Iterable[int]) -> tuple[int, str] | None:
+    """The first of ``sizes`` (px, square) that ``arch``, built for ``image_size``, cannot take in
+    a training forward, with the model's own reason (a kernel larger than what is left of the
+    image, a ViT's fixed size, a patch that does not divide it); None when it takes them all or
+    the meta device cannot run it (then its first forward says). No memory, no arithmetic."""
+    def reason(err: Exception) -> str:
+        return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+    try:
+        model = _shapes_only(arch, 10, image_size)
+    except (RuntimeError, ValueError, AssertionError) as err:  # a ViT whose patch does not divide the image
+        return image_size, reason(err)
+    if model is None:
+        return None
+    model.train()
+    for size in sizes:
+        try:
+            model(torch.empty(2, 3, size, size, device="meta"))
+        except NotImplementedError:  # an op without a meta kernel: not the model's refusal
+            return None
+        except (RuntimeError, ValueError, AssertionError) as err:
+            return size, reason(err)
+    return None
 
 
 def feature_dim(model: nn.Module) -> int:

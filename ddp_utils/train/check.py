@@ -44,7 +44,7 @@ ScriptCheck = Callable[[Dataset], tuple[dict[str, Any], list[str]]]
 def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck) -> int:
     """Run every check of a launch; print the run (rank 0) or the one-line problem; return the exit
     code. ``script_check(train_split)`` returns the script's facts that a resume must match (e.g.
-    the class count) and lines to add (warnings), or raises UsageError."""
+    the class count) and lines to add at the end (a warning's begins "warning: "), or raises UsageError."""
     launch = detect_launch()
     says = launch.rank == 0  # a requeued job's check speaks too: its log is where a user looks
     try:
@@ -122,7 +122,7 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         fresh = "started over (--overwrite)" if cfg.overwrite and Path(cfg.out).exists() else "a new run"
         later = ", continued by restarted attempts" if cfg.resume == RESUME_IF_RESTARTED else ""
         lines.append(f"run folder: {cfg.out}, {fresh}{later}")
-    return lines + [f"warning: {text}" for text in extra]
+    return lines + extra
 
 
 def _count(n: int, noun: str) -> str:
