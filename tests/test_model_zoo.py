@@ -29,13 +29,15 @@ FAMILIES = [("mobilenet_v3_small", 32), ("resnext50_32x4d", 32), ("efficientnet_
 FAST = 5
 
 
-def test_model_is_the_arch_flag_spelled_as_torchvision_spells_it(tmp_path):
+def test_torchvisions_spellings_set_the_same_fields(tmp_path):
     assert parse_config(ClassifierConfig, ["--model", "vit_b_16"]).arch == "vit_b_16"
     assert parse_config(ClassifierConfig, ["--arch", "vit_b_16"]).arch == "vit_b_16"
     recipe = tmp_path / "recipe.json"
     recipe.write_text(json.dumps({"model": "convnext_tiny"}))
     assert parse_config(ClassifierConfig, ["--config", str(recipe)]).arch == "convnext_tiny"
     assert "--arch, --model ARCH" in build_parser(ClassifierConfig).format_help()
+    spelled = parse_config(ClassifierConfig, ["--wd", "0.00002", "--clip-grad-norm", "1.5"])
+    assert (spelled.weight_decay, spelled.clip_grad) == (2e-5, 1.5)
 
 
 def test_every_torchvision_classification_model_is_a_name_the_classifier_takes():

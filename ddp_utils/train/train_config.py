@@ -171,7 +171,7 @@ class TrainConfig:
     weight_decay: float = opt(5e-4, "weight decay: SGD's L2 added to the gradient (train_classifier.py: RMSprop's "
                               "likewise, AdamW's decoupled), on every parameter unless train_classifier.py's "
                               "--norm-weight-decay or --bias-weight-decay give some their own",
-                              group=MODEL, at_least=0)
+                              group=MODEL, at_least=0, spellings=("--wd",))
     lr_schedule: str = opt("cosine", "after warm-up: cosine decay to 0 over --epochs, step (x0.1 at each "
                            "--lr-milestones epoch), constant, cosine-epoch (the MoCo CIFAR-10 demo's: "
                            "lr x 0.5(1 + cos(pi e / epochs)) through epoch e = 1..epochs; a warm-up scales "
@@ -194,7 +194,7 @@ class TrainConfig:
                                  "--lr-warmup-decay)", group=MODEL, above=0, at_most=1,
                                  applies_to=needs_flag("lr_warmup_epochs"))
     clip_grad: float = opt(0.0, "clip the global gradient L2 norm to this value; 0 = off",
-                           group=MODEL, at_least=0)
+                           group=MODEL, at_least=0, spellings=("--clip-grad-norm",))
     amp: str = opt("auto", "mixed precision: auto = bf16 on CUDA and fp32 on CPU; bf16, fp16 (with a "
                    "GradScaler) or none (fp32; TF32 matmuls on CUDA unless --no-tf32)", choices=AMP_MODES,
                    group=SPEED, on_resume="free")
