@@ -1,6 +1,7 @@
-"""The classifier's models by name: the small networks and every classification model torchvision
-lists (``--arch``, spelled ``--model`` as torchvision's reference script spells it), each able to
-take a training step, and the refusals of a name or a combination that cannot train."""
+"""The models by name: the classifier's, the small networks and every classification model
+torchvision lists (``--arch``, spelled ``--model`` as torchvision's reference script spells it),
+each able to take a training step; MoCo's, the small networks and torchvision's ResNet family
+(``-a`` as main_moco.py spells it); the refusals of a name or a combination that cannot train."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import torchvision
 from helpers import assert_ok, in_process, run_ranks
 
 import train_classifier
+import train_moco
 from ddp_utils.config import build_parser, parse_config
 from ddp_utils.models.backbones import build_model, input_refusal, model_names
 from train_classifier import ClassifierConfig
@@ -132,3 +134,25 @@ def test_a_size_the_model_cannot_take_is_one_line_and_exit_2(capsys):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "--arch alexnet cannot take 32 px images (Given input size: (256x1x1)" in proc.stderr
     assert "give a --image-size it takes" in proc.stderr
+
+
+@pytest.mark.slow
+def test_moco_trains_a_resnet_of_any_depth_on_two_ranks(tmp_path):
+    """``-a resnext50_32x4d`` (main_moco.py's spelling) through the script's own code on 2 gloo
+    ranks, shuffle BN included: the run ends with its encoders, queue and pointer identical on its
+    ranks, and the checkpoint records the backbone."""
+    out = tmp_path / "moco"
+    proc = run_ranks("train_moco.py", ["--dataset", "digits", "--device", "cpu", "-a", "resnext50_32x4d",
+                                       "--image-size", "32", "--batch-size", "4", "--moco-k", "64", "--knn-every", "0",
+                                       "--epochs", "1", "--max-steps", "2", "--out", str(out)], tmp_path)
+    assert_ok(proc)
+    assert "encoders, queue and pointer identical on all 2 ranks" in proc.stdout
+    state = torch.load(out / "checkpoint_last.pt", weights_only=True, map_location="cpu")
+    assert state["config"]["arch"] == "resnext50_32x4d" and state["step"] == 2
+
+
+@pytest.mark.parametrize("name", ["vit_b_16", "resnet19"])
+def test_moco_refuses_a_backbone_without_fc_in_one_line(name, capsys):
+    proc = in_process(train_moco.main, ["--dataset", "digits", "--device", "cpu", "--check", "--arch", name], capsys)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert f"--arch {name}: MoCo replaces a backbone's fc with its projection head" in proc.stderr

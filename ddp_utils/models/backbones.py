@@ -1,7 +1,7 @@
 """Backbones, and the linear probe around a trained one. The classifier takes the small networks
 here and every classification model torchvision lists, by name; MoCo and the linear probe
 (:class:`LinearProbe`, MoCo's linear-classification protocol) take the models that end in a
-linear layer named ``fc`` (:data:`ARCHS`), which they swap for a projection head or a new
+linear layer named ``fc`` (:func:`ends_in_fc`), which they swap for a projection head or a new
 classifier."""
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Iterable
 import torch
 from torch import nn
 
-ARCHS = ("lenet", "small_cnn", "resnet18", "resnet34", "resnet50")  # MoCo's, and the linear probe's
 SMALL_NETS = ("lenet", "small_cnn")
 RESNET_FAMILY = ("resnet", "resnext", "wide_resnet")  # torchvision's ResNet class: conv1, maxpool, fc
 # Built without their auxiliary classifiers, whose second output a training step has no loss for.
@@ -39,8 +38,9 @@ def has_cifar_stem(arch: str) -> bool:
 
 
 def ends_in_fc(arch: str) -> bool:
-    """Whether ``arch``'s classifier is one linear layer named ``fc`` (what MoCo and the linear probe replace)."""
-    return arch in SMALL_NETS or has_cifar_stem(arch)
+    """Whether ``arch`` is a model whose classifier is one linear layer named ``fc`` (what MoCo and
+    the linear probe replace): the small networks and torchvision's ResNet family."""
+    return arch in SMALL_NETS or has_cifar_stem(arch) and arch in model_names()
 
 
 def min_image_size(arch: str) -> int | None:
