@@ -58,6 +58,7 @@ from ddp_utils.data.recipes import AUTO_AUGMENTS, AugmentRecipe, classifier_reci
 from ddp_utils.data.sets import IMAGE_FILES, num_classes_of
 from ddp_utils.models.backbones import (
     CIFAR_STEM_MAX_SIZE,
+    FC_BACKBONES,
     SMALL_NETS,
     LinearProbe,
     build_model,
@@ -238,7 +239,7 @@ class ClassifierConfig(TrainConfig):
         if (self.linear_probe or self.pretrained) and not ends_in_fc(self.arch):
             flag = "--linear-probe" if self.linear_probe else "--pretrained"
             raise UsageError(f"{flag} puts a new fc on the backbone, and --arch {self.arch}'s classifier is not "
-                             f"one named fc: give {', '.join(SMALL_NETS)} or a ResNet (resnet*, resnext*, wide_resnet*)")
+                             f"one named fc: give {FC_BACKBONES}")
         if self.probe_bn and not self.linear_probe:
             raise UsageError("--probe-bn only applies with --linear-probe")
         self.check_recipe_flags()

@@ -51,7 +51,7 @@ from ddp_utils.data.pipeline import build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import MOCO_AUGS, moco_recipe
 from ddp_utils.eval.knn import knn_accuracy
-from ddp_utils.models.backbones import build_model, ends_in_fc, feature_dim
+from ddp_utils.models.backbones import FC_BACKBONES, build_model, ends_in_fc, feature_dim
 from ddp_utils.models.moco import Encoder, MoCo, contrastive_step
 from ddp_utils.models.shuffle_bn import split_batchnorm
 from ddp_utils.runtime.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
@@ -158,8 +158,7 @@ class MocoConfig(TrainConfig):
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
         if not ends_in_fc(self.arch):
             raise UsageError(f"--arch {self.arch}: MoCo replaces a backbone's fc with its projection head; give "
-                             f"lenet, small_cnn or a torchvision ResNet (resnet18 to resnet152, resnext*, "
-                             f"wide_resnet*)")
+                             f"{FC_BACKBONES}")
         super().validate(launch, cuda_devices)
         if not self.augment:
             raise UsageError("--no-augment: MoCo learns from two differently augmented views of each image; "

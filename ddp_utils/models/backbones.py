@@ -18,10 +18,13 @@ WITHOUT_AUX_LOGITS = ("googlenet", "inception_v3")
 # ResNets get the CIFAR stem (3x3 stride-1 conv, no max-pool) at or below this input size: the
 # ImageNet stem would shrink a 32 px image to 8 px before the first residual block.
 CIFAR_STEM_MAX_SIZE = 64
-# Smallest input side (px) per arch: LeNet's two 5x5 convolutions and pools need 16; below these
-# sizes the last stage of the others would see less than 2x2 pixels (small_cnn halves twice, a
-# CIFAR-stem ResNet three times; above 64 px the ImageNet stem is used, far above its limit).
-MIN_IMAGE_SIZE = {"lenet": 16, "small_cnn": 8, "resnet18": 16, "resnet34": 16, "resnet50": 16}
+# Smallest input side (px): LeNet's two 5x5 convolutions and pools need 16; below these sizes the
+# last stage of the others would see less than 2x2 pixels (small_cnn halves twice, a CIFAR-stem
+# ResNet three times; above 64 px the ImageNet stem is used, far above its limit).
+MIN_IMAGE_SIZE = {"lenet": 16, "small_cnn": 8}
+RESNET_MIN_IMAGE_SIZE = 16
+# The backbones whose classifier is one linear layer named fc, for a line that names them.
+FC_BACKBONES = "lenet, small_cnn or a torchvision ResNet (resnet18 to resnet152, resnext*, wide_resnet*)"
 
 
 def model_names() -> list[str]:
@@ -46,7 +49,7 @@ def ends_in_fc(arch: str) -> bool:
 def min_image_size(arch: str) -> int | None:
     """The smallest input side (px) ``arch`` trains at, where this module knows it (None: the
     model's own first forward says)."""
-    return MIN_IMAGE_SIZE.get(arch, MIN_IMAGE_SIZE["resnet18"] if has_cifar_stem(arch) else None)
+    return MIN_IMAGE_SIZE.get(arch, RESNET_MIN_IMAGE_SIZE if has_cifar_stem(arch) else None)
 
 
 class LeNet(nn.Module):

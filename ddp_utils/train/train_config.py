@@ -32,7 +32,7 @@ from ..data.pipeline import DataPlan, StoreCache
 from ..data.recipes import AUG_ON, AugmentRecipe, augment_on_device
 from ..data.sets import DATASETS, IMAGE_FILES, NATIVE_SIZE, NORMALIZATIONS
 from ..data.shard_cache import START_DOWNLOADS, WAIT_SLACK_S
-from ..models.backbones import min_image_size
+from ..models.backbones import FC_BACKBONES, min_image_size
 from ..runtime.device import check_device, device_type, visible_cuda_devices
 from ..runtime.launch import LaunchEnv, detect_launch, restart_count
 from ..runtime.logs import say_error
@@ -155,9 +155,8 @@ class TrainConfig:
     workers: int = opt(-1, "data-loader worker processes per rank; -1 = auto (0 for in-memory data)",
                        group=DATA, on_resume="free", at_least=-1)
     # model and optimisation
-    arch: str = opt("small_cnn", "network: lenet, small_cnn or a torchvision ResNet (resnet18 to resnet152, "
-                    "resnext*, wide_resnet*), whose fc MoCo replaces with its projection head", group=MODEL,
-                    on_resume="fixed", spellings=("-a",))
+    arch: str = opt("small_cnn", f"network: {FC_BACKBONES}, whose fc MoCo replaces with its projection head",
+                    group=MODEL, on_resume="fixed", spellings=("-a",))
     batch_size: int = opt(64, "images per rank per micro-step; the global batch is "
                           "world_size x accum_steps x batch_size", group=MODEL, above=0)
     accum_steps: int = opt(1, "micro-steps per optimizer step (gradient accumulation)",
