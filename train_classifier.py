@@ -31,7 +31,7 @@ Without --linear-probe the whole pretrained network is fine-tuned.
 world_size x --accum-steps x --batch-size, logged at start. --lr is not rescaled for you.
 
 torchvision's recipe (references/classification/train.py), flag for flag: --label-smoothing, --optimizer,
---nesterov, --norm-weight-decay, --bias-weight-decay, --lr-schedule cosine-annealing with --lr-warmup-epochs,
+--nesterov, --norm-weight-decay, --bias-weight-decay, --lr-schedule cosineannealinglr with --lr-warmup-epochs,
 --lr-warmup-method and --lr-warmup-decay, --model-ema, --model-ema-steps, --model-ema-decay, --mixup-alpha,
 --cutmix-alpha (docs/recipe.md).
 """
@@ -49,12 +49,18 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddp_utils.config import AppliesTo, UsageError, flag_name, opt
+from ddp_utils.config import AppliesTo, UsageError, also_spelled, flag_defaults, flag_name, opt
 from ddp_utils.data.mixing import BatchMixer
 from ddp_utils.data.object_store import is_object_store
 from ddp_utils.data.pipeline import DataPlan, build_data
 from ddp_utils.data.preview import augmentation_grid
-from ddp_utils.data.recipes import AUTO_AUGMENTS, AugmentRecipe, classifier_recipe, evaluation_resize
+from ddp_utils.data.recipes import (
+    AUTO_AUGMENTS,
+    INTERPOLATIONS,
+    AugmentRecipe,
+    classifier_recipe,
+    evaluation_resize,
+)
 from ddp_utils.data.sets import IMAGE_FILES, num_classes_of
 from ddp_utils.models.backbones import (
     CIFAR_STEM_MAX_SIZE,
@@ -75,7 +81,7 @@ from ddp_utils.runtime.collectives import (
     check_replicas_identical,
     sync_buffers_from_rank0,
 )
-from ddp_utils.runtime.device import to_device
+from ddp_utils.runtime.device import device_type, to_device
 from ddp_utils.runtime.dist import DistInfo, unwrap
 from ddp_utils.runtime.launch import LaunchEnv
 from ddp_utils.runtime.precision import autocast
@@ -122,10 +128,33 @@ def auto_augment_only(policy: str) -> AppliesTo:
                      lambda flag, cfg: f"{flag} applies to --auto-augment {policy} only; add it, or drop {flag}")
 
 
+def image_files_only(hint: str = "") -> AppliesTo:
+    """A setting of the image files' views (imagefolder, shards); ``hint``: what to do instead."""
+    return AppliesTo("image files (imagefolder, shards)", lambda cfg: cfg.dataset in IMAGE_FILES,
+                     lambda flag, cfg: f"{flag} applies to image files (imagefolder, shards), not --dataset "
+                                       f"{cfg.dataset}: drop it{hint}")
+
+
 # the FixRes sizes: the crops of image files; the other data sets' views are --image-size itself
-IMAGE_FILE_SIZES = AppliesTo("image files (imagefolder, shards)", lambda cfg: cfg.dataset in IMAGE_FILES,
-                             lambda flag, cfg: f"{flag} applies to image files (imagefolder, shards), not --dataset "
-                                               f"{cfg.dataset}: drop it (--image-size sets the side)")
+IMAGE_FILE_SIZES = image_files_only(" (--image-size sets the side)")
+
+
+def magnitude_applies() -> AppliesTo:
+    """--ra-magnitude (torchvision's README spells it --policy-magnitude) is RandAugment's; with
+    TrivialAugmentWide, which has no magnitude, it is accepted and said to do nothing, because
+    the README's MaxViT command gives it so."""
+    where = "--auto-augment ra (and ta_wide, where it does nothing)"
+    return AppliesTo(where, lambda cfg: cfg.auto_augment in ("ra", "ta_wide"),
+                     lambda flag, cfg: f"{flag} applies to {where}: add --auto-augment ra, or drop {flag}")
+
+
+# torchvision's references/classification/train.py defaults (pytorch/vision 428a54c), brought by its
+# --data-path: its published commands give only what differs from them. The machine's own choices
+# stay ours: --workers auto (its 16), --device auto, the seed and the run folder.
+TORCHVISION_DEFAULTS = dict(dataset="imagefolder", arch="resnet18", batch_size=32, epochs=90, lr=0.1, momentum=0.9,
+                            weight_decay=1e-4, lr_schedule="steplr", lr_step_size=30, lr_gamma=0.1, lr_min=0.0,
+                            lr_warmup_method="constant", lr_warmup_decay=0.01, amp="none", image_size=224,
+                            train_crop_size=224, val_resize_size=256, interpolation="bilinear", lr_ranks=8)
 
 
 def _after(sections: tuple[str, ...], section: str, new: str) -> tuple[str, ...]:
@@ -137,6 +166,13 @@ def _after(sections: tuple[str, ...], section: str, new: str) -> tuple[str, ...]
 class ClassifierConfig(TrainConfig):
     SECTIONS: ClassVar[tuple[str, ...]] = (*_after(_after(TrainConfig.SECTIONS, MODEL, RECIPE), RECIPE, AUGMENTATION),
                                            PRETRAINED)
+    FLAG_DEFAULTS: ClassVar[dict[str, dict]] = {"--data-path": TORCHVISION_DEFAULTS}
+
+    # torchvision's spellings of shared flags, where they mean what its train.py's do
+    data_dir: str = also_spelled(TrainConfig, "data_dir", "--data-path")
+    batch_size: int = also_spelled(TrainConfig, "batch_size", "-b")
+    workers: int = also_spelled(TrainConfig, "workers", "-j")
+    image_size: int = also_spelled(TrainConfig, "image_size", "--val-crop-size")
 
     out: str = opt("runs/classifier", OUT_HELP, group=RUN_FOLDER, on_resume="invocation")
     arch: str = opt("small_cnn", f"network: {', '.join(SMALL_NETS)}, or any classification model torchvision lists "
@@ -158,9 +194,10 @@ class ClassifierConfig(TrainConfig):
                                  "includes it, the validation loss (val/loss) stays plain cross-entropy, comparable "
                                  "between runs (torchvision's evaluation loss includes it)",
                                  group=RECIPE, at_least=0, below=1)
-    optimizer: str = opt("sgd", "sgd (--momentum, --nesterov), adamw (PyTorch's defaults: betas 0.9, 0.999, eps "
-                         "1e-8; --weight-decay decoupled) or rmsprop (torchvision's: alpha 0.9, eps 0.0316, "
-                         "--momentum)", choices=OPTIMIZERS, group=RECIPE, on_resume="fixed")
+    optimizer: str = opt("sgd", "sgd (--momentum, --nesterov), sgd_nesterov (torchvision's name of sgd with "
+                         "--nesterov), adamw (PyTorch's defaults: betas 0.9, 0.999, eps 1e-8; --weight-decay "
+                         "decoupled) or rmsprop (torchvision's: alpha 0.9, eps 0.0316, --momentum)",
+                         choices=OPTIMIZERS, group=RECIPE, on_resume="fixed", spellings=("--opt",))
     nesterov: bool = opt(False, "--optimizer sgd: Nesterov momentum (torchvision's --opt sgd_nesterov)", group=RECIPE)
     norm_weight_decay: float = opt(UNSET, "weight decay of the normalisation layers' parameters (BatchNorm, "
                                    "GroupNorm, LayerNorm, InstanceNorm, LocalResponseNorm; their biases too unless "
@@ -170,6 +207,15 @@ class ClassifierConfig(TrainConfig):
     bias_weight_decay: float = opt(UNSET, "weight decay of every parameter named bias (normalisation layers' "
                                    "included), a parameter group of their own; -1 = unset: as the layer's other "
                                    "parameters", group=RECIPE, at_least=UNSET)
+    transformer_embedding_decay: float = opt(UNSET, "weight decay of the parameters named class_token, "
+                                             "position_embedding or relative_position_bias_table (torchvision's "
+                                             "keys: ViT's class token, Swin's and MaxViT's relative position "
+                                             "biases; ViT's pos_embedding is none of them), a group of their own per "
+                                             "name; -1 = unset", group=RECIPE, at_least=UNSET)
+    sync_bn: bool = opt(False, "BatchNorm statistics over the global batch: BatchNorm layers become "
+                        "SyncBatchNorm when several ranks train on CUDA (torchvision's --sync-bn); one process has "
+                        "nothing to synchronise; several CPU ranks are refused (SyncBatchNorm has no CPU kernel)",
+                        group=RECIPE)
     model_ema: bool = opt(False, "keep an exponential moving average (EMA) of the weights and buffers, torchvision's "
                           "--model-ema: updated after every --model-ema-steps-th optimizer step of each epoch, on "
                           "every rank alike; during the LR warm-up each update copies the weights; checkpointed "
@@ -200,7 +246,7 @@ class ClassifierConfig(TrainConfig):
                             choices=("", *AUTO_AUGMENTS), group=AUGMENTATION)
     ra_magnitude: int = opt(9, "the magnitude of RandAugment's operations, in its 31 bins "
                             "(0 = none, 30 = strongest)", group=AUGMENTATION, at_least=0, at_most=30,
-                            applies_to=auto_augment_only("ra"))
+                            applies_to=magnitude_applies(), spellings=("--policy-magnitude",))
     augmix_severity: int = opt(3, "the severity of AugMix's operations (1 = weakest, 10 = "
                                "strongest)", group=AUGMENTATION, at_least=1, at_most=10,
                                applies_to=auto_augment_only("augmix"))
@@ -213,7 +259,7 @@ class ClassifierConfig(TrainConfig):
                        "ranks in turn, so an image's N copies go to different ranks (when N <= world size), each "
                        "augmented differently; a rank's epoch keeps its usual length (split size // world size "
                        "samples), so it sees about 1/N of the distinct images; 1 = off (docs/recipe.md)",
-                       group=AUGMENTATION, at_least=1)
+                       group=AUGMENTATION, at_least=1, switch=("--ra-sampler", 3))
     train_crop_size: int = opt(0, "px of the training crops' side (FixRes: torchvision's v2 recipe trains at 176 "
                                "and evaluates at --image-size 224); 0 = --image-size", group=AUGMENTATION, at_least=0,
                                applies_to=IMAGE_FILE_SIZES)
@@ -221,6 +267,10 @@ class ClassifierConfig(TrainConfig):
                                "then takes the centre --image-size crop (torchvision's v2 recipe: 232 for 224); "
                                "0 = round(--image-size x 256/224)", group=AUGMENTATION, at_least=0,
                                applies_to=IMAGE_FILE_SIZES)
+    interpolation: str = opt("bilinear", "the interpolation of the image files' resizes: the training crops', the "
+                             "evaluation resize's and the automatic augmentation's (torchvision's --interpolation); "
+                             "other than bilinear, the training view runs per sample in the DataLoader workers",
+                             choices=INTERPOLATIONS, group=AUGMENTATION, applies_to=image_files_only())
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
         if self.arch not in SMALL_NETS and self.arch not in model_names():
@@ -236,6 +286,9 @@ class ClassifierConfig(TrainConfig):
                 flag = "--train-crop-size" if refusal[0] == train and self.train_crop_size else "--image-size"
                 raise UsageError(f"--arch {self.arch} cannot take {refusal[0]} px images ({refusal[1]}); give a "
                                  f"{flag} it takes (torchvision trains most models at 224, Inception v3 at 299)")
+        if self.sync_bn and launch.world_size > 1 and device_type(self.device, cuda_devices) != "cuda":
+            raise UsageError(f"--sync-bn needs CUDA: SyncBatchNorm has no CPU kernel, and these {launch.world_size} "
+                             f"ranks train on CPUs; drop --sync-bn (each rank then normalises its own batch)")
         if (self.linear_probe or self.pretrained) and not ends_in_fc(self.arch):
             flag = "--linear-probe" if self.linear_probe else "--pretrained"
             raise UsageError(f"{flag} puts a new fc on the backbone, and --arch {self.arch}'s classifier is not "
@@ -254,14 +307,14 @@ class ClassifierConfig(TrainConfig):
         """The optimizer's flags that it would ignore, and a weight decay below 0 other than -1
         (unset), are refused (the EMA's settings without --model-ema: ``opt(applies_to=...)``)."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name in ("norm_weight_decay", "bias_weight_decay"):
+        for name in ("norm_weight_decay", "bias_weight_decay", "transformer_embedding_decay"):
             value = getattr(self, name)
             if value < 0 and value != UNSET:
                 raise UsageError(f"{flag_name(name)} {value:g}: give a weight decay >= 0, or -1 to leave it unset")
-        if self.nesterov and self.optimizer != "sgd":
+        if self.nesterov and self.optimizer not in ("sgd", "sgd_nesterov"):
             raise UsageError(f"--nesterov is SGD's; --optimizer {self.optimizer} has no such option (drop it)")
-        if self.nesterov and self.momentum == 0:
-            raise UsageError("--nesterov needs momentum: give --momentum above 0")
+        if (self.nesterov or self.optimizer == "sgd_nesterov") and self.momentum == 0:
+            raise UsageError("Nesterov momentum needs momentum: give --momentum above 0")
         if self.optimizer == "adamw" and self.momentum != defaults["momentum"]:
             raise UsageError(f"--momentum does nothing with --optimizer adamw (its betas are PyTorch's 0.9, 0.999); "
                              f"drop --momentum {self.momentum:g}")
@@ -272,11 +325,12 @@ class ClassifierConfig(TrainConfig):
     def augmentation_policy(self) -> dict:
         """torchvision's per-sample steps as ``AugmentRecipe`` fields (``classifier_recipe``'s policy)."""
         return dict(auto_augment=self.auto_augment, ra_magnitude=self.ra_magnitude,
-                    augmix_severity=self.augmix_severity, random_erase=self.random_erase)
+                    augmix_severity=self.augmix_severity, random_erase=self.random_erase,
+                    interpolation=self.interpolation)
 
     def per_sample_flags(self) -> list[str]:
-        return [flag for flag, on in (("--auto-augment", self.auto_augment), ("--random-erase", self.random_erase))
-                if on]
+        return [flag for flag, on in (("--auto-augment", self.auto_augment), ("--random-erase", self.random_erase),
+                                      ("--interpolation", self.interpolation != "bilinear")) if on]
 
     def check_augmentation_flags(self) -> None:
         """torchvision's augmentation and sizes where they apply: an automatic augmentation on
@@ -363,10 +417,12 @@ def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn
         if info.is_main:
             log.info("backbone initialised from %s", path)
     if info.is_main:
-        for remark in backbone_remarks(cfg, trained_size):
+        for remark in run_remarks(cfg, trained_size):
             log.warning("%s", remark)
     if cfg.linear_probe:
         model = LinearProbe(model, num_classes, feature_norm=cfg.probe_bn)
+    if cfg.sync_bn and info.is_distributed:  # the configuration refuses it on CPU ranks
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return place_model(model, info.device)
 
 
@@ -416,7 +472,8 @@ def recipe_summary(cfg: ClassifierConfig) -> str:
     """What --check says of torchvision's recipe flags that are on (the views are on the data line)."""
     parts = [f"{cfg.optimizer}" + (" (Nesterov)" if cfg.nesterov else "")]
     decays = [f"{what} {cfg.weight_decay_of(name):g}" for what, name in
-              (("norm layers", "norm_weight_decay"), ("biases", "bias_weight_decay"))
+              (("norm layers", "norm_weight_decay"), ("biases", "bias_weight_decay"),
+               ("transformer embeddings", "transformer_embedding_decay"))
               if cfg.weight_decay_of(name) is not None]
     parts.append(f"weight decay {cfg.weight_decay:g}" + (f" ({', '.join(decays)})" if decays else ""))
     if cfg.lr_warmup_epochs:
@@ -430,30 +487,39 @@ def recipe_summary(cfg: ClassifierConfig) -> str:
         parts.append(f"each sample {cfg.ra_reps} times an epoch")
     if cfg.model_ema:
         parts.append(f"EMA of the weights every {cfg.model_ema_steps} step(s) (--model-ema-decay {cfg.model_ema_decay:g})")
+    if cfg.sync_bn:
+        parts.append("SyncBatchNorm across the ranks on CUDA")
     return "; " + ", ".join(parts)
 
 
-def backbone_remarks(cfg: ClassifierConfig, trained: int | None) -> list[str]:
-    """What a user should know about the backbone a probe starts from (said once, and by --check);
-    ``trained``: the image side --pretrained was trained at, if known."""
+def run_remarks(cfg: ClassifierConfig, trained: int | None) -> list[str]:
+    """What a user should know before the run starts (said once at start, and by --check): a
+    flag accepted that does nothing, the backbone a probe starts from; ``trained``: the image side
+    --pretrained was trained at, if known."""
+    remarks = []
+    if cfg.auto_augment == "ta_wide" and cfg.ra_magnitude != 9:
+        remarks.append(f"--ra-magnitude/--policy-magnitude {cfg.ra_magnitude} does nothing with --auto-augment "
+                       f"ta_wide (TrivialAugmentWide has no magnitude setting; torchvision's README gives it in its "
+                       f"MaxViT command)")
     if cfg.linear_probe and not cfg.pretrained:
-        return ["--linear-probe without --pretrained: probing a randomly initialised backbone (a baseline "
-                "to compare a pretrained one with)"]
+        remarks.append("--linear-probe without --pretrained: probing a randomly initialised backbone (a baseline "
+                       "to compare a pretrained one with)")
     if trained and trained != cfg.resolved_image_size():
-        return [f"--pretrained {cfg.pretrained} was trained at {trained} px, this run sees "
-                f"{cfg.resolved_image_size()} px: its features may not transfer (drop --image-size to use {trained})"]
-    return []
+        remarks.append(f"--pretrained {cfg.pretrained} was trained at {trained} px, this run sees "
+                       f"{cfg.resolved_image_size()} px: its features may not transfer (drop --image-size to use "
+                       f"{trained})")
+    return remarks
 
 
-def check_classifier(cfg: ClassifierConfig, train: Dataset) -> tuple[dict, list[str]]:
+def check_classifier(cfg: ClassifierConfig, train: Dataset, lines: list[str]) -> tuple[dict, list[str]]:
     """--check's share of setup: the class count a resume must match, --pretrained fitting --arch,
-    the network's size."""
+    the network's size (after ``lines``)."""
     num_classes = num_classes_of(train)
     trained_size = load_pretrained_backbone(build_model(cfg.arch, num_classes, cfg.resolved_image_size()),
                                             pretrained_file(cfg.pretrained), cfg.arch) if cfg.pretrained else None
     parameters = parameter_count(cfg.arch, num_classes, cfg.resolved_image_size())
-    return {"num_classes": num_classes}, [f"network: {cfg.arch} for {num_classes} classes, {parameters:,} parameters",
-                                          *(f"warning: {remark}" for remark in backbone_remarks(cfg, trained_size))]
+    return {"num_classes": num_classes}, [*lines, f"network: {cfg.arch} for {num_classes} classes, {parameters:,} parameters",
+                                          *(f"warning: {remark}" for remark in run_remarks(cfg, trained_size))]
 
 
 def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
@@ -475,7 +541,8 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
                                  (("MixUp", cfg.mixup_alpha), ("CutMix", cfg.cutmix_alpha)) if alpha))
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
         groups = parameter_groups(model, cfg.weight_decay, cfg.weight_decay_of("norm_weight_decay"),
-                                  cfg.weight_decay_of("bias_weight_decay"))  # frozen parameters left out
+                                  cfg.weight_decay_of("bias_weight_decay"),
+                                  cfg.weight_decay_of("transformer_embedding_decay"))  # frozen parameters left out
         optimizer, lr_schedule, scaler, total_steps = build_optimization(cfg, groups, loaders.batches_per_epoch,
                                                                          info.device, cfg.optimizer, cfg.nesterov)
         facts = {"num_classes": loaders.num_classes}  # a checkpoint must match them
@@ -635,7 +702,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.check or cfg.check_data:  # every check of setup, in this one process; launch/ runs it first
         model = f"{cfg.arch}" + (", linear probe" if cfg.linear_probe else "") + \
             (f", from {cfg.pretrained}" if cfg.pretrained else "") + recipe_summary(cfg)
-        return check_only(cfg, SCRIPT, model, lambda train: check_classifier(cfg, train))
+        defaults = ["defaults: torchvision's train.py's for every flag not given (--data-path brings them; "
+                    "docs/recipe.md)"] if flag_defaults(ClassifierConfig, sys.argv[1:] if argv is None else argv) else []
+        return check_only(cfg, SCRIPT, model, lambda train: check_classifier(cfg, train, defaults))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
         fit(setup(cfg, session))  # no name holds the run: its DDP model dies before the group (cleanup_distributed)
     return session.exit_code

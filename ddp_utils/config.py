@@ -8,7 +8,8 @@ nothing.
 
 Where a value comes from, lowest first: the field's default; the class's preset (``PRESETS``,
 chosen by a ``preset`` field); the data set's own defaults (``DATASET_DEFAULTS``, chosen by the
-``dataset`` field); ``--config FILE`` (JSON: a recipe, or a run's own ``config.json``); the
+``dataset`` field); those a flag given brings (``FLAG_DEFAULTS``: torchvision's ``--data-path``
+brings its train.py's); ``--config FILE`` (JSON: a recipe, or a run's own ``config.json``); the
 command line. ``--help`` shows the defaults that result.
 """
 from __future__ import annotations
@@ -61,14 +62,18 @@ class AppliesTo:
 def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group: str | None = None,
         on_resume: str = "experiment", from_file: bool = True, at_least: float | None = None,
         above: float | None = None, below: float | None = None, at_most: float | None = None,
-        applies_to: AppliesTo | None = None, spellings: tuple[str, ...] = ()) -> Any:
+        applies_to: AppliesTo | None = None, spellings: tuple[str, ...] = (), bare: Any = None,
+        switch: tuple[str, Any] | None = None) -> Any:
     """A config field: its default, help text (unit and meaning) and allowed values; the --help
     section it is listed in (``group``; None: at the top, with --config); what a resume may do
     with it (``on_resume``, one of ON_RESUME); whether ``--config FILE`` may set it; the bounds of
     a number (``at_least``/``above`` below it, ``below``/``at_most`` above it), which
     :func:`check_bounds` enforces whatever set the value; where it does something
     (``applies_to``), which :func:`check_applies` enforces; ``spellings``: other flags that set
-    it (another project's name for it, as ``--model`` for ``--arch``), also keys of a config file."""
+    it (another project's name for it, as ``--model`` for ``--arch``), also keys of a config file;
+    ``bare``: the value of the flag given without one (torchvision's ``--amp``); ``switch``:
+    (FLAG, VALUE), a flag without a value that sets the field to VALUE where it is still at its
+    default (torchvision's ``--ra-sampler``: ``--ra-reps`` 3 unless given)."""
     if on_resume not in ON_RESUME:
         raise ValueError(f"opt: on_resume must be one of {', '.join(ON_RESUME)}, got {on_resume!r}")
     if at_least is not None and above is not None or below is not None and at_most is not None:
@@ -77,7 +82,15 @@ def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group:
     return dataclasses.field(default=default, metadata={
         "help": help, "choices": choices, "group": group, "on_resume": on_resume, "from_file": from_file,
         "bounds": {k: v for k, v in bounds.items() if v is not None}, "applies_to": applies_to,
-        "spellings": spellings})
+        "spellings": spellings, "bare": bare, "switch": switch})
+
+
+def also_spelled(cls: type, name: str, *spellings: str) -> Any:
+    """``cls``'s field ``name`` again, with ``spellings`` added: a subclass's own other names for
+    a shared flag (``-b`` for ``--batch-size`` where it means what torchvision's does)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    meta = {**f.metadata, "spellings": (*f.metadata.get("spellings", ()), *spellings)}
+    return dataclasses.field(default=f.default, metadata=meta)
 
 
 def positional(help: str) -> Any:
@@ -249,10 +262,19 @@ def build_parser(cls: type, doc: str = "", quiet: bool = False, prog: str | None
             continue
         if kind not in (int, float, str):
             raise TypeError(f"config field {f.name} has unsupported type {kind}")
+        bare = {} if meta.get("bare") is None else {"nargs": "?", "const": meta["bare"]}
         where.add_argument(*flags, dest=f.name, type=finite_float if kind is float else kind,
                            default=f.default, help=help_text(cls, f), choices=meta.get("choices"),
-                           metavar=None if meta.get("choices") else f.name.upper())
+                           metavar=None if meta.get("choices") else f.name.upper(), **bare)
+        if meta.get("switch"):
+            switch, value = meta["switch"]
+            where.add_argument(switch, dest=_switched(f.name), action="store_true",
+                               help=f"{flag} {value} unless {flag} is given (another project's spelling)")
     return parser
+
+
+def _switched(name: str) -> str:
+    return f"switched_{name}"
 
 
 def _group_position(groups: dict[str, list[str]], name: str) -> tuple[int, int]:
@@ -273,12 +295,33 @@ def parse_config(cls: type[T], argv: Sequence[str] | None = None, doc: str = "",
     from_file = read_config_file(cls, given.config) if config_file and given.config else {}
     presets = getattr(cls, "PRESETS", None) or {}
     chosen = given.preset if given.preset in presets else None  # an unknown name: argparse says so below
-    dataset = given.dataset or from_file.get("dataset") or _default(cls, "dataset")
+    brought = flag_defaults(cls, argv)
+    dataset = given.dataset or from_file.get("dataset") or brought.get("dataset") or _default(cls, "dataset")
     parser.set_defaults(**{**preset_values(cls, chosen or from_file.get("preset")),
-                           **dataset_values(cls, dataset), **from_file})
+                           **dataset_values(cls, dataset), **brought, **from_file})
     args = vars(parser.parse_args(argv))
     args.pop("config", None)
-    return cls(**args)
+    for f in dataclasses.fields(cls):
+        if args.pop(_switched(f.name), False) and args[f.name] == f.default:
+            args[f.name] = f.metadata["switch"][1]
+    cfg = cls(**args)
+    # a brought default where its field does nothing (torchvision's constant warm-up without a
+    # warm-up) is the field's own again: check_applies refuses only what the user gave
+    idle = {f.name: f.default for f in dataclasses.fields(cls) if f.name in brought
+            and getattr(cfg, f.name) == brought[f.name] and f.metadata.get("applies_to") is not None
+            and not f.metadata["applies_to"].holds(cfg)}
+    return dataclasses.replace(cfg, **idle) if idle else cfg
+
+
+def flag_defaults(cls: type, argv: Sequence[str]) -> dict[str, Any]:
+    """The defaults a flag on the command line brings (``cls.FLAG_DEFAULTS``: {flag: {field:
+    value}}; torchvision's ``--data-path`` brings its train.py's), below a file's and the command
+    line's own values; empty when no such flag is given."""
+    values: dict[str, Any] = {}
+    for flag, defaults in (getattr(cls, "FLAG_DEFAULTS", None) or {}).items():
+        if any(arg == flag or arg.startswith(flag + "=") for arg in argv):
+            values.update(defaults)
+    return values
 
 
 def preset_values(cls: type, name: str | None) -> dict[str, Any]:
@@ -437,7 +480,7 @@ def markdown_flag_table(cls: type, config_file: bool = True) -> str:
             continue
         if field_type(hints[f.name]) is bool:
             flag = f"{flag} / --no-{flag[2:]}"
-        flag = "` / `".join((flag, *meta.get("spellings", ())))
+        flag = "` / `".join((flag, *meta.get("spellings", ()), *(meta["switch"][:1] if meta.get("switch") else ())))
         if f.default is None:
             default = "preset"
         elif isinstance(f.default, bool):

@@ -87,7 +87,7 @@ CASES = [
     ("classifier", ["--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist'"),
     ("classifier", ["--arch", "vgg"], "--arch vgg: not a model of this project or of torchvision; did you mean vgg19?"),
     ("classifier", ["--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
-    ("classifier", ["--batch-size", "ten"], "argument --batch-size: invalid int value: 'ten'"),
+    ("classifier", ["--batch-size", "ten"], "argument --batch-size/-b: invalid int value: 'ten'"),
     ("classifier", ["--lr-schedule", "step"], "--lr-schedule step needs --lr-milestones"),
     ("classifier", ["--lr-milestones", "a,b"], "give comma-separated epochs"),
     ("classifier", ["--dataset", "imagefolder", "--data-dir", "{no_train}"], "no 'train/' folder"),
@@ -137,9 +137,9 @@ CASES = [
     ("classifier", ["--label-smoothing", "1"], "--label-smoothing must be in [0, 1), got 1.0"),
     ("classifier", ["--norm-weight-decay", "-0.5"], "--norm-weight-decay -0.5: give a weight decay >= 0, or -1 to "
                                                     "leave it unset"),
-    ("classifier", ["--optimizer", "adam"], "argument --optimizer: invalid choice: 'adam'"),
+    ("classifier", ["--optimizer", "adam"], "argument --optimizer/--opt: invalid choice: 'adam'"),
     ("classifier", ["--optimizer", "rmsprop", "--nesterov"], "--nesterov is SGD's; --optimizer rmsprop has no such"),
-    ("classifier", ["--nesterov", "--momentum", "0"], "--nesterov needs momentum: give --momentum above 0"),
+    ("classifier", ["--nesterov", "--momentum", "0"], "Nesterov momentum needs momentum: give --momentum above 0"),
     ("classifier", ["--optimizer", "adamw", "--momentum", "0.8"], "--momentum does nothing with --optimizer adamw"),
     ("classifier", ["--ra-reps", "0"], "--ra-reps must be >= 1, got 0"),
     ("classifier", ["--dataset", "shards", "--data-dir", "{three_classes}", "--ra-reps", "4"],
@@ -156,11 +156,12 @@ CASES = [
                                                                  "micro-batch with each other: give --batch-size 2"),
     ("classifier", ["--model-ema", "--model-ema-steps", "0"], "--model-ema-steps must be positive, got 0"),
     ("classifier", ["--model-ema", "--model-ema-decay", "1"], "--model-ema-decay must be in (0, 1), got 1.0"),
-    ("classifier", ["--lr-warmup-epochs", "5"], "--lr-warmup-epochs applies to --lr-schedule cosine-annealing or "
-                                                "constant (torchvision's warm-up per epoch), not cosine"),
-    ("classifier", ["--lr-schedule", "cosine-annealing", "--lr-warmup-epochs", "5", "--warmup-steps", "100"],
+    ("classifier", ["--lr-warmup-epochs", "5"], "--lr-warmup-epochs applies to --lr-schedule cosineannealinglr, "
+                                                "constant, steplr, exponentiallr (torchvision's warm-up per epoch), "
+                                                "not cosine"),
+    ("classifier", ["--lr-schedule", "cosineannealinglr", "--lr-warmup-epochs", "5", "--warmup-steps", "100"],
      "give one warm-up: --warmup-steps (in optimizer steps) or --lr-warmup-epochs"),
-    ("classifier", ["--lr-schedule", "cosine-annealing", "--lr-warmup-epochs", "10", "--epochs", "10"],
+    ("classifier", ["--lr-schedule", "cosineannealinglr", "--lr-warmup-epochs", "10", "--epochs", "10"],
      "--lr-warmup-epochs 10 must be less than --epochs 10"),
     ("classifier", ["--lr-warmup-decay", "0.1"], "--lr-warmup-decay does nothing without --lr-warmup-epochs"),
     ("classifier", ["--resume", "{cls}", "--arch", "lenet", "--image-size", "16", "--batch-size", "16",
@@ -187,8 +188,8 @@ CASES = [
                     "--no-augment"], "--random-erase augments the training images and --no-augment turns "
                                      "augmentation off; drop one of them"),
     ("classifier", ["--random-erase", "1.5"], "--random-erase must be in [0, 1], got 1.5"),
-    ("classifier", ["--ra-magnitude", "5"], "--ra-magnitude applies to --auto-augment ra only; add it, or drop "
-                                            "--ra-magnitude"),
+    ("classifier", ["--ra-magnitude", "5"], "--ra-magnitude applies to --auto-augment ra (and ta_wide, where it does "
+                                            "nothing): add --auto-augment ra, or drop --ra-magnitude"),
     ("classifier", ["--auto-augment", "ra", "--ra-magnitude", "31", "--dataset", "imagefolder", "--data-dir",
                     "{three_classes}"], "--ra-magnitude must be in [0, 30], got 31"),
     ("classifier", ["--augmix-severity", "5"], "--augmix-severity applies to --auto-augment augmix only"),
@@ -338,17 +339,20 @@ def test_a_bad_fault_plan_is_a_usage_error(tmp_path, capsys, monkeypatch):
 ZERO_OK = {"image_size", "workers", "max_steps", "momentum", "weight_decay", "warmup_steps", "clip_grad",
            "seed", "ckpt_every", "skip_nonfinite", "knn_every", "knn_bank_samples", "moco_m", "shard_cache_gb",
            "shard_read_ahead", "lr_warmup_epochs", "label_smoothing", "norm_weight_decay", "bias_weight_decay",
-           "ra_magnitude", "random_erase", "train_crop_size", "val_resize_size", "mixup_alpha", "cutmix_alpha"}
-NEGATIVE_OK = {"seed", "workers", "norm_weight_decay", "bias_weight_decay"}  # -1: unset
+           "ra_magnitude", "random_erase", "train_crop_size", "val_resize_size", "mixup_alpha", "cutmix_alpha",
+           "lr_min", "lr_ranks", "transformer_embedding_decay"}
+NEGATIVE_OK = {"seed", "workers", "norm_weight_decay", "bias_weight_decay", "transformer_embedding_decay"}  # -1: unset
 IN_A_BUCKET = ["--dataset", "shards", "--data-dir", "s3://bucket/x"]  # where the object store's flags apply
 
 
 # what the flags that refine another need to apply at all
-NEEDS = {"lr_warmup_decay": ["--lr-schedule", "cosine-annealing", "--lr-warmup-epochs", "1"],
+NEEDS = {"lr_warmup_decay": ["--lr-schedule", "cosineannealinglr", "--lr-warmup-epochs", "1"],
          "model_ema_steps": ["--model-ema"], "model_ema_decay": ["--model-ema"],
          "ra_magnitude": ["--dataset", "cifar10", "--auto-augment", "ra"],
          "augmix_severity": ["--dataset", "cifar10", "--auto-augment", "augmix"],
-         "train_crop_size": ["--dataset", "imagefolder"], "val_resize_size": ["--dataset", "imagefolder"]}
+         "train_crop_size": ["--dataset", "imagefolder"], "val_resize_size": ["--dataset", "imagefolder"],
+         "interpolation": ["--dataset", "imagefolder"], "lr_step_size": ["--lr-schedule", "steplr"],
+         "lr_gamma": ["--lr-schedule", "exponentiallr"], "lr_min": ["--lr-schedule", "cosineannealinglr"]}
 
 
 def applying(name: str) -> list[str]:
@@ -536,12 +540,12 @@ def test_the_flags_that_apply_to_some_runs_only_are_these():
     """By hand, so that the generated test above cannot pass on empty metadata."""
     store = ["shard_cache_dir", "shard_cache_gb", "shard_read_ahead", "shard_downloads", "store_timeout",
              "store_if_match", "keep_shard_cache"]
-    shared = ["data_dir", *store, "download", "synthetic_samples", "decode_on", "lr_warmup_method", "lr_warmup_decay",
-              "check_data"]
+    shared = ["data_dir", *store, "download", "synthetic_samples", "decode_on", "lr_step_size", "lr_gamma", "lr_min",
+              "lr_warmup_method", "lr_warmup_decay", "check_data"]
     assert [f.name for s, _, f in APPLYING if s == "moco"] == shared
     assert [f.name for s, _, f in APPLYING if s == "classifier"] == [
         *shared, "model_ema_steps", "model_ema_decay", "ra_magnitude", "augmix_severity", "train_crop_size",
-        "val_resize_size"]
+        "val_resize_size", "interpolation"]
     wheres = {f.name: f.metadata["applies_to"].where for _, _, f in APPLYING}
     assert wheres["data_dir"] == "cifar10, imagefolder and shards" and wheres["download"] == "cifar10"
     assert wheres["store_timeout"] == "shards in an object store (s3://)" and wheres["check_data"] == \

@@ -58,12 +58,16 @@ SHARED = {
     "lr_schedule": (["--lr-schedule", "constant"], "weights"),
     "lr_milestones": (["--lr-milestones", "1"], "weights", SHORT_EPOCHS + ["--lr-schedule", "step", "--lr-milestones", "2"]),
     "warmup_steps": (["--warmup-steps", "5"], "weights"),
-    "lr_warmup_epochs": (["--lr-warmup-epochs", "1"], "weights", ["--lr-schedule", "cosine-annealing"]),
+    "lr_warmup_epochs": (["--lr-warmup-epochs", "1"], "weights", ["--lr-schedule", "cosineannealinglr"]),
     # linear and constant differ from the warm-up's second epoch on
     "lr_warmup_method": (["--lr-warmup-method", "constant"], "weights",
-                         SHORT_EPOCHS + ["--epochs", "3", "--lr-schedule", "cosine-annealing", "--lr-warmup-epochs", "2"]),
+                         SHORT_EPOCHS + ["--epochs", "3", "--lr-schedule", "cosineannealinglr", "--lr-warmup-epochs", "2"]),
     "lr_warmup_decay": (["--lr-warmup-decay", "0.5"], "weights",
-                        ["--lr-schedule", "cosine-annealing", "--lr-warmup-epochs", "1"]),
+                        ["--lr-schedule", "cosineannealinglr", "--lr-warmup-epochs", "1"]),
+    "lr_step_size": (["--lr-step-size", "1"], "weights", SHORT_EPOCHS + ["--lr-schedule", "steplr"]),
+    "lr_gamma": (["--lr-gamma", "0.5"], "weights", SHORT_EPOCHS + ["--lr-schedule", "exponentiallr"]),
+    "lr_min": (["--lr-min", "0.05"], "weights", SHORT_EPOCHS + ["--lr-schedule", "cosineannealinglr"]),
+    "lr_ranks": (["--lr-ranks", "8"], "log"),  # the start-up line on the LR's published global batch
     "clip_grad": (["--clip-grad", "0.01"], "weights"),
     "amp": (["--amp", "bf16"], "weights"),
     "tf32": (["--no-tf32"], "elsewhere: tests/test_training.py::test_backend_switches_for_cuda_and_their_restore"),
@@ -97,6 +101,10 @@ ONLY = {
         "nesterov": (["--nesterov"], "weights"),
         "norm_weight_decay": (["--norm-weight-decay", "0"], "weights", ["--arch", "small_cnn"]),  # lenet has no norm
         "bias_weight_decay": (["--bias-weight-decay", "0"], "weights"),
+        "transformer_embedding_decay": (["--transformer-embedding-decay", "0"], "elsewhere: tests/test_model_zoo.py::"
+                                        "test_the_embedding_decay_groups_are_torchvisions"),
+        "sync_bn": (["--sync-bn"], "elsewhere: tests/test_model_zoo.py::test_sync_bn_converts_on_cuda_ranks_only"),
+        "interpolation": (["--interpolation", "bicubic"], "refused"),  # digits; on image files: test_torchvision_commands.py
         # the EMA's weights count as weights: the checkpoint's model_ema beside its model
         "model_ema": (["--model-ema"], "weights"),
         "model_ema_steps": (["--model-ema-steps", "1"], "weights", ["--model-ema"]),
@@ -148,7 +156,7 @@ FIXED = {"classifier": ("arch", "linear_probe", "probe_bn", "optimizer"), "moco"
 FREE = ("epochs", "max_steps", "data_dir", "shard_cache_dir", "shard_cache_gb", "shard_read_ahead", "shard_downloads",
         "store_timeout", "store_if_match", "keep_shard_cache", "download", "aug_on", "decode_on", "workers", "amp", "tf32",
         "deterministic", "compile", "device", "dist_timeout", "ckpt_every", "keep_checkpoints", "skip_nonfinite",
-        "log_every")
+        "log_every", "lr_ranks")
 FREE_OF = {"classifier": FREE, "moco": FREE + ("knn_k", "knn_t", "knn_features", "knn_every", "knn_bank_samples",
                                                "export_backbone")}
 INVOCATION = ("out", "resume", "overwrite", "allow_changes", "check", "check_data")
@@ -157,8 +165,9 @@ SECTIONS = {
     "data": ["dataset", "data_dir", "order", "shard_cache_dir", "shard_cache_gb", "shard_read_ahead", "shard_downloads",
              "store_timeout", "store_if_match", "keep_shard_cache", "download", "image_size", "synthetic_samples", "augment",
              "normalization", "aug_on", "decode_on", "workers"],
-    "model and optimisation": ["arch", "batch_size", "accum_steps", "epochs", "max_steps", "lr", "momentum",
-                               "weight_decay", "lr_schedule", "lr_milestones", "warmup_steps", "lr_warmup_epochs",
+    "model and optimisation": ["arch", "batch_size", "accum_steps", "lr_ranks", "epochs", "max_steps", "lr",
+                               "momentum", "weight_decay", "lr_schedule", "lr_milestones", "lr_step_size", "lr_gamma",
+                               "lr_min", "warmup_steps", "lr_warmup_epochs",
                                "lr_warmup_method", "lr_warmup_decay", "clip_grad", "seed"],
     "precision and speed": ["amp", "tf32", "deterministic", "compile"],
     "run folder and checkpoints": ["out", "resume", "overwrite", "allow_changes", "check", "check_data", "ckpt_every",
@@ -168,11 +177,11 @@ SECTIONS = {
 SECTIONS_OF = {
     "classifier": {**SECTIONS, "pretrained backbone": ["pretrained", "linear_probe", "probe_bn"],
                    "torchvision's recipe: loss, optimizer, weight average": [
-                       "label_smoothing", "optimizer", "nesterov", "norm_weight_decay", "bias_weight_decay", "model_ema",
-                       "model_ema_steps", "model_ema_decay"],
+                       "label_smoothing", "optimizer", "nesterov", "norm_weight_decay", "bias_weight_decay",
+                       "transformer_embedding_decay", "sync_bn", "model_ema", "model_ema_steps", "model_ema_decay"],
                    "torchvision's recipe: augmentation and image sizes": [
                        "mixup_alpha", "cutmix_alpha", "auto_augment", "ra_magnitude", "augmix_severity",
-                       "random_erase", "ra_reps", "train_crop_size", "val_resize_size"]},
+                       "random_erase", "ra_reps", "train_crop_size", "val_resize_size", "interpolation"]},
     "moco": {**SECTIONS, "MoCo": ["moco_dim", "moco_k", "moco_m", "moco_m_cos", "moco_t", "symmetric", "mlp", "aug",
                                   "crop_min", "shuffle_bn", "bn_splits", "sync_bn", "export_backbone"],
              "kNN monitor": ["knn_k", "knn_t", "knn_features", "knn_every", "knn_bank_samples"]},

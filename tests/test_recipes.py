@@ -159,7 +159,7 @@ def test_the_resnet50_recipes_are_torchvisions_commands():
                    lr_schedule="step", lr_milestones="30,60", warmup_steps=0, image_size=224, optimizer="sgd",
                    label_smoothing=0.0, mixup_alpha=0.0, cutmix_alpha=0.0, auto_augment="", random_erase=0.0,
                    ra_reps=1, model_ema=False, norm_weight_decay=-1.0, train_crop_size=0, val_resize_size=0)
-    new = dict(arch="resnet50", batch_size=128, lr=0.5, momentum=0.9, lr_schedule="cosine-annealing",
+    new = dict(arch="resnet50", batch_size=128, lr=0.5, momentum=0.9, lr_schedule="cosineannealinglr",
                lr_warmup_epochs=5, lr_warmup_method="linear", lr_warmup_decay=0.01, warmup_steps=0,
                auto_augment="ta_wide", epochs=600, random_erase=0.1, weight_decay=2e-5, norm_weight_decay=0.0,
                bias_weight_decay=-1.0, label_smoothing=0.1, mixup_alpha=0.2, cutmix_alpha=1.0, train_crop_size=176,

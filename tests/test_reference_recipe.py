@@ -53,7 +53,7 @@ LR, MOMENTUM, WEIGHT_DECAY, NORM_DECAY, BIAS_DECAY, SMOOTHING = 0.1, 0.9, 0.01, 
 RUN = ["--device", "cpu", "--dataset", "synthetic", "--synthetic-samples", str(SAMPLES), "--image-size", "8",
        "--arch", "small_cnn", "--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--lr", str(LR),
        "--weight-decay", str(WEIGHT_DECAY), "--norm-weight-decay", str(NORM_DECAY), "--bias-weight-decay",
-       str(BIAS_DECAY), "--label-smoothing", str(SMOOTHING), "--lr-schedule", "cosine-annealing",
+       str(BIAS_DECAY), "--label-smoothing", str(SMOOTHING), "--lr-schedule", "cosineannealinglr",
        "--lr-warmup-epochs", str(WARMUP_EPOCHS), "--model-ema", "--model-ema-steps", str(EMA_STEPS),
        "--model-ema-decay", str(EMA_DECAY), "--ckpt-every", "1", "--keep-checkpoints", "100", "--log-every", "100"]
 
@@ -387,7 +387,7 @@ def test_mixing_on_two_ranks_resumes_mid_epoch_bit_for_bit(tmp_path):
 @pytest.mark.parametrize("method", ["linear", "constant"])
 @pytest.mark.parametrize("warmup_epochs", [0, 1, 5])
 def test_the_lr_of_every_step_is_torchvisions_epoch_stepped_schedule(method, warmup_epochs):
-    """LRSchedule's cosine-annealing, as a function of the optimizer step, against SequentialLR /
+    """LRSchedule's cosineannealinglr, as a function of the optimizer step, against SequentialLR /
     LinearLR / ConstantLR / CosineAnnealingLR stepped once per epoch over 30 epochs of 7 steps: the
     same LR through every step of each epoch (to float64 round-off of the recursive schedulers)."""
     epochs, steps = 30, 7
@@ -400,7 +400,7 @@ def test_the_lr_of_every_step_is_torchvisions_epoch_stepped_schedule(method, war
             per_epoch.append(opt.param_groups[0]["lr"])
             opt.step()
             scheduler.step()
-    schedule = LRSchedule(0.8, "cosine-annealing", epochs * steps, steps_per_epoch=steps, warmup_epochs=warmup_epochs,
+    schedule = LRSchedule(0.8, "cosineannealinglr", epochs * steps, steps_per_epoch=steps, warmup_epochs=warmup_epochs,
                           warmup_method=method, warmup_decay=0.25)
     ours = [schedule(step) for step in range(epochs * steps)]
     assert ours == pytest.approx([lr for lr in per_epoch for _ in range(steps)], rel=1e-12, abs=1e-15)

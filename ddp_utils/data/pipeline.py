@@ -275,7 +275,7 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
     train = batches(train_raw, sampler, _Kind(plan.recipe, plan.views, plan.seed, plan.batch_size, train=True,
                                               size=plan.train_image_size))
     require_a_batch(len(train), len(train_raw), world_size, plan.batch_size)
-    evaluation = _Kind(eval_recipe(plan.dataset, plan.normalization, plan.val_resize), views=1, seed=0, train=False,
+    evaluation = _Kind(eval_recipe(plan.dataset, plan.normalization, plan.val_resize, plan.recipe.interpolation), views=1, seed=0, train=False,
                        batch_size=eval_batch_size(plan.batch_size, image_files_of(train_raw) is not None),
                        size=plan.image_size)
 

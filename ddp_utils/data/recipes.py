@@ -20,6 +20,8 @@ JITTER_V2 = (0.4, 0.4, 0.4, 0.1)
 # torchvision's automatic augmentations (references/classification's --auto-augment): AutoAugment's
 # three policies, RandAugment, TrivialAugmentWide, AugMix
 AUTO_AUGMENTS = ("imagenet", "cifar10", "svhn", "ra", "ta_wide", "augmix")
+# torchvision's InterpolationMode values that its resizes take on tensors (references/classification's --interpolation)
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest", "nearest-exact")
 
 
 
@@ -45,7 +47,8 @@ class AugmentRecipe:
     and flip, with ``ra_magnitude`` (RandAugment) and ``augmix_severity`` (AugMix); random
     erasing with probability ``random_erase`` after the normalisation. ``resize``: the fixed
     geometry of image files (the evaluation view), the short side resized to this many px
-    before the centre crop; 0 = round(size x 256/224).
+    before the centre crop; 0 = round(size x 256/224). ``interpolation`` (one of INTERPOLATIONS):
+    the resizes' and the automatic augmentation's; other than bilinear, per sample only.
     """
 
     crop_scale: tuple[float, float] | None = None
@@ -66,12 +69,14 @@ class AugmentRecipe:
     augmix_severity: int = 3
     random_erase: float = 0.0
     resize: int = 0
+    interpolation: str = "bilinear"
 
     @property
     def per_sample_only(self) -> bool:
         """Steps that only the per-sample (loader) path runs: torchvision's own classes, one
-        Python call per image, whose draws cannot be made a batch's tensor ops bit for bit."""
-        return bool(self.auto_augment) or self.random_erase > 0
+        Python call per image, whose draws cannot be made a batch's tensor ops bit for bit, and
+        resizes other than the device path's bilinear ones."""
+        return bool(self.auto_augment) or self.random_erase > 0 or self.interpolation != "bilinear"
 
     def __post_init__(self):
         for name in ("crop_scale", "crop_ratio", "jitter", "blur_sigma", "mean", "std"):
@@ -101,25 +106,28 @@ class AugmentRecipe:
                              "alternatives; set one")
         if self.resize < 0:
             raise ValueError(f"AugmentRecipe: resize {self.resize} must be >= 0")
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(f"AugmentRecipe: interpolation {self.interpolation!r}: one of {', '.join(INTERPOLATIONS)}")
 
 
-def eval_recipe(dataset: str, normalization: str = "auto", resize: int = 0) -> AugmentRecipe:
+def eval_recipe(dataset: str, normalization: str = "auto", resize: int = 0,
+                interpolation: str = "bilinear") -> AugmentRecipe:
     """The evaluation view: ``--normalization``'s statistics for ``dataset`` and nothing else
-    (synthetic noise needs none); image files resized to ``resize`` px (0: the 256/224 rule)
-    before the centre crop. The one place the statistics are looked up: every other recipe
-    adds its steps to this one."""
+    (synthetic noise needs none); image files resized to ``resize`` px (0: the 256/224 rule) with
+    ``interpolation`` before the centre crop. The one place the statistics are looked up: every
+    other recipe adds its steps to this one."""
     if normalization == "cifar10-demo":
-        return AugmentRecipe(mean=CIFAR10_MEAN, std=CIFAR10_DEMO_STD, resize=resize)
+        return AugmentRecipe(mean=CIFAR10_MEAN, std=CIFAR10_DEMO_STD, resize=resize, interpolation=interpolation)
     mean, std = NORMALIZATION.get(dataset, (None, None))
-    return AugmentRecipe(mean=mean, std=std, resize=resize)
+    return AugmentRecipe(mean=mean, std=std, resize=resize, interpolation=interpolation)
 
 
 def classifier_recipe(dataset: str, size: int, augment: bool = True, normalization: str = "auto",
                       **policy) -> AugmentRecipe:
     """The classifier's training view; without ``augment`` only the normalisation. ``policy``:
     torchvision's per-sample steps as AugmentRecipe fields (auto_augment, ra_magnitude,
-    augmix_severity, random_erase), added to the augmented view."""
-    plain = eval_recipe(dataset, normalization)
+    augmix_severity, random_erase, interpolation), added to the augmented view."""
+    plain = eval_recipe(dataset, normalization, interpolation=policy.get("interpolation", "bilinear"))
     if not augment:
         return plain
     if dataset in IMAGE_FILES:

@@ -38,36 +38,38 @@ def _normalize(recipe: AugmentRecipe) -> list:
     return [] if recipe.mean is None else [T.Normalize(recipe.mean, recipe.std)]
 
 
-def _fixed_geometry(dataset: str, size: int, resize: int = 0) -> list:
+def _fixed_geometry(dataset: str, size: int, resize: int = 0, interpolation: str = "bilinear") -> list:
     """Evaluation geometry: ImageFolder resized (the short side to ``resize`` px, 0: the 256/224
     rule) and centre-cropped; CIFAR-10 resized if asked for another size; digits and synthetic
     images are generated at ``size`` already."""
     if dataset in IMAGE_FILES:
-        return [T.Resize(evaluation_resize(size, resize), antialias=True), T.CenterCrop(size)]
+        return [T.Resize(evaluation_resize(size, resize), T.InterpolationMode(interpolation), antialias=True),
+                T.CenterCrop(size)]
     return [T.Resize(size, antialias=True)] if dataset == "cifar10" and size != 32 else []
 
 
 def _geometry(recipe: AugmentRecipe, dataset: str, size: int) -> list:
     if recipe.crop_scale is not None:
-        return [T.RandomResizedCrop(size, scale=recipe.crop_scale, ratio=recipe.crop_ratio, antialias=True)]
+        return [T.RandomResizedCrop(size, scale=recipe.crop_scale, ratio=recipe.crop_ratio,
+                                    interpolation=T.InterpolationMode(recipe.interpolation), antialias=True)]
     if recipe.pad_crop:
         return _fixed_geometry(dataset, size) + [T.RandomCrop(size, padding=recipe.pad_crop)]
-    return _fixed_geometry(dataset, size, recipe.resize)
+    return _fixed_geometry(dataset, size, recipe.resize, recipe.interpolation)
 
 
 def auto_augment(recipe: AugmentRecipe) -> list:
-    """``recipe.auto_augment`` as torchvision's class, with the bilinear interpolation its
-    classification recipe passes (the classes' own default is nearest)."""
-    name, bilinear = recipe.auto_augment, T.InterpolationMode.BILINEAR
+    """``recipe.auto_augment`` as torchvision's class, with the recipe's interpolation, as its
+    classification recipe passes it (bilinear by default; the classes' own default is nearest)."""
+    name, mode = recipe.auto_augment, T.InterpolationMode(recipe.interpolation)
     if not name:
         return []
     if name == "ra":
-        return [T.RandAugment(magnitude=recipe.ra_magnitude, interpolation=bilinear)]
+        return [T.RandAugment(magnitude=recipe.ra_magnitude, interpolation=mode)]
     if name == "ta_wide":
-        return [T.TrivialAugmentWide(interpolation=bilinear)]
+        return [T.TrivialAugmentWide(interpolation=mode)]
     if name == "augmix":
-        return [T.AugMix(severity=recipe.augmix_severity, interpolation=bilinear)]
-    return [T.AutoAugment(T.AutoAugmentPolicy(name), interpolation=bilinear)]
+        return [T.AugMix(severity=recipe.augmix_severity, interpolation=mode)]
+    return [T.AutoAugment(T.AutoAugmentPolicy(name), interpolation=mode)]
 
 
 def _erase(recipe: AugmentRecipe) -> list:

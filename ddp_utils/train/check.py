@@ -30,6 +30,7 @@ from ..data.unreadable import decode_every_file
 from ..runtime.device import device_type
 from ..runtime.launch import LaunchEnv, detect_launch, restart_count
 from ..runtime.logs import masked, say_error
+from ..runtime.precision import precision_name
 from ..runtime.stopping import EXIT_OK
 from .accumulation import steps_per_epoch
 from .data_record import check_same_data
@@ -65,7 +66,7 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
     resolved = resolved_settings(cfg, launch.launcher, launch.local_world_size, device)
     settings = describe_settings(cfg, resolved, launch.launcher, launch.local_world_size)
     global_batch = world_size * cfg.accum_steps * cfg.batch_size
-    lines = [f"launch: world size {world_size}, {device}, precision {'fp32' if cfg.amp == 'none' else cfg.amp}"]
+    lines = [f"launch: world size {world_size}, {device}, precision {precision_name(cfg.amp, device)}"]
     hazard = worker_start_hazard(resolved.workers)
     if hazard:
         lines.append(f"warning: {hazard}")
@@ -110,8 +111,12 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
                      + (f" (stopping at --max-steps {cfg.max_steps})" if cfg.max_steps else ""))
     lines.append(f"model: {model}")
     lines.append(f"optimisation: global batch {global_batch} = {_count(world_size, 'rank')} x "
-                 f"{_count(cfg.accum_steps, 'micro-step')} x {cfg.batch_size}; lr {cfg.lr:g}, {cfg.lr_schedule}"
-                 + (f", {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else ""))
+                 f"{_count(cfg.accum_steps, 'micro-step')} x {cfg.batch_size}; lr {cfg.lr:g}, {cfg.schedule_summary()}"
+                 + (f", {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
+                 + (f", gradient norm clipped to {cfg.clip_grad:g}" if cfg.clip_grad else ""))
+    remark = cfg.global_batch_remark(world_size)
+    if remark:
+        lines.append(f"warning: {remark}")
     if resume is not None:
         check_resume_fits(resume, cfg, script, facts, world_size, announce=False)
         lines += [f"data: changed since the checkpoint's run read it: {change}" for change in changes]

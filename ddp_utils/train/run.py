@@ -97,6 +97,9 @@ def start_training(run: TrainRun) -> StepMeter:
              "steps per epoch, %d in all", info.world_size * cfg.accum_steps * cfg.batch_size,
              info.world_size, cfg.accum_steps, cfg.batch_size,
              steps_per_epoch(run.loaders.batches_per_epoch, cfg.accum_steps), run.total_steps)
+    remark = cfg.global_batch_remark(info.world_size)
+    if remark:
+        log.warning("%s", remark)
     release_held_logs(show=True)
     run.session.signals.training_started()
     progress = Progress(min(run.total_steps, cfg.max_steps or run.total_steps), cfg.epochs, info.is_main,

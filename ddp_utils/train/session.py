@@ -38,6 +38,7 @@ from ..runtime.dist import DistInfo, cleanup_distributed, init_distributed
 from ..runtime.faults import FaultPlan
 from ..runtime.launch import detect_launch, node_name
 from ..runtime.logs import masked, release_held_logs, say_error, setup_logging
+from ..runtime.precision import precision_name
 from ..runtime.stopping import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -100,7 +101,7 @@ class RunSession:
             raise
         log.info("%s launch: world size %d, backend %s, device %s, precision %s%s", self.info.launcher,
                  self.info.world_size, self.info.backend or "none", self.info.device,
-                 cfg.amp if cfg.amp != "none" else "fp32", ", compiled" if cfg.compile else "")
+                 precision_name(cfg.amp, self.info.device), ", compiled" if cfg.compile else "")
         if self.info.is_distributed:
             log_placement(self.info)
         warn_if_restarts_can_hang(self.info)

@@ -66,6 +66,13 @@ def needs_flag(name: str) -> AppliesTo:
                      lambda flag, cfg: f"{flag} does nothing without {other}; add it, or drop {flag}")
 
 
+def schedules(*kinds: str) -> AppliesTo:
+    """A setting of the LR schedules ``kinds`` alone."""
+    where = "--lr-schedule " + " or ".join(kinds)
+    return AppliesTo(where, lambda cfg: cfg.lr_schedule in kinds,
+                     lambda flag, cfg: f"{flag} applies to {where}, not {cfg.lr_schedule}; drop it")
+
+
 IN_AN_OBJECT_STORE = data_flag("shards in an object store (s3://)", lambda cfg: is_object_store(cfg.data_dir))
 
 # --help's sections, each named once; a field names its own (opt(group=...))
@@ -161,6 +168,10 @@ class TrainConfig:
                           "world_size x accum_steps x batch_size", group=MODEL, above=0)
     accum_steps: int = opt(1, "micro-steps per optimizer step (gradient accumulation)",
                            group=MODEL, above=0)
+    lr_ranks: int = opt(0, "the ranks a recipe's --lr was published for, each with one micro-step of --batch-size "
+                        "(torchvision's commands: 8 GPUs); a run of another global batch says so at --check and at "
+                        "start, with the --accum-steps that restores it; 0 = unsaid", group=MODEL, on_resume="free",
+                        at_least=0)
     epochs: int = opt(10, "passes over the training set; the LR schedule spans all of them",
                       group=MODEL, on_resume="free", above=0)
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = no limit); the schedule "
@@ -176,16 +187,26 @@ class TrainConfig:
     lr_schedule: str = opt("cosine", "after warm-up: cosine decay to 0 over --epochs, step (x0.1 at each "
                            "--lr-milestones epoch), constant, cosine-epoch (the MoCo CIFAR-10 demo's: "
                            "lr x 0.5(1 + cos(pi e / epochs)) through epoch e = 1..epochs; a warm-up scales "
-                           "it) or cosine-annealing (torchvision's CosineAnnealingLR stepped after each epoch: "
-                           "lr x 0.5(1 + cos(pi t / T)) through epoch t = 0..T-1 after --lr-warmup-epochs, "
-                           "T = --epochs - --lr-warmup-epochs; the last epoch above 0)",
-                           choices=LR_SCHEDULES, group=MODEL)
+                           "it); torchvision's --lr-scheduler, each stepped after every epoch: cosineannealinglr "
+                           "(CosineAnnealingLR: --lr-min + (lr - --lr-min) x 0.5(1 + cos(pi t / T)) through epoch "
+                           "t = 0..T-1 after --lr-warmup-epochs, T = --epochs - --lr-warmup-epochs; the last epoch "
+                           "above it), steplr (StepLR: x --lr-gamma every --lr-step-size epochs) or exponentiallr "
+                           "(ExponentialLR: x --lr-gamma every epoch)",
+                           choices=LR_SCHEDULES, group=MODEL, spellings=("--lr-scheduler",))
     lr_milestones: str = opt("", "comma-separated epochs where the step schedule multiplies the LR by 0.1; "
                              "N%% = N percent of --epochs", group=MODEL)
+    lr_step_size: int = opt(30, "--lr-schedule steplr: epochs between the LR's decays by --lr-gamma (torchvision's "
+                            "StepLR step_size)", group=MODEL, above=0, applies_to=schedules("steplr"))
+    lr_gamma: float = opt(0.1, "--lr-schedule steplr: the LR's factor every --lr-step-size epochs; exponentiallr: "
+                          "its factor every epoch (torchvision's StepLR / ExponentialLR gamma)", group=MODEL, above=0,
+                          applies_to=schedules("steplr", "exponentiallr"))
+    lr_min: float = opt(0.0, "--lr-schedule cosineannealinglr: the LR it decays to (torchvision's --lr-min, "
+                        "CosineAnnealingLR's eta_min)", group=MODEL, at_least=0,
+                        applies_to=schedules("cosineannealinglr"))
     warmup_steps: int = opt(0, "linear LR warm-up, in optimizer steps: step s (from 0) runs at "
                             "lr x (s + 1) / N", group=MODEL, at_least=0)
-    lr_warmup_epochs: int = opt(0, "torchvision's LR warm-up, in epochs N (--lr-schedule cosine-annealing or "
-                                "constant; instead of --warmup-steps): each epoch e < N (from 0) runs at one LR, "
+    lr_warmup_epochs: int = opt(0, "torchvision's LR warm-up, in epochs N (--lr-schedule cosineannealinglr, "
+                                "steplr, exponentiallr or constant; instead of --warmup-steps): each epoch e < N (from 0) runs at one LR, "
                                 "lr x (d + (1 - d) e / N) with d = --lr-warmup-decay (--lr-warmup-method constant: "
                                 "lr x d), then the schedule starts", group=MODEL, at_least=0)
     lr_warmup_method: str = opt("linear", "linear (torchvision's LinearLR) or constant "
@@ -197,8 +218,9 @@ class TrainConfig:
     clip_grad: float = opt(0.0, "clip the global gradient L2 norm to this value; 0 = off",
                            group=MODEL, at_least=0, spellings=("--clip-grad-norm",))
     amp: str = opt("auto", "mixed precision: auto = bf16 on CUDA and fp32 on CPU; bf16, fp16 (with a "
-                   "GradScaler) or none (fp32; TF32 matmuls on CUDA unless --no-tf32)", choices=AMP_MODES,
-                   group=SPEED, on_resume="free")
+                   "GradScaler) or none (fp32; TF32 matmuls on CUDA unless --no-tf32); torchvision (what a bare "
+                   "--amp means, torchvision's): fp16 with a GradScaler on CUDA, fp32 on CPU (its autocast is "
+                   "CUDA's)", choices=AMP_MODES, group=SPEED, on_resume="free", bare="torchvision")
     tf32: bool = opt(True, "CUDA: fp32 matmuls and convolutions on TF32 tensor cores (inputs rounded to "
                      "10-bit mantissas); --no-tf32 computes them in full fp32",
                      group=SPEED, on_resume="free")
@@ -305,7 +327,7 @@ class TrainConfig:
         if not self.lr_warmup_epochs:
             return
         if self.lr_schedule not in EPOCH_WARMUP_SCHEDULES:
-            raise UsageError(f"--lr-warmup-epochs applies to --lr-schedule {' or '.join(EPOCH_WARMUP_SCHEDULES)} "
+            raise UsageError(f"--lr-warmup-epochs applies to --lr-schedule {', '.join(EPOCH_WARMUP_SCHEDULES)} "
                              f"(torchvision's warm-up per epoch), not {self.lr_schedule}; with it warm up in steps: "
                              f"--warmup-steps N")
         if self.warmup_steps:
@@ -338,7 +360,34 @@ class TrainConfig:
     def for_machine(self: C, cuda_devices: int) -> C:
         """The config with what "auto" means with ``cuda_devices`` visible devices filled in
         (``--amp auto``)."""
+        if self.amp != "auto":  # --amp torchvision stays: "fp16 on CUDA" is what --check tells a login node
+            return self
         return dataclasses.replace(self, amp=resolve_amp(self.amp, torch.device(device_type(self.device, cuda_devices))))
+
+    def global_batch_remark(self, world_size: int) -> str:
+        """One line when this run's global batch differs from the one --lr was published for
+        (--lr-ranks), with the launch that restores it; '' otherwise."""
+        published, now = self.lr_ranks * self.batch_size, world_size * self.accum_steps * self.batch_size
+        if not self.lr_ranks or published == now:
+            return ""
+        fix = (f"give --accum-steps {self.lr_ranks // world_size}" if self.lr_ranks % world_size == 0 else
+               f"launch {self.lr_ranks} ranks, or scale --lr to {self.lr * now / published:g}")
+        return (f"--lr {self.lr:g} was published for a global batch of {published:,} ({self.lr_ranks} ranks x "
+                f"{self.batch_size}); this run's is {now:,} ({world_size} rank(s) x {self.accum_steps} micro-step(s) "
+                f"x {self.batch_size}), {published / now:.3g}x the LR per image: to train as published, {fix}")
+
+    def schedule_summary(self) -> str:
+        """The LR schedule in words (--check's, the start-up log's)."""
+        kind = self.lr_schedule
+        if kind == "steplr":
+            return f"steplr (x{self.lr_gamma:g} every {self.lr_step_size} epochs)"
+        if kind == "exponentiallr":
+            return f"exponentiallr (x{self.lr_gamma:g} every epoch)"
+        if kind == "cosineannealinglr" and self.lr_min:
+            return f"cosineannealinglr (down to {self.lr_min:g})"
+        if kind == "step":
+            return f"step (x0.1 at epochs {', '.join(map(str, parse_milestones(self.lr_milestones, self.epochs)))})"
+        return kind
 
     def milestone_steps(self, steps_per_epoch: int) -> list[int]:
         return [epoch * steps_per_epoch for epoch in parse_milestones(self.lr_milestones, self.epochs)]
