@@ -61,7 +61,8 @@ from ddp_utils.data.recipes import (
     classifier_recipe,
     evaluation_resize,
 )
-from ddp_utils.data.sets import IMAGE_FILES, num_classes_of
+from ddp_utils.data.sets import IMAGE_FILES, check_data_dir, num_classes_of
+from ddp_utils.data.unreadable import describe_unreadable, fix_hint
 from ddp_utils.models.backbones import (
     CIFAR_STEM_MAX_SIZE,
     FC_BACKBONES,
@@ -75,6 +76,7 @@ from ddp_utils.models.backbones import (
     model_names,
     parameter_count,
 )
+from ddp_utils.models.weights import evaluation_view, put_weights, torchvision_weights
 from ddp_utils.runtime.collectives import (
     all_ranks_agree,
     all_reduce_sum,
@@ -84,6 +86,7 @@ from ddp_utils.runtime.collectives import (
 from ddp_utils.runtime.device import device_type, to_device
 from ddp_utils.runtime.dist import DistInfo, unwrap
 from ddp_utils.runtime.launch import LaunchEnv
+from ddp_utils.runtime.logs import release_held_logs
 from ddp_utils.runtime.precision import autocast
 from ddp_utils.train.accumulation import fp16_overflow, no_sync, set_lr, stepped_parameters
 from ddp_utils.train.check import check_only
@@ -91,11 +94,12 @@ from ddp_utils.train.checkpoint import Resume, mismatch_detail, save_checkpoint
 from ddp_utils.train.ema import WeightsEMA, ema_decay
 from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.optimization import OPTIMIZERS, build_optimization, parameter_groups
-from ddp_utils.train.preflight import preflight
+from ddp_utils.train.preflight import list_image_files_once, preflight, resolved_settings
 from ddp_utils.train.pretrained import (
     load_pretrained_backbone,
     pretrained_file,
     pretrained_image_size,
+    read_weights,
     tensors_equal,
 )
 from ddp_utils.train.resume import state_to_start_from, stop_if_complete
@@ -116,7 +120,7 @@ from ddp_utils.train.unreadable_files import stop_if_files_unreadable
 
 log = logging.getLogger("train")
 SCRIPT = "train_classifier.py"
-PRETRAINED = "pretrained backbone"  # --help's sections of this script's own flags
+PRETRAINED = "pretrained weights, evaluation"  # --help's sections of this script's own flags
 RECIPE = "torchvision's recipe: loss, optimizer, weight average"
 AUGMENTATION = "torchvision's recipe: augmentation and image sizes"
 UNSET = -1.0  # --norm-weight-decay, --bias-weight-decay: torchvision's None (no group of their own)
@@ -182,6 +186,14 @@ class ClassifierConfig(TrainConfig):
                           "(the newest checkpoint) or an exported backbone (--export-backbone); fc starts "
                           "fresh; --image-size 0 then means the size it was pretrained at",
                           group=PRETRAINED)
+    weights: str = opt("", "start from whole weights: torchvision's published ones by name (e.g. "
+                       "ResNet50_Weights.IMAGENET1K_V2, read from torch's hub cache, $TORCH_HOME/hub/checkpoints; "
+                       "never downloaded by a run) or a checkpoint of this script (a file, or a run folder: its "
+                       "newest); without --test-only they are fine-tuned, tensors of another shape (a classifier "
+                       "for other classes) starting fresh", group=PRETRAINED)
+    test_only: bool = opt(False, "evaluate --weights on the validation split and exit (torchvision's --test-only): "
+                          "acc@1 and acc@5, nothing written; torchvision's weights with their own evaluation view "
+                          "(resize, crop, interpolation)", group=PRETRAINED, on_resume="invocation", from_file=False)
     linear_probe: bool = opt(False, "freeze the backbone (kept in eval mode) and train only a new linear "
                              "classifier; without --pretrained the backbone is randomly initialised (a "
                              "baseline)", group=PRETRAINED, on_resume="fixed")
@@ -289,6 +301,7 @@ class ClassifierConfig(TrainConfig):
         if self.sync_bn and launch.world_size > 1 and device_type(self.device, cuda_devices) != "cuda":
             raise UsageError(f"--sync-bn needs CUDA: SyncBatchNorm has no CPU kernel, and these {launch.world_size} "
                              f"ranks train on CPUs; drop --sync-bn (each rank then normalises its own batch)")
+        self.check_weights_flags()
         if (self.linear_probe or self.pretrained) and not ends_in_fc(self.arch):
             flag = "--linear-probe" if self.linear_probe else "--pretrained"
             raise UsageError(f"{flag} puts a new fc on the backbone, and --arch {self.arch}'s classifier is not "
@@ -386,14 +399,41 @@ class ClassifierConfig(TrainConfig):
         return None if value == UNSET else value
 
     def required_paths(self) -> dict[str, str]:
-        return {"--pretrained": self.pretrained} if self.pretrained else {}
+        paths = {"--pretrained": self.pretrained} if self.pretrained else {}
+        if self.weights and torchvision_weights(self.weights) is None:
+            paths["--weights"] = self.weights  # a checkpoint; torchvision's are looked up in the hub cache
+        return paths
+
+    def check_weights_flags(self) -> None:
+        """--test-only evaluates --weights; --weights starts a whole network, not a backbone; a
+        name that looks like torchvision's but is none of them is told the close one."""
+        if self.test_only and not self.weights:
+            raise UsageError("--test-only evaluates --weights: give torchvision's weights by name (e.g. "
+                             "ResNet50_Weights.IMAGENET1K_V2) or a checkpoint of this script")
+        if self.weights and (self.pretrained or self.linear_probe):
+            flag = "--pretrained" if self.pretrained else "--linear-probe"
+            raise UsageError(f"--weights starts the whole network and {flag} its backbone: give one of them")
+        if "_Weights." in self.weights and torchvision_weights(self.weights) is None and not Path(self.weights).exists():
+            import torchvision
+
+            names = [f"{enum.__name__}.{member.name}" for model in torchvision.models.list_models(module=torchvision.models)
+                     for enum in (torchvision.models.get_model_weights(model),) for member in enum]
+            close = difflib.get_close_matches(self.weights, names, n=1)
+            raise UsageError(f"--weights {self.weights}: not torchvision's weights" +
+                             (f"; did you mean {close[0]}?" if close else ""))
 
 
-def with_pretrained_size(cfg: ClassifierConfig) -> ClassifierConfig:
+def with_trained_sizes(cfg: ClassifierConfig) -> ClassifierConfig:
     """``--image-size 0`` with --pretrained: the size the backbone was pretrained at (read from
-    its checkpoint; a missing file is the pre-flight's to report)."""
+    its checkpoint; a missing file is the pre-flight's to report). --test-only on torchvision's
+    weights: their own evaluation view (crop, resize, interpolation), as its script takes it."""
     if cfg.pretrained and not cfg.image_size and Path(cfg.pretrained).exists():
         return dataclasses.replace(cfg, image_size=pretrained_image_size(pretrained_file(cfg.pretrained)) or 0)
+    weights = torchvision_weights(cfg.weights) if cfg.test_only else None
+    if weights is not None:
+        crop, resize, interpolation = evaluation_view(weights)
+        return dataclasses.replace(cfg, image_size=crop, val_resize_size=resize, interpolation=interpolation,
+                                   train_crop_size=crop if cfg.dataset in IMAGE_FILES else 0)
     return cfg
 
 
@@ -419,6 +459,12 @@ def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn
     if info.is_main:
         for remark in run_remarks(cfg, trained_size):
             log.warning("%s", remark)
+    if cfg.weights:
+        state, published = read_weights(cfg.weights, cfg.arch)
+        fresh = put_weights(model, state, cfg.weights, exact=cfg.test_only, published=published)
+        if info.is_main:
+            log.info("weights from %s%s", cfg.weights, f"; {', '.join(fresh)} start fresh (another shape there)"
+                     if fresh else "")
     if cfg.linear_probe:
         model = LinearProbe(model, num_classes, feature_norm=cfg.probe_bn)
     if cfg.sync_bn and info.is_distributed:  # the configuration refuses it on CPU ranks
@@ -517,6 +563,13 @@ def check_classifier(cfg: ClassifierConfig, train: Dataset, lines: list[str]) ->
     num_classes = num_classes_of(train)
     trained_size = load_pretrained_backbone(build_model(cfg.arch, num_classes, cfg.resolved_image_size()),
                                             pretrained_file(cfg.pretrained), cfg.arch) if cfg.pretrained else None
+    if cfg.weights:  # read and fitted as the run will
+        state, published = read_weights(cfg.weights, cfg.arch)
+        put_weights(build_model(cfg.arch, num_classes, cfg.resolved_image_size()), state, cfg.weights,
+                    exact=cfg.test_only, published=published)
+        lines = [*lines, f"{'test only: evaluates' if cfg.test_only else 'fine-tunes'} --weights {cfg.weights}" +
+                 (f" at its evaluation view (resize {cfg.val_resize_size} px, centre crop {cfg.image_size} px, "
+                  f"{cfg.interpolation})" if cfg.test_only and published else "")]
     parameters = parameter_count(cfg.arch, num_classes, cfg.resolved_image_size())
     return {"num_classes": num_classes}, [*lines, f"network: {cfg.arch} for {num_classes} classes, {parameters:,} parameters",
                                           *(f"warning: {remark}" for remark in run_remarks(cfg, trained_size))]
@@ -697,8 +750,38 @@ def fit(run: ClassifierRun) -> dict[str, float]:
     return metrics
 
 
+def evaluate_weights(cfg: ClassifierConfig, session: RunSession) -> dict[str, float]:
+    """--test-only: --weights on every rank's share of the validation split, acc@1 and acc@5
+    printed as torchvision's script prints them; nothing is written."""
+    info = session.info
+    with all_ranks_agree():
+        problem = check_data_dir(cfg.dataset, cfg.data_dir, cfg.download)
+        if problem:
+            raise UsageError(problem)
+    listings, _ = list_image_files_once(cfg, info)
+    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
+    with all_ranks_agree():
+        recipe = classifier_recipe(cfg.dataset, resolved.image_size, cfg.augment, cfg.normalization,
+                                   **cfg.augmentation_policy())
+        loaders = session.close_loaders_at_exit(build_data(cfg.data_plan(resolved, recipe, listings=listings),
+                                                           rank=info.rank, world_size=info.world_size,
+                                                           device=info.device, ranks_on_node=info.local_world_size,
+                                                           node=info.node))
+        model = build_network(cfg, info, loaders.num_classes)
+    release_held_logs(show=True)
+    metrics = evaluate(model, loaders.val, info, cfg.amp)
+    files, faults = loaders.unreadable.on_every_rank()
+    if files or faults:  # every rank has the same lists: each stops with exit 2, rank 0 says why
+        raise UsageError(f"the evaluation met {describe_unreadable(files)}; {fix_hint(files)}" if files else
+                         f"the evaluation: {faults[0]}")
+    log.info("Test: Acc@1 %.3f Acc@5 %.3f (%d images; --weights %s, evaluation view: resize %d px, centre crop %d px, "
+             "%s)", metrics["acc1"], metrics["acc5"], metrics["count"], cfg.weights,
+             evaluation_resize(resolved.image_size, cfg.val_resize_size), resolved.image_size, cfg.interpolation)
+    return metrics
+
+
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(ClassifierConfig, argv, __doc__, with_pretrained_size)  # bad flags: one line, exit code 2
+    cfg = parse_args(ClassifierConfig, argv, __doc__, with_trained_sizes)  # bad flags: one line, exit code 2
     if cfg.check or cfg.check_data:  # every check of setup, in this one process; launch/ runs it first
         model = f"{cfg.arch}" + (", linear probe" if cfg.linear_probe else "") + \
             (f", from {cfg.pretrained}" if cfg.pretrained else "") + recipe_summary(cfg)
@@ -706,6 +789,9 @@ def main(argv: list[str] | None = None) -> int:
                     "docs/recipe.md)"] if flag_defaults(ClassifierConfig, sys.argv[1:] if argv is None else argv) else []
         return check_only(cfg, SCRIPT, model, lambda train: check_classifier(cfg, train, defaults))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
+        if cfg.test_only:
+            evaluate_weights(cfg, session)
+            return session.exit_code
         fit(setup(cfg, session))  # no name holds the run: its DDP model dies before the group (cleanup_distributed)
     return session.exit_code
 

@@ -94,6 +94,8 @@ SHARED = {
 ONLY = {
     "classifier": {
         "pretrained": (["--pretrained", "{moco_run}"], "weights", ["--arch", "small_cnn"]),
+        "weights": (["--weights", "{classifier_run}"], "weights"),
+        "test_only": (["--test-only"], "elsewhere: tests/test_weights.py::test_test_only_on_a_checkpoint_scores_what_its_run_scored"),
         "linear_probe": (["--linear-probe"], "weights"),
         "probe_bn": (["--probe-bn"], "weights", ["--linear-probe"]),
         "label_smoothing": (["--label-smoothing", "0.1"], "weights"),
@@ -175,7 +177,7 @@ SECTIONS = {
     "distributed": ["device", "dist_timeout"],
 }
 SECTIONS_OF = {
-    "classifier": {**SECTIONS, "pretrained backbone": ["pretrained", "linear_probe", "probe_bn"],
+    "classifier": {**SECTIONS, "pretrained weights, evaluation": ["pretrained", "weights", "test_only", "linear_probe", "probe_bn"],
                    "torchvision's recipe: loss, optimizer, weight average": [
                        "label_smoothing", "optimizer", "nesterov", "norm_weight_decay", "bias_weight_decay",
                        "transformer_embedding_decay", "sync_bn", "model_ema", "model_ema_steps", "model_ema_decay"],
@@ -195,7 +197,8 @@ def test_each_fields_resume_rule_and_section_are_declared_with_it(script):
     cls = CONFIG[script]
     assert fields_on_resume(cls, "fixed") == FIXED[script]
     assert set(fields_on_resume(cls, "free")) == set(FREE_OF[script])
-    assert fields_on_resume(cls, "invocation") == INVOCATION and not_from_file(cls) == NOT_FROM_FILE
+    own = ("test_only",) if script == "classifier" else ()
+    assert fields_on_resume(cls, "invocation") == INVOCATION + own and not_from_file(cls) == NOT_FROM_FILE + own
     assert flag_groups(cls) == SECTIONS_OF[script]
     ungrouped = [f.name for f in dataclasses.fields(cls) if f.metadata["group"] is None]
     assert ungrouped == (["preset"] if script == "moco" else [])  # listed first, with --config
@@ -230,8 +233,10 @@ def _same_weights(a: dict | None, b: dict | None) -> bool:
 
 
 @pytest.fixture(scope="module")
-def inputs(trained_moco) -> dict[str, Path]:
-    return {"moco_run": trained_moco / "run"}
+def inputs(trained_moco, tmp_path_factory) -> dict[str, Path]:
+    classifier_run = tmp_path_factory.mktemp("classifier") / "run"  # --weights: another run's last weights
+    assert train_classifier.main(BASE["classifier"] + ["--seed", "3", "--out", str(classifier_run)]) == 0
+    return {"moco_run": trained_moco / "run", "classifier_run": classifier_run}
 
 
 @pytest.fixture(scope="module")

@@ -158,3 +158,46 @@ def test_moco_refuses_a_backbone_without_fc_in_one_line(name, capsys):
     proc = in_process(train_moco.main, ["--dataset", "digits", "--device", "cpu", "--check", "--arch", name], capsys)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert f"--arch {name}: MoCo replaces a backbone's fc with its projection head" in proc.stderr
+
+
+def test_the_embedding_decay_groups_are_torchvisions():
+    """--transformer-embedding-decay: a group per torchvision key (train.py's class_token,
+    position_embedding, relative_position_bias_table), in its order after other, norm and bias,
+    by the parameter's own name: Swin's 12 tables; ViT's class token, not its pos_embedding (no
+    key names it, there as here); every trainable parameter in exactly one group."""
+    from ddp_utils.train.optimization import parameter_groups
+
+    for arch, members in (("swin_t", {"relative_position_bias_table": 12}), ("vit_b_32", {"class_token": 1})):
+        with torch.device("meta"):
+            model = build_model(arch, 10, 224)
+        groups = parameter_groups(model, 0.05, 0.0, 0.0, 0.0)
+        names = [g["group"] for g in groups]
+        assert names == ["other", "norm", "bias", *members], names
+        for group in groups[3:]:
+            assert group["weight_decay"] == 0.0 and len(group["params"]) == members[group["group"]]
+        owners = {id(p): n.rsplit(".", 1)[-1] for n, p in model.named_parameters()}
+        assert all(owners[id(p)] == g["group"] for g in groups[3:] for p in g["params"])
+        assert sorted(id(p) for g in groups for p in g["params"]) == sorted(owners)
+    vit = dict(model.named_parameters())
+    assert any(p is vit["encoder.pos_embedding"] for p in groups[0]["params"])  # torchvision's key misses it
+
+
+def test_sync_bn_converts_on_cuda_ranks_only():
+    """--sync-bn: several CPU ranks are refused in one line (SyncBatchNorm has no CPU kernel);
+    on CUDA ranks it is accepted and the network's BatchNorm layers become SyncBatchNorm; one
+    process keeps BatchNorm (nothing to synchronise, as torchvision's script does)."""
+    from ddp_utils.config import UsageError
+    from ddp_utils.runtime.dist import DistInfo
+    from ddp_utils.runtime.launch import LaunchEnv
+
+    cfg = parse_config(ClassifierConfig, ["--arch", "resnet18", "--sync-bn", "--device", "auto"])
+    two = LaunchEnv("torchrun", 0, 0, 2, 2)
+    with pytest.raises(UsageError, match="--sync-bn needs CUDA: SyncBatchNorm has no CPU kernel"):
+        cfg.validate(two, cuda_devices=0)
+    cfg.validate(two, cuda_devices=2)
+    cpu = torch.device("cpu")
+    for world, kind in ((1, torch.nn.BatchNorm2d), (2, torch.nn.SyncBatchNorm)):
+        info = DistInfo(0, 0, world, world, cpu, None, "single")
+        norms = [m for m in train_classifier.build_network(cfg, info, 10).modules()
+                 if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        assert norms and all(type(m) is kind for m in norms)

@@ -168,7 +168,7 @@ def assert_describes(text: str, command: Published) -> None:
                 f"{args['lr-scheduler']}", f"{args['opt']}", f"weight decay {args['wd']:g}",
                 f"in {args['epochs']} epochs",
                 f"published for a global batch of {8 * lr_per_gpu:,} (8 ranks x {lr_per_gpu})",
-                f"give --accum-steps 8",
+                "give --accum-steps 8",
                 f"random resized crop {args['train-crop-size']} px",
                 f"resize {args['val-resize-size']} px, centre crop {args['val-crop-size']} px",
                 "defaults: torchvision's train.py's"]
@@ -231,3 +231,20 @@ def test_the_maxvit_commands_magnitude_is_accepted_and_said_to_do_nothing(stand_
     text = check_output(command, stand_in, tmp_path / "run", capsys)
     assert "warning: --ra-magnitude/--policy-magnitude 15 does nothing with --auto-augment ta_wide" in text
     assert not math.isnan(command.acc1)
+
+
+EVALUATIONS = [c for c in COMMANDS if "--test-only" in c.argv]
+
+
+@pytest.mark.parametrize("command", EVALUATIONS, ids=[c.name for c in EVALUATIONS])
+def test_each_published_evaluation_takes_its_weights_own_view(command, tmp_path):
+    """--test-only --weights NAME: the weights' own evaluation view (crop, resize, interpolation),
+    as torchvision's script takes it from weights.transforms()."""
+    from ddp_utils.train.train_config import parse_args
+
+    cfg = parse_args(train_classifier.ClassifierConfig, [*command.argv, "--data-path", str(tmp_path)],
+                     train_classifier.__doc__, train_classifier.with_trained_sizes)
+    view = torchvision.models.get_weight(reference_reading(command.argv)["weights"]).transforms()
+    assert cfg.test_only and cfg.arch == command.model
+    assert (cfg.image_size, cfg.val_resize_size, cfg.interpolation) == \
+        (view.crop_size[0], view.resize_size[0], view.interpolation.value)

@@ -232,7 +232,7 @@ def test_help_is_in_sections_with_the_launch_examples(cls):
     text = build_parser(cls, (REPO / ("train_moco.py" if cls is train_moco.MocoConfig else
                                       "train_classifier.py")).read_text().split('"""')[1]).format_help()
     titles = ["data:", "model and optimisation:", "precision and speed:", "run folder and checkpoints:",
-              "distributed:"] + (["MoCo:", "kNN monitor:"] if cls is train_moco.MocoConfig else ["pretrained backbone:"])
+              "distributed:"] + (["MoCo:", "kNN monitor:"] if cls is train_moco.MocoConfig else ["pretrained weights, evaluation:"])
     assert [line for line in text.splitlines() if line in ("options:", *titles)] == ["options:", *titles], \
         text  # each section once, in this order
     assert "(default: )" not in text and "(default: None)" not in text

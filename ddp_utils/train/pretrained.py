@@ -1,4 +1,6 @@
-"""Moving a MoCo backbone into a classifier: its export as a plain state dict, and loading it."""
+"""Where a classifier's first weights come from: a MoCo backbone (``--pretrained``; its export as
+a plain state dict, and loading it) or whole weights (``--weights``: torchvision's published ones
+by name, or a checkpoint of this project)."""
 from __future__ import annotations
 
 import os
@@ -9,7 +11,14 @@ from torch import nn
 
 from ..config import UsageError
 from ..data.sets import NATIVE_SIZE
-from .checkpoint import UnreadableCheckpoint, load_data, mismatch_detail, newest_checkpoint_in
+from ..models.weights import read_published, torchvision_weights
+from .checkpoint import (
+    UnreadableCheckpoint,
+    load_data,
+    mismatch_detail,
+    newest_checkpoint_in,
+    read_checkpoint,
+)
 
 QUERY_BACKBONE = "encoder_q.backbone."
 
@@ -86,3 +95,24 @@ def export_backbone(backbone: nn.Module, path: str | os.PathLike) -> Path:
 
 def tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def read_weights(name: str, arch: str) -> tuple[dict[str, torch.Tensor], bool]:
+    """``--weights NAME``'s tensors and whether they are torchvision's published ones (else a
+    checkpoint of this project: a file, or a run folder's newest; its --arch must be ``arch``)."""
+    weights = torchvision_weights(name)
+    if weights is not None:
+        return read_published(name, weights), True
+    path = newest_checkpoint_in(name, "--weights") if Path(name).is_dir() else Path(name)
+    try:
+        source = read_checkpoint(path)
+    except UnreadableCheckpoint as err:
+        raise UsageError(f"--weights {name}: {err}") from None
+    if source["script"] != "train_classifier.py":
+        raise UsageError(f"--weights {name}: a {source['script']} checkpoint; its backbone starts a classifier "
+                         f"with --pretrained")
+    trained_arch = source["config"].get("arch")
+    if trained_arch != arch:
+        raise UsageError(f"--weights {name}: a {trained_arch} checkpoint, but this run has --model {arch}; pass "
+                         f"--model {trained_arch}")
+    return source["model"], False

@@ -1,0 +1,168 @@
+"""--weights and --test-only: torchvision's published weights read from torch's hub cache (made here,
+in a temporary cache: no network) and evaluated with their own view, as torchvision's script prints
+them; a checkpoint of this project evaluated again; fine-tuning from published weights of another
+class count; and each mistake one line, exit 2."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+from helpers import in_process, load_ckpt, write_image_folder
+
+import train_classifier
+from ddp_utils.models.weights import cached_file
+
+WEIGHTS = "ShuffleNet_V2_X0_5_Weights.IMAGENET1K_V1"  # the smallest of torchvision's files that is an ImageNet model
+MODEL = "shufflenet_v2_x0_5"
+TEST_LINE = re.compile(r"Test: Acc@1 ([\d.]+) Acc@5 ([\d.]+) \((\d+) images")
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch) -> dict[str, torch.Tensor]:
+    """A hub cache in tmp_path holding WEIGHTS' file: seeded weights of the right model."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    torch.manual_seed(5)
+    state = torchvision.models.get_model(MODEL, num_classes=1000).state_dict()
+    path = cached_file(torchvision.models.get_weight(WEIGHTS))
+    path.parent.mkdir(parents=True)
+    torch.save(state, path)
+    return state
+
+
+@pytest.fixture(scope="module")
+def thousand_classes(tmp_path_factory) -> Path:
+    """An ImageFolder of ImageNet's 1000 classes, one training and one validation file each (links
+    to three digit images of different sizes), as the published weights classify."""
+    seed = tmp_path_factory.mktemp("seed")
+    write_image_folder(seed, per_class=1)
+    sources = [next((seed / "train" / f"class{c}").iterdir()) for c in range(3)]
+    root = tmp_path_factory.mktemp("thousand")
+    for split in ("train", "val"):
+        for c in range(1000):
+            folder = root / split / f"n{c:08d}"
+            folder.mkdir(parents=True)
+            (folder / "0.png").hardlink_to(sources[c % 3])
+    return root
+
+
+def expected_accuracy(state: dict, root: Path) -> tuple[float, float]:
+    """acc@1 and acc@5 of ``state`` on root/val, computed apart from the script: torchvision's
+    model and the weights' own transforms on each decoded image, one at a time."""
+    model = torchvision.models.get_model(MODEL, num_classes=1000)
+    model.load_state_dict(state)
+    model.eval()
+    view = torchvision.models.get_weight(WEIGHTS).transforms()
+    top1 = top5 = 0
+    folders = sorted((root / "val").iterdir())
+    with torch.no_grad():
+        for label, folder in enumerate(folders):
+            image = torchvision.io.decode_image(str(folder / "0.png"), mode=torchvision.io.ImageReadMode.RGB)
+            ranked = model(view(image)[None]).topk(5).indices[0].tolist()
+            top1 += ranked[0] == label
+            top5 += label in ranked
+    return 100 * top1 / len(folders), 100 * top5 / len(folders)
+
+
+@pytest.mark.slow
+def test_test_only_evaluates_hub_cache_weights_as_torchvision_scores_them(hub, thousand_classes, tmp_path, capsys):
+    proc = in_process(train_classifier.main, ["--data-path", str(thousand_classes), "--model", MODEL, "--test-only",
+                                              "--weights", WEIGHTS, "--device", "cpu", "--out", str(tmp_path / "out")],
+                      capsys)
+    assert proc.returncode == 0, proc.stderr
+    acc1, acc5, count = TEST_LINE.search(proc.stderr + proc.stdout).groups()
+    want1, want5 = expected_accuracy(hub, thousand_classes)
+    assert (float(acc1), float(acc5), int(count)) == (round(want1, 3), round(want5, 3), 1000)
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_weights_missing_from_the_hub_cache_are_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty"))
+    folder = tmp_path / "data"
+    write_image_folder(folder, per_class=2)
+    for extra in ([], ["--check"]):
+        proc = in_process(train_classifier.main, ["--data-path", str(folder), "--model", MODEL, "--test-only",
+                                                  "--weights", WEIGHTS, "--device", "cpu", "-b", "2", *extra],
+                          capsys)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert f"shufflenetv2_x0.5-f707e7126e.pth is not in torch's hub cache ({tmp_path / 'empty'}/hub/checkpoints)" \
+            in lines[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--test-only"], "--test-only evaluates --weights: give torchvision's weights by name"),
+    (["--weights", "ShuffleNet_V2_X0_5_Weights.IMAGENET1K_V2"], "not torchvision's weights; did you mean "
+                                                                "ShuffleNet_V2_X0_5_Weights.IMAGENET1K_V1?"),
+    (["--weights", "runs/none_such"], "--weights runs/none_such: no such file or folder"),
+    (["--weights", WEIGHTS, "--linear-probe"], "--weights starts the whole network and --linear-probe its backbone"),
+])
+def test_weights_mistakes_are_one_line(tmp_path, capsys, args, message):
+    folder = tmp_path / "data"
+    write_image_folder(folder, per_class=2)
+    proc = in_process(train_classifier.main, ["--data-path", str(folder), "--model", MODEL, "--device", "cpu",
+                                              "--out", str(tmp_path / "out"), "-b", "2", "--check", *args], capsys)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_evaluating_published_weights_on_other_classes_is_one_line(hub, tmp_path, capsys):
+    folder = tmp_path / "data"
+    write_image_folder(folder, per_class=2)
+    proc = in_process(train_classifier.main, ["--data-path", str(folder), "--model", MODEL, "--test-only",
+                                              "--weights", WEIGHTS, "--device", "cpu", "-b", "2"], capsys)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "fc.weight is (1000, 1024) there and (3, 1024) here: weights for other classes than this data's" in lines[0]
+
+
+def test_test_only_on_a_checkpoint_scores_what_its_run_scored(tmp_path, capsys):
+    """A run's own checkpoint, evaluated again: its last validation accuracy, on the same images."""
+    run = tmp_path / "run"
+    common = ["--dataset", "digits", "--device", "cpu", "--arch", "lenet", "--image-size", "16", "--batch-size", "32"]
+    trained = in_process(train_classifier.main, [*common, "--epochs", "1", "--out", str(run)], capsys)
+    assert trained.returncode == 0, trained.stderr
+    final = re.search(r"final val acc1 ([\d.]+)%, acc5 ([\d.]+)%", trained.stderr + trained.stdout).groups()
+    proc = in_process(train_classifier.main, [*common, "--test-only", "--weights", str(run)], capsys)
+    assert proc.returncode == 0, proc.stderr
+    acc1, acc5, _ = TEST_LINE.search(proc.stderr + proc.stdout).groups()
+    assert (f"{float(acc1):.2f}", f"{float(acc5):.2f}") == final
+    moco = in_process(train_classifier.main, [*common, "--test-only", "--weights", str(run), "--arch", "small_cnn"],
+                      capsys)
+    assert moco.returncode == 2 and "a lenet checkpoint, but this run has --model small_cnn" in moco.stderr
+
+
+def test_fine_tuning_published_weights_keeps_all_but_the_classifier(hub, tmp_path, capsys):
+    """--weights without --test-only on 3 classes: every tensor but the 1000-class fc starts as the
+    file's (one step at an LR that barely moves them), fc starts fresh, said in the log."""
+    folder = tmp_path / "data"
+    write_image_folder(folder, per_class=4)
+    proc = in_process(train_classifier.main, ["--data-path", str(folder), "--model", MODEL, "--weights", WEIGHTS,
+                                              "--device", "cpu", "--image-size", "64", "--train-crop-size", "64",
+                                              "--val-resize-size", "64", "-b", "4", "--lr", "1e-9", "--momentum", "0",
+                                              "--wd", "0", "--max-steps", "1", "-j", "0", "--out", str(tmp_path / "run")],
+                      capsys)
+    assert proc.returncode == 0, proc.stderr
+    assert f"weights from {WEIGHTS}; fc.weight, fc.bias start fresh (another shape there)" in proc.stderr + proc.stdout
+    model = load_ckpt(tmp_path / "run" / "checkpoint_last.pt")["model"]
+    convs = [k for k in hub if k.endswith(".weight") and hub[k].dim() == 4]
+    assert convs and all(torch.allclose(model[k], hub[k], atol=1e-6) for k in convs)
+    assert model["fc.weight"].shape == (3, 1024)
+
+
+def test_inception_takes_its_published_weights_without_the_auxiliary_head():
+    """torchvision's Inception v3 weights hold AuxLogits, which this project's Inception leaves out:
+    dropped; the input rescaling its builder sets with those weights is set (transform_input)."""
+    from ddp_utils.models.backbones import build_model
+    from ddp_utils.models.weights import put_weights
+
+    torch.manual_seed(0)
+    published = torchvision.models.inception_v3(weights=None, aux_logits=True, init_weights=True).state_dict()
+    assert any(k.startswith("AuxLogits.") for k in published)
+    model = build_model("inception_v3", 1000, 299)
+    assert not model.transform_input
+    assert put_weights(model, published, "Inception_V3_Weights.IMAGENET1K_V1", exact=True, published=True) == []
+    assert model.transform_input
+    assert all(torch.equal(v, published[k]) for k, v in model.state_dict().items())
