@@ -50,6 +50,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_utils.config import AppliesTo, UsageError, also_spelled, flag_defaults, flag_name, opt
+from ddp_utils.data.host_memory import size_text
 from ddp_utils.data.mixing import BatchMixer
 from ddp_utils.data.object_store import is_object_store
 from ddp_utils.data.pipeline import DataPlan, build_data
@@ -68,10 +69,10 @@ from ddp_utils.models.backbones import (
     FC_BACKBONES,
     SMALL_NETS,
     LinearProbe,
+    activation_bytes,
     build_model,
     ends_in_fc,
     has_cifar_stem,
-    input_refusal,
     min_image_size,
     model_names,
     parameter_count,
@@ -93,7 +94,7 @@ from ddp_utils.train.check import check_only
 from ddp_utils.train.checkpoint import Resume, mismatch_detail, save_checkpoint
 from ddp_utils.train.ema import WeightsEMA, ema_decay
 from ddp_utils.train.monitor import StepMeter
-from ddp_utils.train.optimization import OPTIMIZERS, build_optimization, parameter_groups
+from ddp_utils.train.optimization import OPTIMIZERS, build_optimization, parameter_groups, state_copies
 from ddp_utils.train.preflight import list_image_files_once, preflight, resolved_settings
 from ddp_utils.train.pretrained import (
     load_pretrained_backbone,
@@ -180,8 +181,10 @@ class ClassifierConfig(TrainConfig):
 
     out: str = opt("runs/classifier", OUT_HELP, group=RUN_FOLDER, on_resume="invocation")
     arch: str = opt("small_cnn", f"network: {', '.join(SMALL_NETS)}, or any classification model torchvision lists "
-                    f"(torchvision.models.list_models(), e.g. resnet50, vit_b_16, convnext_tiny), built with the "
-                    f"data set's classes and no weights", group=MODEL, on_resume="fixed", spellings=("--model",))
+                    f"(torchvision.models.list_models(), e.g. resnet50, vit_b_16, convnext_tiny), or timm's as "
+                    f"timm/NAME (timm.list_models(), e.g. timm/resnet50; needs requirements-timm.txt), "
+                    f"built with the data set's classes and no weights", group=MODEL, on_resume="fixed",
+                    spellings=("--model",))
     pretrained: str = opt("", "initialise the backbone from a train_moco.py checkpoint, its run folder "
                           "(the newest checkpoint) or an exported backbone (--export-backbone); fc starts "
                           "fresh; --image-size 0 then means the size it was pretrained at",
@@ -285,19 +288,23 @@ class ClassifierConfig(TrainConfig):
                              choices=INTERPOLATIONS, group=AUGMENTATION, applies_to=image_files_only())
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
-        if self.arch not in SMALL_NETS and self.arch not in model_names():
+        from ddp_utils.models.backbones import TIMM_PREFIX, is_timm, timm_model_names
+
+        if is_timm(self.arch):  # timm imported for such a name only; not installed: the requirement's line
+            name, names = self.arch[len(TIMM_PREFIX):], timm_model_names(self.arch)
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"did you mean {TIMM_PREFIX}{close[0]}? " if close else ""
+                raise UsageError(f"--arch {self.arch}: not a model of timm; {hint}(every name: "
+                                 f"python -c 'import timm; print(timm.list_models())')")
+        elif self.arch not in SMALL_NETS and self.arch not in model_names():
             close = difflib.get_close_matches(self.arch, model_names(), n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             raise UsageError(f"--arch {self.arch}: not a model of this project or of torchvision; {hint}(every "
                              f"name: python -c 'import torchvision; print(torchvision.models.list_models())')")
         super().validate(launch, cuda_devices)
-        if self.arch not in SMALL_NETS:
-            size, train = self.resolved_image_size(), self.train_crop_size or self.resolved_image_size()
-            refusal = input_refusal(self.arch, size, dict.fromkeys((train, size)))
-            if refusal:
-                flag = "--train-crop-size" if refusal[0] == train and self.train_crop_size else "--image-size"
-                raise UsageError(f"--arch {self.arch} cannot take {refusal[0]} px images ({refusal[1]}); give a "
-                                 f"{flag} it takes (torchvision trains most models at 224, Inception v3 at 299)")
+        if self.train_crop_size:
+            self.check_input_sizes({self.train_crop_size: "--train-crop-size"})
         if self.sync_bn and launch.world_size > 1 and device_type(self.device, cuda_devices) != "cuda":
             raise UsageError(f"--sync-bn needs CUDA: SyncBatchNorm has no CPU kernel, and these {launch.world_size} "
                              f"ranks train on CPUs; drop --sync-bn (each rank then normalises its own batch)")
@@ -557,6 +564,21 @@ def run_remarks(cfg: ClassifierConfig, trained: int | None) -> list[str]:
     return remarks
 
 
+def memory_at_the_batch(cfg: ClassifierConfig, num_classes: int, parameters: int) -> str:
+    """--check's estimate of one rank's training memory on its device: fp32 weights, their
+    gradients, the optimizer's state and the EMA, and the activations one micro-batch keeps for
+    the backward (``activation_bytes``; the allocator's slack and the kernels' workspaces left out)."""
+    copies = 2 + state_copies(cfg.optimizer, cfg.momentum) + bool(cfg.model_ema)
+    held = 4 * parameters * copies
+    train = cfg.train_crop_size or cfg.resolved_image_size()
+    kept = activation_bytes(cfg.arch, num_classes, train, cfg.batch_size) if not cfg.linear_probe else None
+    said = (f"activations kept for the backward of {cfg.batch_size} images at {train} px {size_text(kept)} (fp32; "
+            f"about half under bf16/fp16 autocast)" if kept is not None else
+            "activations not estimated (the meta device cannot run this model)")
+    return (f"memory at the batch: about {size_text(held + (kept or 0))} a rank: weights, gradients, "
+            f"{cfg.optimizer}'s state{' and the EMA' if cfg.model_ema else ''} {size_text(held)} (fp32), {said}")
+
+
 def check_classifier(cfg: ClassifierConfig, train: Dataset, lines: list[str]) -> tuple[dict, list[str]]:
     """--check's share of setup: the class count a resume must match, --pretrained fitting --arch,
     the network's size (after ``lines``)."""
@@ -572,6 +594,7 @@ def check_classifier(cfg: ClassifierConfig, train: Dataset, lines: list[str]) ->
                   f"{cfg.interpolation})" if cfg.test_only and published else "")]
     parameters = parameter_count(cfg.arch, num_classes, cfg.resolved_image_size())
     return {"num_classes": num_classes}, [*lines, f"network: {cfg.arch} for {num_classes} classes, {parameters:,} parameters",
+                                          memory_at_the_batch(cfg, num_classes, parameters),
                                           *(f"warning: {remark}" for remark in run_remarks(cfg, trained_size))]
 
 

@@ -51,7 +51,15 @@ from ddp_utils.data.pipeline import build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import MOCO_AUGS, moco_recipe
 from ddp_utils.eval.knn import knn_accuracy
-from ddp_utils.models.backbones import FC_BACKBONES, build_model, ends_in_fc, feature_dim
+from ddp_utils.models.backbones import (
+    HEADED_BACKBONES,
+    SMALL_NETS,
+    build_model,
+    head_of,
+    is_timm,
+    model_names,
+    without_head,
+)
 from ddp_utils.models.moco import Encoder, MoCo, contrastive_step
 from ddp_utils.models.shuffle_bn import split_batchnorm
 from ddp_utils.runtime.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
@@ -156,9 +164,12 @@ class MocoConfig(TrainConfig):
                                group=MOCO, on_resume="free")
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
-        if not ends_in_fc(self.arch):
-            raise UsageError(f"--arch {self.arch}: MoCo replaces a backbone's fc with its projection head; give "
-                             f"{FC_BACKBONES}")
+        if self.arch not in SMALL_NETS and self.arch not in model_names() and not is_timm(self.arch):
+            raise UsageError(f"--arch {self.arch}: not a model of this project or of torchvision; give "
+                             f"{HEADED_BACKBONES}")
+        if head_of(self.arch) is None:
+            raise UsageError(f"--arch {self.arch}: its logits come from no linear layer, and MoCo replaces a "
+                             f"backbone's linear classifier with its projection head; give {HEADED_BACKBONES}")
         super().validate(launch, cuda_devices)
         if not self.augment:
             raise UsageError("--no-augment: MoCo learns from two differently augmented views of each image; "
@@ -199,8 +210,10 @@ class MocoRun(TrainRun):
 def build_moco(cfg: MocoConfig, info: DistInfo, num_classes: int) -> MoCo:
     torch.manual_seed(cfg.seed)  # same encoders and queue on every rank, whatever the world size
     backbone = build_model(cfg.arch, num_classes, cfg.resolved_image_size())
-    width = feature_dim(backbone)
-    backbone.fc = nn.Identity()
+    head, width = without_head(backbone, num_classes)
+    if info.is_main:
+        log.info("backbone %s: its classifier %s replaced by the projection head (%d features in)", cfg.arch, head,
+                 width)
     encoder_q = Encoder(backbone, width, cfg.moco_dim, mlp=cfg.mlp)
     if cfg.sync_bn:
         encoder_q = nn.SyncBatchNorm.convert_sync_batchnorm(encoder_q)
@@ -400,8 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.check or cfg.check_data:  # every check of setup, in this one process; launch/ runs it first
         model = (f"MoCo {cfg.preset} {cfg.arch}, K {cfg.moco_k}, m {cfg.moco_m:g}, T {cfg.moco_t:g}, "
                  f"{'MLP' if cfg.mlp else 'linear'} head, {cfg.aug} augmentation")
-        return check_only(cfg, SCRIPT, model, lambda train: ({}, [f"warning: {remark}" for remark in
-                                                                     queue_remarks(cfg, len(train))]))
+        return check_only(cfg, SCRIPT, model, lambda train: ({}, [
+            f"backbone: {cfg.arch}, its classifier {head_of(cfg.arch)} replaced by the projection head",
+            *(f"warning: {remark}" for remark in queue_remarks(cfg, len(train)))]))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
         fit(setup(cfg, session))  # no name holds the run: its DDP model dies before the group (cleanup_distributed)
     return session.exit_code

@@ -6,6 +6,8 @@ import importlib
 import itertools
 import multiprocessing
 import os
+import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -286,3 +288,34 @@ def s3_error(status: int, code: str, headers: tuple[tuple[str, str], ...] = ()):
     body = f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>said by the proxy</Message>' \
            f'</Error>'.encode() if code else b""
     return Rewrite(status=status, answer=body, headers=(("Content-Type", "application/xml"), *headers))
+
+
+@dataclass(frozen=True)
+class Published:
+    section: str
+    gpus: int
+    model: str
+    argv: tuple[str, ...]  # the flags after train.py, $NAMEs filled in
+    acc1: float            # torchvision's ImageNet-1K Acc@1
+    recipe: str            # the recipe file written from the row (recipes/NAME.json), '' for none
+
+    @property
+    def name(self) -> str:
+        return f"{self.section}:{self.model}"
+
+
+def published_commands() -> list[Published]:
+    """recipes/torchvision-commands.md's rows, one per model: torchvision's published commands."""
+    commands = []
+    for line in (REPO / "recipes" / "torchvision-commands.md").read_text().splitlines():
+        if not line.startswith("| ") or line.startswith(("| section", "| ---")):
+            continue
+        section, gpus, command, models, recipe = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        for entry in models.split("; "):
+            model, subs, acc1 = re.fullmatch(r"(\w+)(?: \(([^)]*)\))? ([\d.]+)", entry).groups()
+            values = {"MODEL": model, **dict(kv.split("=") for kv in (subs or "").split())}
+            argv = tuple(re.sub(r"\$(\w+)", lambda m: values[m.group(1)], token)
+                         for token in shlex.split(command.strip("`")))
+            commands.append(Published(section, int(gpus), model, argv, float(acc1),
+                                      recipe.strip("`").removeprefix("recipes/").removesuffix(".json").strip("-")))
+    return commands

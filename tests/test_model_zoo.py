@@ -139,25 +139,54 @@ def test_a_size_the_model_cannot_take_is_one_line_and_exit_2(capsys):
 
 
 @pytest.mark.slow
-def test_moco_trains_a_resnet_of_any_depth_on_two_ranks(tmp_path):
-    """``-a resnext50_32x4d`` (main_moco.py's spelling) through the script's own code on 2 gloo
-    ranks, shuffle BN included: the run ends with its encoders, queue and pointer identical on its
-    ranks, and the checkpoint records the backbone."""
+@pytest.mark.parametrize("name", ["resnext50_32x4d", "efficientnet_b0"])
+def test_moco_trains_a_backbone_on_two_ranks_with_shuffle_bn(name, tmp_path):
+    """``-a NAME`` (main_moco.py's spelling) through the script's own code on 2 gloo ranks, shuffle
+    BN included, a ResNet and a model whose classifier is not fc: the run ends with its encoders,
+    queue and pointer identical on its ranks, and the checkpoint records the backbone."""
     out = tmp_path / "moco"
-    proc = run_ranks("train_moco.py", ["--dataset", "digits", "--device", "cpu", "-a", "resnext50_32x4d",
+    proc = run_ranks("train_moco.py", ["--dataset", "digits", "--device", "cpu", "-a", name,
                                        "--image-size", "32", "--batch-size", "4", "--moco-k", "64", "--knn-every", "0",
                                        "--epochs", "1", "--max-steps", "2", "--out", str(out)], tmp_path)
     assert_ok(proc)
     assert "encoders, queue and pointer identical on all 2 ranks" in proc.stdout
     state = torch.load(out / "checkpoint_last.pt", weights_only=True, map_location="cpu")
-    assert state["config"]["arch"] == "resnext50_32x4d" and state["step"] == 2
+    assert state["config"]["arch"] == name and state["step"] == 2
 
 
-@pytest.mark.parametrize("name", ["vit_b_16", "resnet19"])
-def test_moco_refuses_a_backbone_without_fc_in_one_line(name, capsys):
+@pytest.mark.parametrize("name, message", [
+    ("squeezenet1_1", "--arch squeezenet1_1: its logits come from no linear layer, and MoCo replaces a backbone's "
+                      "linear classifier with its projection head"),
+    ("resnet19", "--arch resnet19: not a model of this project or of torchvision")])
+def test_moco_refuses_a_backbone_without_a_linear_classifier_in_one_line(name, message, capsys):
     proc = in_process(train_moco.main, ["--dataset", "digits", "--device", "cpu", "--check", "--arch", name], capsys)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert f"--arch {name}: MoCo replaces a backbone's fc with its projection head" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr
+
+
+# one model per family MoCo takes beyond the ResNets, at a size each takes; the first in the fast tier
+MOCO_FAMILIES = [("efficientnet_b0", 32, "classifier.1"), ("vit_b_32", 32, "heads.head"),
+                 ("convnext_tiny", 32, "classifier.2"), ("mobilenet_v3_small", 32, "classifier.3"),
+                 ("swin_t", 32, "head"), ("regnet_x_400mf", 32, "fc"), ("shufflenet_v2_x0_5", 32, "fc"),
+                 ("densenet121", 32, "classifier")]
+
+
+@pytest.mark.parametrize("name, size, head", [pytest.param(*family, marks=() if i == 0 else pytest.mark.slow)
+                                              for i, family in enumerate(MOCO_FAMILIES)])
+def test_moco_pretrains_each_family_with_split_bn_and_the_knn_monitor(name, size, head, tmp_path, capsys):
+    """MoCo on one process (BatchNorm split in 2, shuffle BN's stand-in) replaces the family's own
+    classifier, named at --check and in the log, trains two steps and runs the kNN monitor."""
+    common = ["--dataset", "digits", "--device", "cpu", "--arch", name, "--image-size", str(size), "--batch-size", "8",
+              "--moco-k", "32", "--bn-splits", "2", "--lr", "0.01", "--out", str(tmp_path / "run")]
+    check = in_process(train_moco.main, [*common, "--check"], capsys)
+    assert check.returncode == 0 and f"backbone: {name}, its classifier {head} replaced by the projection head" \
+        in check.stdout, check.stderr
+    proc = in_process(train_moco.main, [*common, "--max-steps", "2", "--knn-every", "1", "--knn-bank-samples", "64"],
+                      capsys)
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stdout + proc.stderr
+    assert f"its classifier {head} replaced by the projection head" in said and "kNN" in said
+    state = torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True, map_location="cpu")
+    assert state["step"] == 2 and not any(k.startswith(f"encoder_q.backbone.{head}.") for k in state["model"])
 
 
 def test_the_embedding_decay_groups_are_torchvisions():
@@ -201,3 +230,40 @@ def test_sync_bn_converts_on_cuda_ranks_only():
         norms = [m for m in train_classifier.build_network(cfg, info, 10).modules()
                  if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         assert norms and all(type(m) is kind for m in norms)
+
+
+def test_the_memory_at_the_batch_counts_what_a_forward_keeps(tmp_path, capsys):
+    """activation_bytes (on the meta device) against the storages a real CPU forward keeps for the
+    backward, within 15% (attention keeps more on the meta device); --check's line adds the fp32 weights, gradients and SGD's momentum."""
+    from ddp_utils.data.host_memory import size_text
+    from ddp_utils.models.backbones import activation_bytes
+
+    for arch, size in (("resnet18", 64), ("vit_b_32", 32), ("convnext_tiny", 32)):
+        torch.manual_seed(0)
+        model = build_model(arch, 10, size).train()
+        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept: dict[int, int] = {}
+
+        def keep(tensor, kept=kept, parameters=parameters):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in parameters:
+                kept[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            model(torch.randn(4, 3, size, size))
+        real, estimate = sum(kept.values()), activation_bytes(arch, 10, size, 4)
+        assert abs(estimate - real) <= 0.15 * real, (arch, estimate, real)
+    proc = in_process(train_classifier.main, ["--dataset", "digits", "--arch", "resnet18", "--image-size", "64",
+                                              "--batch-size", "4", "--check", "--out", str(tmp_path / "run")], capsys)
+    weights = 4 * 3 * sum(p.numel() for p in build_model("resnet18", 10, 64).parameters())
+    estimate = activation_bytes("resnet18", 10, 64, 4)
+    assert f"memory at the batch: about {size_text(weights + estimate)} a rank: weights, gradients, sgd's state " \
+           f"{size_text(weights)} (fp32), activations kept for the backward of 4 images at 64 px" in proc.stdout
+
+
+def test_moco_refuses_a_size_its_backbone_cannot_take_in_one_line(capsys):
+    proc = in_process(train_moco.main, ["--dataset", "digits", "--device", "cpu", "--check", "--arch", "maxvit_t",
+                                        "--image-size", "64"], capsys)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "--arch maxvit_t cannot take 64 px images (" in proc.stderr and "give a --image-size it takes" in proc.stderr

@@ -5,20 +5,17 @@ defaults, independently of the project's parser), and each one's --check on a st
 exits 0 describing that run."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
-import re
-import shlex
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torchvision
-from helpers import REPO, in_process
+from helpers import REPO, Published, in_process, published_commands
 
 import train_classifier
-from ddp_utils.config import parse_config
-
-TABLE = REPO / "recipes" / "torchvision-commands.md"
+from ddp_utils.config import config_dict, flag_name, parse_config
 
 # references/classification/train.py's defaults (pytorch/vision 428a54c), by its own flag names
 REFERENCE_DEFAULTS = {
@@ -33,35 +30,6 @@ REFERENCE_DEFAULTS = {
 FLOATS = {"clip-grad-norm", "norm-weight-decay", "bias-weight-decay", "transformer-embedding-decay"}  # default None
 SWITCHES = {"amp", "model-ema", "ra-sampler", "sync-bn", "test-only"}
 SAME_FLAG = {"weight-decay": "wd"}
-
-
-@dataclass(frozen=True)
-class Published:
-    section: str
-    gpus: int
-    model: str
-    argv: tuple[str, ...]  # the flags after train.py, $NAMEs filled in
-    acc1: float            # torchvision's ImageNet-1K Acc@1
-
-    @property
-    def name(self) -> str:
-        return f"{self.section}:{self.model}"
-
-
-def published_commands() -> list[Published]:
-    """The table's rows, one per model."""
-    commands = []
-    for line in TABLE.read_text().splitlines():
-        if not line.startswith("| ") or line.startswith(("| section", "| ---")):
-            continue
-        section, gpus, command, models = (cell.strip() for cell in line.strip().strip("|").split("|"))
-        for entry in models.split("; "):
-            model, subs, acc1 = re.fullmatch(r"(\w+)(?: \(([^)]*)\))? ([\d.]+)", entry).groups()
-            values = {"MODEL": model, **dict(kv.split("=") for kv in (subs or "").split())}
-            argv = tuple(re.sub(r"\$(\w+)", lambda m: values[m.group(1)], token)
-                         for token in shlex.split(command.strip("`")))
-            commands.append(Published(section, int(gpus), model, argv, float(acc1)))
-    return commands
 
 
 def reference_reading(argv: tuple[str, ...]) -> dict:
@@ -159,16 +127,17 @@ def check_output(command: Published, stand_in: Path, out: Path, capsys) -> str:
     return proc.stdout
 
 
-def assert_describes(text: str, command: Published) -> None:
-    """--check's lines name every value of the run torchvision would start."""
+def assert_describes(text: str, command: Published, ranks: int = 8) -> None:
+    """--check's lines name every value of the run torchvision would start (its LR for ``ranks``
+    GPUs)."""
     args = reference_reading(command.argv)
     lr_per_gpu = args["batch-size"]
     expected = [f"model: {args['model']}", f"network: {args['model']} for 3 classes",
                 f"global batch {lr_per_gpu} = 1 rank x 1 micro-step x {lr_per_gpu}; lr {args['lr']:g}, "
                 f"{args['lr-scheduler']}", f"{args['opt']}", f"weight decay {args['wd']:g}",
                 f"in {args['epochs']} epochs",
-                f"published for a global batch of {8 * lr_per_gpu:,} (8 ranks x {lr_per_gpu})",
-                "give --accum-steps 8",
+                f"published for a global batch of {ranks * lr_per_gpu:,} ({ranks} ranks x {lr_per_gpu})",
+                f"give --accum-steps {ranks}",
                 f"random resized crop {args['train-crop-size']} px",
                 f"resize {args['val-resize-size']} px, centre crop {args['val-crop-size']} px",
                 "defaults: torchvision's train.py's"]
@@ -248,3 +217,64 @@ def test_each_published_evaluation_takes_its_weights_own_view(command, tmp_path)
     assert cfg.test_only and cfg.arch == command.model
     assert (cfg.image_size, cfg.val_resize_size, cfg.interpolation) == \
         (view.crop_size[0], view.resize_size[0], view.interpolation.value)
+
+
+# ----------------------------------------------------------------------------- the recipe files
+def recipe_rows() -> dict[str, list[Published]]:
+    """The table's rows by the recipe file written from them (its models, in the table's order)."""
+    rows: dict[str, list[Published]] = {}
+    for command in TRAINING:
+        if command.recipe:
+            rows.setdefault(command.recipe, []).append(command)
+    return rows
+
+
+def recipe_of(rows: list[Published]) -> dict:
+    """recipes/NAME.json for one row of the table: its first model's command as this script reads
+    it (``--data-path`` bringing train.py's defaults), the values other than the script's own
+    defaults, the GPUs its LR is for (``lr_ranks``), a run folder; notes on the source, the launch
+    and the other models."""
+    def values(command: Published) -> dict:  # those torchvision's defaults set too: the file reads the same with --data-path
+        cfg = parse_config(train_classifier.ClassifierConfig, [*command.argv, "--data-path", "/data/imagenet"])
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+        return {k: v for k, v in config_dict(cfg).items()
+                if v != defaults[k] or k in train_classifier.TORCHVISION_DEFAULTS}
+
+    first, *others = rows
+    own = {**values(first), "lr_ranks": first.gpus, "out": f"runs/{first.recipe}"}
+    batch, lr = own.get("batch_size", 64), own.get("lr", 0.1)
+    differ = [" ".join([f"--model {c.model}"] + [f"{flag_name(k)} {v}" for k, v in values(c).items()
+                                                  if own.get(k) != v and k != "arch"]) for c in others]
+    return {
+        "_source": f"torchvision's published command (references/classification/README.md at 428a54c, "
+                   f"#{first.section}; recipes/torchvision-commands.md); Acc@1 of torchvision's weights: "
+                   + "; ".join(f"{c.model} {c.acc1:g}" for c in rows),
+        "_launch": f"{first.gpus} GPUs x {batch} = global batch {first.gpus * batch}, the batch its LR {lr:g} is for; "
+                   f"on fewer GPUs add --accum-steps (its GPUs / yours), as --check and the start say (--lr-ranks)",
+        **({"_models": "the row's other models: " + "; ".join(differ)} if others else {}),
+        **own}
+
+
+def test_each_torchvision_recipe_file_is_its_row_of_the_table():
+    """recipes/torchvision_*.json are written from the table (``python tests/test_torchvision_commands.py``):
+    a file and its published command cannot drift."""
+    rows = recipe_rows()
+    assert sorted(p.stem for p in (REPO / "recipes").glob("torchvision_*.json")) == sorted(rows)
+    for name, commands in rows.items():
+        assert json.loads((REPO / "recipes" / f"{name}.json").read_text()) == recipe_of(commands), name
+
+
+@pytest.mark.slow
+def test_every_torchvision_recipe_file_checks_on_a_stand_in(stand_in, tmp_path, capsys):
+    """Each file as a --config on this project's own data flags: --check exits 0 and describes its
+    first command's run (the same lines as the command itself, but the defaults line)."""
+    for name, (first, *_) in recipe_rows().items():
+        proc = in_process(train_classifier.main, ["--config", str(REPO / "recipes" / f"{name}.json"), "--data-dir",
+                                                  str(stand_in), "--out", str(tmp_path / name), "--check"], capsys)
+        assert proc.returncode == 0, (name, proc.stderr)
+        assert_describes(proc.stdout + "defaults: torchvision's train.py's", first, ranks=first.gpus)
+
+
+if __name__ == "__main__":  # PYTHONPATH=. python tests/test_torchvision_commands.py: rewrite the recipe files
+    for name, commands in recipe_rows().items():
+        (REPO / "recipes" / f"{name}.json").write_text(json.dumps(recipe_of(commands), indent=2) + "\n")

@@ -129,17 +129,17 @@ def shm_problem(memory: LoaderMemory | None, ranks_on_node: int, shm_dir: str = 
     need = ranks_on_node * memory.per_rank
     if need <= free:
         return None
-    return (f"{shm_dir} has {_size(free)} free; the DataLoader workers of this node's {ranks_on_node} rank(s) need "
-            f"up to {_size(need)} ({memory.workers} workers per rank, training batches of {_size(memory.train_batch)}, "
-            f"evaluation batches of {_size(memory.eval_batch)}); give {shm_dir} more room (a container: docker run "
+    return (f"{shm_dir} has {size_text(free)} free; the DataLoader workers of this node's {ranks_on_node} rank(s) need "
+            f"up to {size_text(need)} ({memory.workers} workers per rank, training batches of {size_text(memory.train_batch)}, "
+            f"evaluation batches of {size_text(memory.eval_batch)}); give {shm_dir} more room (a container: docker run "
             f"--shm-size={_size_flag(need)} or --ipc=host) or lower --workers or --batch-size")
 
 
 def describe_memory(memory: LoaderMemory, ranks_on_node: int, shm_dir: str = SHM_DIR) -> str:
     """One line for ``--check``: the workers' host memory per rank, and the room in ``shm_dir``."""
-    room = f"; {shm_dir} has {_size(shutil.disk_usage(shm_dir).free)} free" if os.path.isdir(shm_dir) else ""
-    return (f"host memory: the DataLoader workers' batches take up to {_size(memory.per_rank)} per rank in shared memory "
-            f"({_size(memory.pinned_per_rank)} pinned on CUDA), {_size(ranks_on_node * memory.per_rank)} for this "
+    room = f"; {shm_dir} has {size_text(shutil.disk_usage(shm_dir).free)} free" if os.path.isdir(shm_dir) else ""
+    return (f"host memory: the DataLoader workers' batches take up to {size_text(memory.per_rank)} per rank in shared memory "
+            f"({size_text(memory.pinned_per_rank)} pinned on CUDA), {size_text(ranks_on_node * memory.per_rank)} for this "
             f"node's {ranks_on_node} rank(s){room}")
 
 
@@ -147,7 +147,8 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
+    """Bytes in words: "1.5 GB", "423.9 MB"."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"

@@ -1,14 +1,17 @@
 """Backbones, and the linear probe around a trained one. The classifier takes the small networks
-here and every classification model torchvision lists, by name; MoCo and the linear probe
-(:class:`LinearProbe`, MoCo's linear-classification protocol) take the models that end in a
-linear layer named ``fc`` (:func:`ends_in_fc`), which they swap for a projection head or a new
-classifier."""
+here and every classification model torchvision lists, by name, and timm's as ``timm/NAME`` where
+timm is installed (requirements-timm.txt). MoCo replaces a model's linear classifier, whatever its
+name (:func:`without_head`), with its projection head; the linear probe (:class:`LinearProbe`,
+MoCo's linear-classification protocol) takes the models that end in a linear layer named ``fc``
+(:func:`ends_in_fc`)."""
 from __future__ import annotations
 
 from typing import Iterable
 
 import torch
 from torch import nn
+
+from ..config import UsageError
 
 SMALL_NETS = ("lenet", "small_cnn")
 RESNET_FAMILY = ("resnet", "resnext", "wide_resnet")  # torchvision's ResNet class: conv1, maxpool, fc
@@ -25,6 +28,12 @@ MIN_IMAGE_SIZE = {"lenet": 16, "small_cnn": 8}
 RESNET_MIN_IMAGE_SIZE = 16
 # The backbones whose classifier is one linear layer named fc, for a line that names them.
 FC_BACKBONES = "lenet, small_cnn or a torchvision ResNet (resnet18 to resnet152, resnext*, wide_resnet*)"
+# What MoCo takes, for a line that names them.
+HEADED_BACKBONES = ("lenet, small_cnn, or a torchvision or timm classifier whose logits come from a linear layer "
+                    "(all but SqueezeNet)")
+# timm's models: --arch timm/NAME, NAME one of timm.list_models(); timm is an optional requirement.
+TIMM_PREFIX = "timm/"
+TIMM_REQUIREMENT = "requirements-timm.txt"
 
 
 def model_names() -> list[str]:
@@ -33,6 +42,26 @@ def model_names() -> list[str]:
     import torchvision
 
     return [*SMALL_NETS, *torchvision.models.list_models(module=torchvision.models)]
+
+
+def is_timm(arch: str) -> bool:
+    """Whether ``arch`` names one of timm's models (``timm/NAME``)."""
+    return arch.startswith(TIMM_PREFIX)
+
+
+def timm_for(arch: str):
+    """The timm module, imported for ``arch`` (``timm/NAME``; about 1.5 s, so only for such a name):
+    a UsageError of one line naming the requirement where timm is not installed."""
+    try:
+        import timm
+    except ImportError:
+        raise UsageError(f"--arch {arch} needs timm: pip install -r {TIMM_REQUIREMENT}") from None
+    return timm
+
+
+def timm_model_names(arch: str) -> list[str]:
+    """timm's model names (without the ``timm/`` prefix), imported for ``arch`` (see :func:`timm_for`)."""
+    return timm_for(arch).list_models()
 
 
 def has_cifar_stem(arch: str) -> bool:
@@ -99,6 +128,8 @@ def build_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
         return LeNet(num_classes)
     if arch == "small_cnn":
         return SmallCNN(num_classes)
+    if is_timm(arch):
+        return _build_timm(arch, num_classes, image_size)
     if arch not in model_names():
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(model_names())}")
     import torchvision
@@ -110,6 +141,21 @@ def build_model(arch: str, num_classes: int, image_size: int) -> nn.Module:
         model.conv1 = nn.Conv2d(3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
     return model
+
+
+def _build_timm(arch: str, num_classes: int, image_size: int) -> nn.Module:
+    """timm's ``create_model(NAME, pretrained=False, num_classes=...)``; the models that take an
+    ``img_size`` (ViTs, Swin, MaxViT, CoAtNet...) are built for ``image_size``, as torchvision's
+    ViTs are; the others (whose constructor refuses the keyword) without it."""
+    timm, name = timm_for(arch), arch[len(TIMM_PREFIX):]
+    if name not in timm.list_models():
+        raise ValueError(f"unknown arch {arch!r}: not one of timm.list_models()")
+    try:
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, img_size=image_size)
+    except TypeError as err:
+        if "img_size" not in str(err):
+            raise
+    return timm.create_model(name, pretrained=False, num_classes=num_classes)
 
 
 def _shapes_only(arch: str, num_classes: int, image_size: int) -> nn.Module | None:
@@ -129,6 +175,11 @@ def parameter_count(arch: str, num_classes: int, image_size: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+# What a model raises for an input size it cannot take (timm's window partitions: a zero-sized
+# window at a small size, ZeroDivisionError).
+SIZE_REFUSALS = (RuntimeError, ValueError, AssertionError, ZeroDivisionError)
+
+
 def input_refusal(arch: str, image_size: int, sizes: Iterable[int]) -> tuple[int, str] | None:
     """The first of ``sizes`` (px, square) that ``arch``, built for ``image_size``, cannot take in
     a training forward, with the model's own reason (a kernel larger than what is left of the
@@ -139,7 +190,7 @@ def input_refusal(arch: str, image_size: int, sizes: Iterable[int]) -> tuple[int
 
     try:
         model = _shapes_only(arch, 10, image_size)
-    except (RuntimeError, ValueError, AssertionError) as err:  # a ViT whose patch does not divide the image
+    except SIZE_REFUSALS as err:  # a ViT whose patch does not divide the image
         return image_size, reason(err)
     if model is None:
         return None
@@ -149,14 +200,65 @@ def input_refusal(arch: str, image_size: int, sizes: Iterable[int]) -> tuple[int
             model(torch.empty(2, 3, size, size, device="meta"))
         except NotImplementedError:  # an op without a meta kernel: not the model's refusal
             return None
-        except (RuntimeError, ValueError, AssertionError) as err:
+        except SIZE_REFUSALS as err:
             return size, reason(err)
     return None
 
 
-def feature_dim(model: nn.Module) -> int:
-    """Width of the features that enter ``model.fc``."""
-    return model.fc.in_features
+def activation_bytes(arch: str, num_classes: int, image_size: int, batch: int) -> int | None:
+    """Bytes of the tensors a training forward of ``batch`` fp32 images keeps for the backward
+    (each storage once, the parameters left out), counted on the meta device: no memory, no
+    arithmetic; None where the meta device cannot build or run ``arch``. An estimate: attention
+    keeps more on the meta device than a CPU's fused kernel (tests/test_model_zoo.py bounds the
+    difference); autocast in bf16 or fp16 keeps about half."""
+    model = _shapes_only(arch, num_classes, image_size)
+    if model is None:
+        return None
+    # a storage's identity: meta tensors have no data pointer to tell them apart
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in parameters:
+            kept[storage._cdata] = storage.nbytes()
+        return tensor
+
+    model.train()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            model(torch.empty(batch, 3, image_size, image_size, device="meta"))
+    except (NotImplementedError, *SIZE_REFUSALS):  # no meta kernel, or a size the model refuses (said elsewhere)
+        return None
+    return sum(kept.values())
+
+
+def classifier_head(model: nn.Module, num_classes: int) -> str | None:
+    """The dotted name of ``model``'s classifier: the last linear layer that gives ``num_classes``
+    outputs (``fc`` in the ResNet family and the small networks, ``heads.head`` in ViT, ``head``
+    in Swin, ``classifier.N`` in most others); None where the logits come from another layer
+    (SqueezeNet's convolution)."""
+    found = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and module.out_features == num_classes]
+    return found[-1] if found else None
+
+
+def head_of(arch: str) -> str | None:
+    """:func:`classifier_head` of ``arch``, built on the meta device where it can be."""
+    return classifier_head(_shapes_only(arch, 10, 224) or build_model(arch, 10, 224), 10)
+
+
+def without_head(model: nn.Module, num_classes: int) -> tuple[str, int]:
+    """Replace ``model``'s classifier (:func:`classifier_head`) by the identity, so that the model
+    gives the features it took: returns the head's name and their width."""
+    name = classifier_head(model, num_classes)
+    if name is None:
+        raise ValueError("the model's logits come from no linear layer")
+    parent, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(parent)
+    width = owner.get_submodule(leaf).in_features
+    setattr(owner, leaf, nn.Identity())
+    return name, width
 
 
 class LinearProbe(nn.Module):

@@ -232,6 +232,14 @@ def build_optimizer(kind: str, params, lr: float, momentum: float, weight_decay:
     raise ValueError(f"unknown optimizer {kind!r}; one of {', '.join(OPTIMIZERS)}")
 
 
+def state_copies(kind: str, momentum: float) -> int:
+    """Tensors the optimizer ``kind`` keeps per parameter, each the parameter's size: SGD's momentum
+    buffer, AdamW's two moments, RMSprop's square average (and its momentum buffer)."""
+    if kind in ("sgd", "sgd_nesterov"):
+        return 1 if momentum or kind == "sgd_nesterov" else 0
+    return 2 if kind == "adamw" or momentum else 1
+
+
 def parameter_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float | None = None,
                      bias_weight_decay: float | None = None, embedding_decay: float | None = None) -> list[dict]:
     """The optimizer's parameter groups, by torchvision's rule (references/classification/utils.py,

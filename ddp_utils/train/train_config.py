@@ -32,7 +32,7 @@ from ..data.pipeline import DataPlan, StoreCache
 from ..data.recipes import AUG_ON, AugmentRecipe, augment_on_device
 from ..data.sets import DATASETS, IMAGE_FILES, NATIVE_SIZE, NORMALIZATIONS
 from ..data.shard_cache import START_DOWNLOADS, WAIT_SLACK_S
-from ..models.backbones import FC_BACKBONES, min_image_size
+from ..models.backbones import HEADED_BACKBONES, SMALL_NETS, input_refusal, min_image_size
 from ..runtime.device import check_device, device_type, visible_cuda_devices
 from ..runtime.launch import LaunchEnv, detect_launch, restart_count
 from ..runtime.logs import say_error
@@ -162,7 +162,8 @@ class TrainConfig:
     workers: int = opt(-1, "data-loader worker processes per rank; -1 = auto (0 for in-memory data)",
                        group=DATA, on_resume="free", at_least=-1)
     # model and optimisation
-    arch: str = opt("small_cnn", f"network: {FC_BACKBONES}, whose fc MoCo replaces with its projection head",
+    arch: str = opt("small_cnn", f"network: {HEADED_BACKBONES}, whose classifier MoCo replaces with its "
+                    f"projection head (--check names it)",
                     group=MODEL, on_resume="fixed", spellings=("-a",))
     batch_size: int = opt(64, "images per rank per micro-step; the global batch is "
                           "world_size x accum_steps x batch_size", group=MODEL, above=0)
@@ -286,6 +287,7 @@ class TrainConfig:
         if smallest and size < smallest:
             raise UsageError(f"--image-size {size} is too small for --arch {self.arch}: give at least "
                              f"{smallest} px")
+        self.check_input_sizes({size: "--image-size"})
         try:
             milestones = parse_milestones(self.lr_milestones, self.epochs)
         except ValueError:
@@ -320,6 +322,18 @@ class TrainConfig:
             raise UsageError(f"--decode-on device needs --aug-on device (the loader path decodes and augments each "
                              f"image in the workers; --aug-on {self.aug_on} means the loader on {device.type}); add "
                              f"--aug-on device or drop --decode-on")
+
+    def check_input_sizes(self, sizes: dict[int, str]) -> None:
+        """Each of ``sizes`` (px: the flag that sets it) taken in a training forward of --arch built
+        for --image-size (``input_refusal``, on the meta device); the small networks have their
+        smallest size instead (``min_image_size``)."""
+        if self.arch in SMALL_NETS:
+            return
+        refusal = input_refusal(self.arch, self.resolved_image_size(), sizes)
+        if refusal:
+            raise UsageError(f"--arch {self.arch} cannot take {refusal[0]} px images ({refusal[1]}); give a "
+                             f"{sizes[refusal[0]]} it takes (torchvision trains most models at 224, Inception v3 at "
+                             f"299)")
 
     def check_warmup_flags(self) -> None:
         """One warm-up, in steps or in epochs, on a schedule that takes it (its method and start
