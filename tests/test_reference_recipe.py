@@ -12,7 +12,9 @@ trained on and the loss of each micro-step, and the reference trains a fresh cop
 initial network on exactly those batches. After every step: the loss, every weight and
 buffer, every EMA tensor and the LR and weight decay of every parameter group. A negative
 control (norm layers decayed like the rest; no EMA reset in the warm-up) must fail the same
-comparison. With --mixup-alpha/--cutmix-alpha the reference mixes the same micro-batches with
+comparison. The same for a transformer (``--model vit_b_16``, built tiny) as torchvision's ViT
+recipe trains it: AdamW, the class token's own group (--transformer-embedding-decay) and
+--clip-grad-norm (a reference without either must fail). With --mixup-alpha/--cutmix-alpha the reference mixes the same micro-batches with
 torchvision's v2.MixUp/CutMix/RandomChoice under the documented seeding contract (a whole-window
 or index-free seeding must fail), and a 2-rank mixed run resumes mid-epoch bit for bit (slow
 tier; tests/mixing_probe.py records its targets). Then the pieces at larger sizes: the schedule over 30 epochs, the groups on a
@@ -25,6 +27,7 @@ import warnings
 
 import pytest
 import torch
+import torchvision
 from helpers import (
     TINY_DIGITS,
     assert_ok,
@@ -58,9 +61,38 @@ RUN = ["--device", "cpu", "--dataset", "synthetic", "--synthetic-samples", str(S
        "--model-ema-decay", str(EMA_DECAY), "--ckpt-every", "1", "--keep-checkpoints", "100", "--log-every", "100"]
 
 
+# The transformer's run: the script is asked for --model vit_b_16 and build_network gets a ViT of
+# torchvision's own class made tiny (one encoder layer of width 16 over 4 patches of 8 px; its
+# class token, LayerNorms and biases fill all four groups), at 16 px: the configuration's size probe
+# (backbones.input_refusal) builds the real vit_b_16 on the meta device, whose 16 px patches refuse 8 px.
+VIT, VIT_SIZE, CLIP = "vit_b_16", 16, 0.8
+TINY_VIT = dict(image_size=VIT_SIZE, patch_size=8, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32)
+
+
+def _replaced(args: list[str], flag: str, value: str, spelling: str | None = None) -> list[str]:
+    """``args`` with ``flag``'s value replaced (the flag spelled ``spelling`` if given)."""
+    i = args.index(flag)
+    return [*args[:i], spelling or flag, value, *args[i + 2:]]
+
+
+VIT_RUN = _replaced(_replaced(RUN, "--image-size", str(VIT_SIZE)), "--arch", VIT, "--model") + [
+    "--opt", "adamw", "--transformer-embedding-decay", "0.0", "--clip-grad-norm", str(CLIP)]
+
+
+def tiny_vit(num_classes: int) -> nn.Module:
+    return torchvision.models.VisionTransformer(num_classes=num_classes, **TINY_VIT)
+
+
+def build_tiny(arch: str, num_classes: int, image_size: int) -> nn.Module:
+    """backbones.build_model, but :func:`tiny_vit` for vit_b_16 at VIT_SIZE."""
+    return tiny_vit(num_classes) if (arch, image_size) == (VIT, VIT_SIZE) else build_model(arch, num_classes, image_size)
+
+
 # ----------------------------------------------------------------------------- torchvision's semantics, anew
 NORM_CLASSES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
                 nn.LocalResponseNorm)
+# train.py's custom keys of --transformer-embedding-decay, in its order
+TORCHVISION_EMBEDDING_KEYS = ("class_token", "position_embedding", "relative_position_bias_table")
 
 
 def set_weight_decay(model: nn.Module, weight_decay: float, norm_weight_decay: float | None = None,
@@ -112,12 +144,24 @@ def reference_schedule(optimizer, epochs: int, warmup_epochs: int, method: str =
 
 
 def train_reference(model: nn.Module, epochs: list[list[tuple]], optimizer: str = "sgd", accum: int = 1,
-                    norm_decay: float | None = NORM_DECAY, reset_in_warmup: bool = True) -> list[dict]:
+                    norm_decay: float | None = NORM_DECAY, reset_in_warmup: bool = True,
+                    embedding_decay: float | None = None, clip: float | None = None) -> list[dict]:
     """torchvision's train_one_epoch and epoch loop on ``epochs`` (each a list of (images, targets)
     micro-batches), one iteration per window of ``accum`` micro-batches (the project's accumulation:
-    each micro-batch's loss / accum back-propagated at once); a record after every optimizer step."""
+    each micro-batch's loss / accum back-propagated at once); a record after every optimizer step.
+    ``embedding_decay``: train.py's --transformer-embedding-decay, a custom key per embedding name
+    after the bias's; ``clip``: its --clip-grad-norm, ``clip_grad_norm_`` of every trainable
+    parameter after the backward and before the step. torchvision hands it ``model.parameters()``;
+    here the same parameters go in the optimizer's order, the script's, as the norm is a sum whose
+    order is round-off only, and a ViT's attention key bias (the softmax cancels its gradient: pure
+    round-off, which AdamW's normalisation turns into steps of the LR's size) makes a one-ulp
+    difference in the clip's coefficient a difference of 1e-2 in the weights within a few steps. The
+    record keeps the norm clipped and ``model.parameters()``'s (``torchvision_norm``), to be compared."""
     criterion = nn.CrossEntropyLoss(label_smoothing=SMOOTHING)
-    params = set_weight_decay(model, WEIGHT_DECAY, norm_decay, [("bias", BIAS_DECAY)])
+    custom_keys = [("bias", BIAS_DECAY)]
+    if embedding_decay is not None:
+        custom_keys += [(key, embedding_decay) for key in TORCHVISION_EMBEDDING_KEYS]
+    params = set_weight_decay(model, WEIGHT_DECAY, norm_decay, custom_keys)
     if optimizer == "sgd":
         opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, nesterov=False)
     else:
@@ -138,6 +182,10 @@ def train_reference(model: nn.Module, epochs: list[list[tuple]], optimizer: str 
                 loss = criterion(model(images), targets)
                 (loss / accum).backward()
                 losses.append(loss.detach().clone())
+            norm = torchvision_norm = None
+            if clip is not None:
+                torchvision_norm = nn.utils.get_total_norm([p.grad for p in model.parameters()])  # its clip's norm
+                norm = nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
             lrs = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
             opt.step()
             if i % EMA_STEPS == 0:
@@ -145,7 +193,7 @@ def train_reference(model: nn.Module, epochs: list[list[tuple]], optimizer: str 
                 if reset_in_warmup and epoch < WARMUP_EPOCHS:
                     ema.n_averaged.fill_(0)  # "Reset ema buffer to keep copying weights during warmup period"
             records.append({"losses": losses, "groups": lrs, "model": _copy(model.state_dict()),
-                            "ema": _copy(ema.state_dict())})
+                            "ema": _copy(ema.state_dict()), "grad_norm": norm, "torchvision_norm": torchvision_norm})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             scheduler.step()
@@ -192,11 +240,12 @@ def _copy(state: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- the project's side
-def run_project(tmp_path, monkeypatch, capsys, extra: list[str], unmixed: list | None = None
+def run_project(tmp_path, monkeypatch, capsys, extra: list[str], unmixed: list | None = None, run: list[str] = RUN
                 ) -> tuple[list, list, dict[int, dict]]:
-    """train_classifier.main on one rank: the micro-batches it trained on, in order, each micro-step's
-    loss, and what the checkpoint of every step holds (weights, EMA, parameter groups). ``unmixed``:
-    gets each micro-batch as it reached the mixer (images, targets, epoch, index in the epoch, rank)."""
+    """train_classifier.main on one rank (``run`` + ``extra``): the micro-batches it trained on, in
+    order, each micro-step's loss, and what the checkpoint of every step holds (weights, EMA,
+    parameter groups). ``unmixed``: gets each micro-batch as it reached the mixer (images, targets,
+    epoch, index in the epoch, rank). Asked for vit_b_16, build_network builds :func:`tiny_vit`."""
     inputs, targets_and_losses, checkpoints = [], [], {}
     build = train_classifier.build_network
     criterion_of = train_classifier.training_criterion
@@ -232,11 +281,12 @@ def run_project(tmp_path, monkeypatch, capsys, extra: list[str], unmixed: list |
             return value
         return loss
 
+    monkeypatch.setattr(train_classifier, "build_model", build_tiny)  # the name build_network calls
     monkeypatch.setattr(train_classifier, "build_network", recording_network)
     monkeypatch.setattr(train_classifier, "training_criterion", recording_criterion)
     monkeypatch.setattr(train_classifier, "save_checkpoint", keep_checkpoint)
     monkeypatch.setattr(train_classifier, "batch_mixer", recording_mixer)
-    assert train_classifier.main(RUN + extra + ["--out", str(tmp_path / "run")]) == 0, capsys.readouterr().err
+    assert train_classifier.main(run + extra + ["--out", str(tmp_path / "run")]) == 0, capsys.readouterr().err
     batches = [(x, t) for x, (t, _) in zip(inputs, targets_and_losses)]
     return batches, [loss for _, loss in targets_and_losses], checkpoints
 
@@ -264,26 +314,36 @@ def compare(records: list[dict], losses: list, checkpoints: dict[int, dict], acc
     return worst
 
 
-@pytest.mark.parametrize("optimizer, accum", [("sgd", 1), ("adamw", 2)])
-def test_the_recipe_trains_as_torchvisions_reference_step_for_step(tmp_path, monkeypatch, capsys, optimizer, accum):
-    """3 epochs of a small CNN (BatchNorm, biases: all three parameter groups non-empty) on one
-    rank: label smoothing, no decay on norm layers, its own decay on biases, a 1-epoch linear warm-up
-    from 0.01 then a per-epoch cosine, the EMA every 2 steps. SGD one micro-batch per step (the
-    reference's iteration); AdamW with 2 micro-batches per step (the EMA counts optimizer steps and
-    its decay uses the global batch of 32)."""
-    extra = (["--optimizer", "adamw"] if optimizer == "adamw" else []) + \
-        ["--accum-steps", str(accum)]
-    batches, losses, checkpoints = run_project(tmp_path, monkeypatch, capsys, extra)
+@pytest.mark.parametrize("model, optimizer, accum", [("small_cnn", "sgd", 1), ("small_cnn", "adamw", 2),
+                                                     (VIT, "adamw", 1)])
+def test_the_recipe_trains_as_torchvisions_reference_step_for_step(tmp_path, monkeypatch, capsys, model, optimizer,
+                                                                   accum):
+    """3 epochs on one rank: label smoothing, no decay on norm layers, its own decay on biases, a
+    1-epoch linear warm-up from 0.01 then a per-epoch cosine, the EMA every 2 steps. A small CNN
+    (BatchNorm, biases: all three parameter groups non-empty) with SGD one micro-batch per step (the
+    reference's iteration), and with AdamW and 2 micro-batches per step (the EMA counts optimizer
+    steps and its decay uses the global batch of 32). A transformer (``--model vit_b_16``, built
+    tiny: VIT_RUN) as torchvision's ViT recipe trains it: ``--opt adamw``, a fourth group for the
+    class token (``--transformer-embedding-decay 0``, torchvision's custom keys) and the gradient
+    clipped to norm CLIP before each step (``--clip-grad-norm``; some steps' norms are above it,
+    some below), one micro-batch per step; a reference without the class token's group, or without
+    the clip, fails the comparison."""
+    vit = model == VIT
+    extra = (["--optimizer", "adamw"] if optimizer == "adamw" and not vit else []) + ["--accum-steps", str(accum)]
+    batches, losses, checkpoints = run_project(tmp_path, monkeypatch, capsys, extra, run=VIT_RUN if vit else RUN)
     per_epoch = SAMPLES // BATCH
     assert len(batches) == EPOCHS * per_epoch and len(checkpoints) == EPOCHS * per_epoch // accum
     epochs = [batches[e * per_epoch:(e + 1) * per_epoch] for e in range(EPOCHS)]
     num_classes = checkpoints[1]["facts"]["num_classes"]
+    size, head = (VIT_SIZE, "heads.head.weight") if vit else (8, "fc.weight")
+    assert batches[0][0].shape[-2:] == (size, size)
+    transformer = dict(embedding_decay=0.0, clip=CLIP) if vit else {}
 
     def fresh() -> nn.Module:  # the script's initial network: seeded as build_network seeds it
         torch.manual_seed(0)
-        return build_model("small_cnn", num_classes, 8)
+        return build_tiny(model, num_classes, size)
 
-    records = train_reference(fresh(), epochs, optimizer, accum)
+    records = train_reference(fresh(), epochs, optimizer, accum, **transformer)
     worst = compare(records, losses, checkpoints, accum)
     assert all(value <= TOLERANCE for key, value in worst.items() if key != "lr"), worst
     assert worst["lr"] < 1e-12, worst  # the recursive schedulers' float64 round-off only
@@ -292,15 +352,32 @@ def test_the_recipe_trains_as_torchvisions_reference_step_for_step(tmp_path, mon
     assert lrs[:steps] == [LR * 0.01] * steps and lrs[steps] == LR and lrs[-1] == pytest.approx(LR / 2)
     ema = checkpoints[len(checkpoints)]["model_ema"]
     assert int(ema["n_averaged"]) == 2 * math.ceil(steps / EMA_STEPS)  # counted since the warm-up's last reset
-    assert not torch.equal(ema["module.fc.weight"], checkpoints[len(checkpoints)]["model"]["fc.weight"])
+    assert not torch.equal(ema[f"module.{head}"], checkpoints[len(checkpoints)]["model"][head])
 
     # negative controls: the same comparison fails for a reference that decays the norm layers, and
     # for one that does not reset the EMA during the warm-up
-    wrong = compare(train_reference(fresh(), epochs, optimizer, accum, norm_decay=None), losses, checkpoints, accum)
+    wrong = compare(train_reference(fresh(), epochs, optimizer, accum, norm_decay=None, **transformer), losses,
+                    checkpoints, accum)
     assert wrong["model"] > 100 * TOLERANCE and wrong["decays"], wrong
-    wrong = compare(train_reference(fresh(), epochs, optimizer, accum, reset_in_warmup=False), losses, checkpoints,
-                    accum)
+    wrong = compare(train_reference(fresh(), epochs, optimizer, accum, reset_in_warmup=False, **transformer), losses,
+                    checkpoints, accum)
     assert wrong["model"] <= TOLERANCE < wrong["ema"], wrong
+    if not vit:
+        return
+    # the transformer's groups: torchvision's, the class token in its own (its pos_embedding matches no key)
+    groups = checkpoints[1]["optimizer"]["param_groups"]
+    assert [(g["group"], g["weight_decay"]) for g in groups] == [("other", WEIGHT_DECAY), ("norm", NORM_DECAY),
+                                                                 ("bias", BIAS_DECAY), ("class_token", 0.0)]
+    norms = [record["grad_norm"].item() for record in records]
+    assert 0 < sum(norm > CLIP for norm in norms) < len(norms), norms  # steps clipped and steps left alone
+    assert all(r["grad_norm"].item() == pytest.approx(r["torchvision_norm"].item(), rel=1e-6) for r in records)
+    # ... and fails for a reference without the embedding group (the class token decayed as the
+    # other weights), and for one that does not clip
+    wrong = compare(train_reference(fresh(), epochs, optimizer, accum, clip=CLIP), losses, checkpoints, accum)
+    assert wrong["model"] > 100 * TOLERANCE and wrong["decays"], wrong
+    wrong = compare(train_reference(fresh(), epochs, optimizer, accum, embedding_decay=0.0), losses, checkpoints,
+                    accum)
+    assert wrong["model"] > 100 * TOLERANCE and not wrong["decays"], wrong
 
 
 @pytest.mark.parametrize("mixup, cutmix", [(0.2, 1.0), (0.4, 0.0)])
