@@ -205,7 +205,8 @@ def test_the_maxvit_commands_magnitude_is_accepted_and_said_to_do_nothing(stand_
 EVALUATIONS = [c for c in COMMANDS if "--test-only" in c.argv]
 
 
-@pytest.mark.parametrize("command", EVALUATIONS, ids=[c.name for c in EVALUATIONS])
+@pytest.mark.parametrize("command", [pytest.param(c, marks=() if c.model == "inception_v3" else pytest.mark.slow)
+                                     for c in EVALUATIONS], ids=[c.name for c in EVALUATIONS])
 def test_each_published_evaluation_takes_its_weights_own_view(command, tmp_path):
     """--test-only --weights NAME: the weights' own evaluation view (crop, resize, interpolation),
     as torchvision's script takes it from weights.transforms()."""
