@@ -420,7 +420,16 @@ class ClassifierConfig(TrainConfig):
         if self.weights and (self.pretrained or self.linear_probe):
             flag = "--pretrained" if self.pretrained else "--linear-probe"
             raise UsageError(f"--weights starts the whole network and {flag} its backbone: give one of them")
-        if "_Weights." in self.weights and torchvision_weights(self.weights) is None and not Path(self.weights).exists():
+        weights = torchvision_weights(self.weights) if self.weights else None
+        if weights is not None:
+            import torchvision
+
+            owners = [name for name in torchvision.models.list_models(module=torchvision.models)
+                      if torchvision.models.get_model_weights(name) is type(weights)]
+            if self.arch not in owners:
+                raise UsageError(f"--weights {self.weights} are {' and '.join(owners)}'s, and this run has --model "
+                                 f"{self.arch}: give --model {owners[0]}, or weights of {self.arch}")
+        if "_Weights." in self.weights and weights is None and not Path(self.weights).exists():
             import torchvision
 
             names = [f"{enum.__name__}.{member.name}" for model in torchvision.models.list_models(module=torchvision.models)

@@ -98,6 +98,8 @@ def test_weights_missing_from_the_hub_cache_are_one_line_naming_the_file(tmp_pat
                                                                 "ShuffleNet_V2_X0_5_Weights.IMAGENET1K_V1?"),
     (["--weights", "runs/none_such"], "--weights runs/none_such: no such file or folder"),
     (["--weights", WEIGHTS, "--linear-probe"], "--weights starts the whole network and --linear-probe its backbone"),
+    (["--weights", "ResNet50_Weights.IMAGENET1K_V2"], "--weights ResNet50_Weights.IMAGENET1K_V2 are resnet50's, and "
+                                                      "this run has --model shufflenet_v2_x0_5: give --model resnet50"),
 ])
 def test_weights_mistakes_are_one_line(tmp_path, capsys, args, message):
     folder = tmp_path / "data"
