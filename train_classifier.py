@@ -62,22 +62,25 @@ from ddp_utils.data.recipes import (
     classifier_recipe,
     evaluation_resize,
 )
-from ddp_utils.data.sets import IMAGE_FILES, check_data_dir, num_classes_of
+from ddp_utils.data.sets import IMAGE_FILES, NORMALIZATION, check_data_dir, num_classes_of
 from ddp_utils.data.unreadable import describe_unreadable, fix_hint
 from ddp_utils.models.backbones import (
     CIFAR_STEM_MAX_SIZE,
     FC_BACKBONES,
     SMALL_NETS,
+    TIMM_PREFIX,
     LinearProbe,
     activation_bytes,
     build_model,
     ends_in_fc,
     has_cifar_stem,
+    is_timm,
     min_image_size,
     model_names,
     parameter_count,
+    timm_model_names,
 )
-from ddp_utils.models.weights import evaluation_view, put_weights, torchvision_weights
+from ddp_utils.models.weights import published_weights, put_weights
 from ddp_utils.runtime.collectives import (
     all_ranks_agree,
     all_reduce_sum,
@@ -190,10 +193,11 @@ class ClassifierConfig(TrainConfig):
                           "fresh; --image-size 0 then means the size it was pretrained at",
                           group=PRETRAINED)
     weights: str = opt("", "start from whole weights: torchvision's published ones by name (e.g. "
-                       "ResNet50_Weights.IMAGENET1K_V2, read from torch's hub cache, $TORCH_HOME/hub/checkpoints; "
-                       "never downloaded by a run) or a checkpoint of this script (a file, or a run folder: its "
-                       "newest); without --test-only they are fine-tuned, tensors of another shape (a classifier "
-                       "for other classes) starting fresh", group=PRETRAINED)
+                       "ResNet50_Weights.IMAGENET1K_V2, read from torch's hub cache, $TORCH_HOME/hub/checkpoints), "
+                       "timm's (timm/ARCH.TAG, from the Hugging Face cache, $HF_HOME/hub; never downloaded by a run) "
+                       "or a checkpoint of this script (a file, or a run folder: its newest); without --test-only "
+                       "they are fine-tuned, tensors of another shape (a classifier for other classes) starting fresh",
+                       group=PRETRAINED)
     test_only: bool = opt(False, "evaluate --weights on the validation split and exit (torchvision's --test-only): "
                           "acc@1 and acc@5, nothing written; torchvision's weights with their own evaluation view "
                           "(resize, crop, interpolation)", group=PRETRAINED, on_resume="invocation", from_file=False)
@@ -288,8 +292,6 @@ class ClassifierConfig(TrainConfig):
                              choices=INTERPOLATIONS, group=AUGMENTATION, applies_to=image_files_only())
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
-        from ddp_utils.models.backbones import TIMM_PREFIX, is_timm, timm_model_names
-
         if is_timm(self.arch):  # timm imported for such a name only; not installed: the requirement's line
             name, names = self.arch[len(TIMM_PREFIX):], timm_model_names(self.arch)
             if name not in names:
@@ -407,8 +409,8 @@ class ClassifierConfig(TrainConfig):
 
     def required_paths(self) -> dict[str, str]:
         paths = {"--pretrained": self.pretrained} if self.pretrained else {}
-        if self.weights and torchvision_weights(self.weights) is None:
-            paths["--weights"] = self.weights  # a checkpoint; torchvision's are looked up in the hub cache
+        if self.weights and published_weights(self.weights) is None:
+            paths["--weights"] = self.weights  # a checkpoint; published ones are looked up in their cache
         return paths
 
     def check_weights_flags(self) -> None:
@@ -420,15 +422,18 @@ class ClassifierConfig(TrainConfig):
         if self.weights and (self.pretrained or self.linear_probe):
             flag = "--pretrained" if self.pretrained else "--linear-probe"
             raise UsageError(f"--weights starts the whole network and {flag} its backbone: give one of them")
-        weights = torchvision_weights(self.weights) if self.weights else None
-        if weights is not None:
-            import torchvision
-
-            owners = [name for name in torchvision.models.list_models(module=torchvision.models)
-                      if torchvision.models.get_model_weights(name) is type(weights)]
-            if self.arch not in owners:
-                raise UsageError(f"--weights {self.weights} are {' and '.join(owners)}'s, and this run has --model "
-                                 f"{self.arch}: give --model {owners[0]}, or weights of {self.arch}")
+        weights = published_weights(self.weights) if self.weights else None
+        if weights is not None and self.arch not in weights.models:
+            raise UsageError(f"--weights {self.weights} are {' and '.join(weights.models)}'s, and this run has --model "
+                             f"{self.arch}: give --model {weights.models[0]}, or weights of {self.arch}")
+        if weights is not None and self.test_only and weights.normalization != NORMALIZATION.get(self.dataset):
+            raise UsageError(f"--weights {self.weights} were trained on images normalised with mean "
+                             f"{weights.normalization[0]} and std {weights.normalization[1]}; this script evaluates "
+                             f"--dataset {self.dataset} with its own (ImageNet's for image files): evaluate weights "
+                             f"trained with those")
+        if self.weights.startswith(TIMM_PREFIX) and weights is None:
+            raise UsageError(f"--weights {self.weights}: not timm's published weights (timm/ARCH.TAG, one of "
+                             f"timm.list_models(pretrained=True))")
         if "_Weights." in self.weights and weights is None and not Path(self.weights).exists():
             import torchvision
 
@@ -441,13 +446,14 @@ class ClassifierConfig(TrainConfig):
 
 def with_trained_sizes(cfg: ClassifierConfig) -> ClassifierConfig:
     """``--image-size 0`` with --pretrained: the size the backbone was pretrained at (read from
-    its checkpoint; a missing file is the pre-flight's to report). --test-only on torchvision's
-    weights: their own evaluation view (crop, resize, interpolation), as its script takes it."""
+    its checkpoint; a missing file is the pre-flight's to report). --test-only on published
+    weights: their own evaluation view (crop, resize, interpolation), as torchvision's and timm's
+    scripts take it."""
     if cfg.pretrained and not cfg.image_size and Path(cfg.pretrained).exists():
         return dataclasses.replace(cfg, image_size=pretrained_image_size(pretrained_file(cfg.pretrained)) or 0)
-    weights = torchvision_weights(cfg.weights) if cfg.test_only else None
+    weights = published_weights(cfg.weights) if cfg.test_only else None
     if weights is not None:
-        crop, resize, interpolation = evaluation_view(weights)
+        crop, resize, interpolation = weights.view
         return dataclasses.replace(cfg, image_size=crop, val_resize_size=resize, interpolation=interpolation,
                                    train_crop_size=crop if cfg.dataset in IMAGE_FILES else 0)
     return cfg

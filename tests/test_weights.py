@@ -13,7 +13,7 @@ import torchvision
 from helpers import in_process, load_ckpt, write_image_folder
 
 import train_classifier
-from ddp_utils.models.weights import cached_file
+from ddp_utils.models.weights import published_weights
 
 WEIGHTS = "ShuffleNet_V2_X0_5_Weights.IMAGENET1K_V1"  # the smallest of torchvision's files that is an ImageNet model
 MODEL = "shufflenet_v2_x0_5"
@@ -26,7 +26,7 @@ def hub(tmp_path, monkeypatch) -> dict[str, torch.Tensor]:
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
     torch.manual_seed(5)
     state = torchvision.models.get_model(MODEL, num_classes=1000).state_dict()
-    path = cached_file(torchvision.models.get_weight(WEIGHTS))
+    path = published_weights(WEIGHTS).file
     path.parent.mkdir(parents=True)
     torch.save(state, path)
     return state
@@ -168,3 +168,76 @@ def test_inception_takes_its_published_weights_without_the_auxiliary_head():
     assert put_weights(model, published, "Inception_V3_Weights.IMAGENET1K_V1", exact=True, published=True) == []
     assert model.transform_input
     assert all(torch.equal(v, published[k]) for k, v in model.state_dict().items())
+
+
+TIMM_WEIGHTS, TIMM_MODEL = "timm/mobilenetv3_small_050.lamb_in1k", "timm/mobilenetv3_small_050"
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch) -> dict[str, torch.Tensor]:
+    """A Hugging Face hub cache in tmp_path holding TIMM_WEIGHTS (seeded weights of the right model,
+    as safetensors in the cache's layout: refs/main naming the snapshot), HF_HOME pointing at it
+    for a subprocess and the cache's constant for this one."""
+    import timm
+    from huggingface_hub import constants
+    from safetensors.torch import save_file
+
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    torch.manual_seed(6)
+    state = {k: v.contiguous() for k, v in timm.create_model(TIMM_MODEL[5:], num_classes=1000).state_dict().items()}
+    repo = home / "hub" / "models--timm--mobilenetv3_small_050.lamb_in1k"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    (repo / "snapshots" / "0123abcd").mkdir(parents=True)
+    save_file(state, repo / "snapshots" / "0123abcd" / "model.safetensors")
+    return state
+
+
+@pytest.mark.slow
+def test_test_only_evaluates_timms_weights_from_the_hugging_face_cache(hf_cache, thousand_classes, tmp_path, capsys):
+    """timm's weights by their hub name, with timm's view of them (224 px crop of a 256 px resize,
+    bicubic: crop_pct 0.875), scored as the same model scores the same images apart from the script."""
+    import timm
+    from torchvision.transforms import v2
+
+    proc = in_process(train_classifier.main, ["--data-path", str(thousand_classes), "--model", TIMM_MODEL,
+                                              "--test-only", "--weights", TIMM_WEIGHTS, "--device", "cpu"], capsys)
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stderr + proc.stdout
+    assert "evaluation view: resize 256 px, centre crop 224 px, bicubic" in said
+    acc1, acc5, count = TEST_LINE.search(said).groups()
+    model = timm.create_model(TIMM_MODEL[5:], num_classes=1000).eval()
+    model.load_state_dict(hf_cache)
+    view = v2.Compose([v2.Resize(256, v2.InterpolationMode.BICUBIC, antialias=True), v2.CenterCrop(224),
+                       v2.ToDtype(torch.float32, scale=True), v2.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    top1 = top5 = 0
+    folders = sorted((thousand_classes / "val").iterdir())
+    with torch.no_grad():
+        for label, folder in enumerate(folders):
+            image = torchvision.io.decode_image(str(folder / "0.png"), mode=torchvision.io.ImageReadMode.RGB)
+            ranked = model(view(image)[None]).topk(5).indices[0].tolist()
+            top1, top5 = top1 + (ranked[0] == label), top5 + (label in ranked)
+    assert (float(acc1), float(acc5), int(count)) == (round(100 * top1 / 1000, 3), round(100 * top5 / 1000, 3), 1000)
+
+
+def test_timms_weights_missing_or_mistaken_are_one_line(tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty" / "hub"))
+    folder = tmp_path / "data"
+    write_image_folder(folder, per_class=2)
+    for weights, message in (
+            (TIMM_WEIGHTS, "model.safetensors is not in the Hugging Face hub cache ("),
+            ("timm/mobilenetv3_small_050.nonesuch", "not timm's published weights (timm/ARCH.TAG"),
+            ("timm/test_vit.r160_in1k", "are timm/test_vit's, and this run has --model timm/mobilenetv3_small_050"),
+    ):
+        proc = in_process(train_classifier.main, ["--data-path", str(folder), "--model", TIMM_MODEL, "--test-only",
+                                                  "--weights", weights, "--device", "cpu", "-b", "2", "--check"],
+                          capsys)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+    proc = in_process(train_classifier.main, ["--data-path", str(folder), "--model", "timm/test_vit", "--test-only",
+                                              "--weights", "timm/test_vit.r160_in1k", "-b", "2", "--check"], capsys)
+    assert proc.returncode == 2 and "were trained on images normalised with mean (0.5, 0.5, 0.5)" in proc.stderr

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..config import UsageError
 from ..data.sets import NATIVE_SIZE
-from ..models.weights import read_published, torchvision_weights
+from ..models.weights import published_weights
 from .checkpoint import (
     UnreadableCheckpoint,
     load_data,
@@ -98,11 +98,12 @@ def tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
 
 
 def read_weights(name: str, arch: str) -> tuple[dict[str, torch.Tensor], bool]:
-    """``--weights NAME``'s tensors and whether they are torchvision's published ones (else a
-    checkpoint of this project: a file, or a run folder's newest; its --arch must be ``arch``)."""
-    weights = torchvision_weights(name)
+    """``--weights NAME``'s tensors and whether they are published ones, torchvision's or timm's
+    (else a checkpoint of this project: a file, or a run folder's newest; its --arch must be
+    ``arch``)."""
+    weights = published_weights(name)
     if weights is not None:
-        return read_published(name, weights), True
+        return weights.read(), True
     path = newest_checkpoint_in(name, "--weights") if Path(name).is_dir() else Path(name)
     try:
         source = read_checkpoint(path)
