@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from helpers import in_process, load_ckpt, write_image_folder
+from helpers import assert_ok, in_process, load_ckpt, run_ranks, write_image_folder
 
 import train_classifier
 from ddp_utils.models.weights import published_weights
@@ -119,20 +119,48 @@ def test_evaluating_published_weights_on_other_classes_is_one_line(hub, tmp_path
     assert "fc.weight is (1000, 1024) there and (3, 1024) here: weights for other classes than this data's" in lines[0]
 
 
-def test_test_only_on_a_checkpoint_scores_what_its_run_scored(tmp_path, capsys):
+DIGITS = ["--dataset", "digits", "--device", "cpu", "--arch", "lenet", "--image-size", "16", "--batch-size", "32"]
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory) -> tuple[Path, tuple[str, str]]:
+    """A LeNet run of one epoch on the digits: its folder and its last (acc1, acc5), as logged."""
+    import contextlib
+    import io
+    import logging
+
+    run = tmp_path_factory.mktemp("digits") / "run"
+    said = io.StringIO()
+    handler = logging.StreamHandler(said)
+    logging.getLogger("train").addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(said):
+            assert train_classifier.main([*DIGITS, "--epochs", "1", "--out", str(run)]) == 0
+    finally:
+        logging.getLogger("train").removeHandler(handler)
+    return run, re.search(r"final val acc1 ([\d.]+)%, acc5 ([\d.]+)%", said.getvalue()).groups()
+
+
+def test_test_only_on_a_checkpoint_scores_what_its_run_scored(digits_run, capsys):
     """A run's own checkpoint, evaluated again: its last validation accuracy, on the same images."""
-    run = tmp_path / "run"
-    common = ["--dataset", "digits", "--device", "cpu", "--arch", "lenet", "--image-size", "16", "--batch-size", "32"]
-    trained = in_process(train_classifier.main, [*common, "--epochs", "1", "--out", str(run)], capsys)
-    assert trained.returncode == 0, trained.stderr
-    final = re.search(r"final val acc1 ([\d.]+)%, acc5 ([\d.]+)%", trained.stderr + trained.stdout).groups()
-    proc = in_process(train_classifier.main, [*common, "--test-only", "--weights", str(run)], capsys)
+    run, final = digits_run
+    proc = in_process(train_classifier.main, [*DIGITS, "--test-only", "--weights", str(run)], capsys)
     assert proc.returncode == 0, proc.stderr
     acc1, acc5, _ = TEST_LINE.search(proc.stderr + proc.stdout).groups()
     assert (f"{float(acc1):.2f}", f"{float(acc5):.2f}") == final
-    moco = in_process(train_classifier.main, [*common, "--test-only", "--weights", str(run), "--arch", "small_cnn"],
-                      capsys)
-    assert moco.returncode == 2 and "a lenet checkpoint, but this run has --model small_cnn" in moco.stderr
+    other = in_process(train_classifier.main, [*DIGITS, "--test-only", "--weights", str(run), "--arch", "small_cnn"],
+                       capsys)
+    assert other.returncode == 2 and "a lenet checkpoint, but this run has --model small_cnn" in other.stderr
+
+
+@pytest.mark.slow
+def test_test_only_on_two_ranks_scores_as_one_process(digits_run, tmp_path):
+    """torchrun's way: each rank scores its share of the validation split, the sums agreed."""
+    run, final = digits_run
+    proc = run_ranks("train_classifier.py", [*DIGITS, "--test-only", "--weights", str(run)], tmp_path)
+    assert_ok(proc)
+    acc1, acc5, count = TEST_LINE.search(proc.stdout + proc.stderr).groups()
+    assert (f"{float(acc1):.2f}", f"{float(acc5):.2f}", count) == (*final, "359")
 
 
 def test_fine_tuning_published_weights_keeps_all_but_the_classifier(hub, tmp_path, capsys):
