@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ddp_utils.models.backbones import build_model, feature_dim  # noqa: E402
+from ddp_utils.models.backbones import build_model, without_head  # noqa: E402
 from ddp_utils.models.moco import Encoder, MoCo, contrastive_loss  # noqa: E402
 from ddp_utils.runtime.collectives import all_gather_object  # noqa: E402
 from ddp_utils.runtime.dist import cleanup_distributed, init_distributed  # noqa: E402
@@ -49,8 +48,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     info = init_distributed("cpu")
     torch.manual_seed(0)
     backbone = build_model(args.arch, 10, args.image_size)
-    width = feature_dim(backbone)
-    backbone.fc = nn.Identity()
+    _, width = without_head(backbone, 10)
     moco = MoCo(Encoder(backbone, width, 128, mlp=True), dim=128, K=args.moco_k, T=0.2)
     query = DDP(moco.encoder_q)
     optimizer = torch.optim.SGD(moco.encoder_q.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-4)

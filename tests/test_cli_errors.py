@@ -156,6 +156,8 @@ CASES = [
                                                                  "micro-batch with each other: give --batch-size 2"),
     ("classifier", ["--model-ema", "--model-ema-steps", "0"], "--model-ema-steps must be positive, got 0"),
     ("classifier", ["--model-ema", "--model-ema-decay", "1"], "--model-ema-decay must be in (0, 1), got 1.0"),
+    ("classifier", ["--lr-schedule", "cosineannealinglr", "--lr-min", "0.1"], "--lr-min 0.1 is the LR the cosine decays "
+                                                                              "to: give it below --lr 0.1"),
     ("classifier", ["--lr-warmup-epochs", "5"], "--lr-warmup-epochs applies to --lr-schedule cosineannealinglr, "
                                                 "constant, steplr, exponentiallr (torchvision's warm-up per epoch), "
                                                 "not cosine"),

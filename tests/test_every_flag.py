@@ -66,7 +66,7 @@ SHARED = {
                         ["--lr-schedule", "cosineannealinglr", "--lr-warmup-epochs", "1"]),
     "lr_step_size": (["--lr-step-size", "1"], "weights", SHORT_EPOCHS + ["--lr-schedule", "steplr"]),
     "lr_gamma": (["--lr-gamma", "0.5"], "weights", SHORT_EPOCHS + ["--lr-schedule", "exponentiallr"]),
-    "lr_min": (["--lr-min", "0.05"], "weights", SHORT_EPOCHS + ["--lr-schedule", "cosineannealinglr"]),
+    "lr_min": (["--lr-min", "0.01"], "weights", SHORT_EPOCHS + ["--lr-schedule", "cosineannealinglr"]),
     "lr_ranks": (["--lr-ranks", "8"], "log"),  # the start-up line on the LR's published global batch
     "clip_grad": (["--clip-grad", "0.01"], "weights"),
     "amp": (["--amp", "bf16"], "weights"),

@@ -299,6 +299,8 @@ class TrainConfig:
             raise UsageError(f"--lr-milestones {self.lr_milestones} applies to --lr-schedule step only, not "
                              f"{self.lr_schedule}; drop it (a preset's: --lr-milestones '')")
         check_applies(self)  # each flag where it does something (opt(applies_to=...))
+        if self.lr_min >= self.lr:
+            raise UsageError(f"--lr-min {self.lr_min:g} is the LR the cosine decays to: give it below --lr {self.lr:g}")
         self.check_warmup_flags()
         if self.order == "shards" and self.dataset != "shards":
             raise UsageError(f"--order shards reads whole shards; --dataset {self.dataset} has none (drop --order, "
