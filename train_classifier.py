@@ -30,10 +30,12 @@ Without --linear-probe the whole pretrained network is fine-tuned.
 --batch-size is per rank and per micro-step: the global batch of one optimizer step is
 world_size x --accum-steps x --batch-size, logged at start. --lr is not rescaled for you.
 
-torchvision's recipe (references/classification/train.py), flag for flag: --label-smoothing, --optimizer,
---nesterov, --norm-weight-decay, --bias-weight-decay, --lr-schedule cosineannealinglr with --lr-warmup-epochs,
---lr-warmup-method and --lr-warmup-decay, --model-ema, --model-ema-steps, --model-ema-decay, --mixup-alpha,
---cutmix-alpha (docs/recipe.md).
+torchvision's published commands (references/classification/README.md) run as typed, train.py replaced
+by this script and --data-path added, which brings train.py's defaults (recipes/torchvision-commands.md):
+    torchrun --nproc_per_node=8 train_classifier.py --data-path /data/imagenet --model mobilenet_v2 \
+        --epochs 300 --lr 0.045 --wd 0.00004 --lr-step-size 1 --lr-gamma 0.98
+--model takes any torchvision classification model (timm's as timm/NAME); --weights starts from published
+weights (from the hub caches, never downloaded) or a checkpoint, and --test-only evaluates them (docs/recipe.md).
 """
 from __future__ import annotations
 
