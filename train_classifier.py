@@ -55,7 +55,7 @@ from ddp_utils.config import AppliesTo, UsageError, also_spelled, flag_defaults,
 from ddp_utils.data.host_memory import size_text
 from ddp_utils.data.mixing import BatchMixer
 from ddp_utils.data.object_store import is_object_store
-from ddp_utils.data.pipeline import DataPlan, build_data
+from ddp_utils.data.pipeline import DataPlan, Loaders, build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import (
     AUTO_AUGMENTS,
@@ -615,16 +615,23 @@ def check_classifier(cfg: ClassifierConfig, train: Dataset, lines: list[str]) ->
                                           *(f"warning: {remark}" for remark in run_remarks(cfg, trained_size))]
 
 
+def build_loaders(cfg: ClassifierConfig, session: RunSession, resolved: ResolvedSettings, listings: tuple | None,
+                  fresh: bool) -> Loaders:
+    """This rank's batches for the run (torchvision's training view, the evaluation view), closed
+    with the session; ``fresh``: a run that starts from step 0 (its first shards fetched at once)."""
+    info = session.info
+    recipe = classifier_recipe(cfg.dataset, resolved.image_size, cfg.augment, cfg.normalization,
+                               **cfg.augmentation_policy())
+    return session.close_loaders_at_exit(build_data(cfg.data_plan(resolved, recipe, listings=listings),
+                                                    rank=info.rank, world_size=info.world_size, device=info.device,
+                                                    ranks_on_node=info.local_world_size, node=info.node, fresh=fresh))
+
+
 def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
     info = session.info
     resume, resolved, listings = preflight(cfg, session)  # every rank checked; "auto" resolved; files listed once
     with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
-        recipe = classifier_recipe(cfg.dataset, resolved.image_size, cfg.augment, cfg.normalization,
-                                   **cfg.augmentation_policy())
-        loaders = session.close_loaders_at_exit(build_data(cfg.data_plan(resolved, recipe, listings=listings),
-                                                           rank=info.rank, world_size=info.world_size,
-                                                           device=info.device, ranks_on_node=info.local_world_size,
-                                                           node=info.node, fresh=resume is None))
+        loaders = build_loaders(cfg, session, resolved, listings, fresh=resume is None)
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         model = build_network(cfg, info, loaders.num_classes)
         ema = build_ema(cfg, model, info) if cfg.model_ema else None
@@ -801,12 +808,7 @@ def evaluate_weights(cfg: ClassifierConfig, session: RunSession) -> dict[str, fl
     listings, _ = list_image_files_once(cfg, info)
     resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
     with all_ranks_agree():
-        recipe = classifier_recipe(cfg.dataset, resolved.image_size, cfg.augment, cfg.normalization,
-                                   **cfg.augmentation_policy())
-        loaders = session.close_loaders_at_exit(build_data(cfg.data_plan(resolved, recipe, listings=listings),
-                                                           rank=info.rank, world_size=info.world_size,
-                                                           device=info.device, ranks_on_node=info.local_world_size,
-                                                           node=info.node))
+        loaders = build_loaders(cfg, session, resolved, listings, fresh=False)
         model = build_network(cfg, info, loaders.num_classes)
     release_held_logs(show=True)
     metrics = evaluate(model, loaders.val, info, cfg.amp)
