@@ -89,7 +89,7 @@ from ddp_utils.runtime.collectives import (
     check_replicas_identical,
     sync_buffers_from_rank0,
 )
-from ddp_utils.runtime.device import device_type, to_device
+from ddp_utils.runtime.device import to_device
 from ddp_utils.runtime.dist import DistInfo, unwrap
 from ddp_utils.runtime.launch import LaunchEnv
 from ddp_utils.runtime.logs import release_held_logs
@@ -119,6 +119,7 @@ from ddp_utils.train.train_config import (
     RUN_FOLDER,
     ResolvedSettings,
     TrainConfig,
+    check_sync_bn,
     needs_flag,
     parse_args,
 )
@@ -309,9 +310,8 @@ class ClassifierConfig(TrainConfig):
         super().validate(launch, cuda_devices)
         if self.train_crop_size:
             self.check_input_sizes({self.train_crop_size: "--train-crop-size"})
-        if self.sync_bn and launch.world_size > 1 and device_type(self.device, cuda_devices) != "cuda":
-            raise UsageError(f"--sync-bn needs CUDA: SyncBatchNorm has no CPU kernel, and these {launch.world_size} "
-                             f"ranks train on CPUs; drop --sync-bn (each rank then normalises its own batch)")
+        if self.sync_bn:
+            check_sync_bn(launch, self.device, cuda_devices)
         self.check_weights_flags()
         if (self.linear_probe or self.pretrained) and not ends_in_fc(self.arch):
             flag = "--linear-probe" if self.linear_probe else "--pretrained"

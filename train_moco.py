@@ -80,7 +80,7 @@ from ddp_utils.train.run_folder import open_run_folder
 from ddp_utils.train.run_state import is_complete
 from ddp_utils.train.session import RunSession, place_model, wrap_network
 from ddp_utils.train.step_policy import ends_the_run, skip_or_stop_nonfinite, stop_for_signal
-from ddp_utils.train.train_config import MODEL, OUT_HELP, RUN_FOLDER, TrainConfig, parse_args
+from ddp_utils.train.train_config import MODEL, OUT_HELP, RUN_FOLDER, TrainConfig, check_sync_bn, parse_args
 from ddp_utils.train.unreadable_files import stop_if_files_unreadable
 
 log = logging.getLogger("train")
@@ -185,9 +185,8 @@ class MocoConfig(TrainConfig):
             raise UsageError(f"--moco-k {self.moco_k} is smaller than the global batch (world size "
                              f"{launch.world_size} x accum steps {self.accum_steps} x batch "
                              f"{self.batch_size} = {global_batch}); raise --moco-k or lower the batch")
-        if self.sync_bn and launch.world_size > 1 and (self.device == "cpu" or not cuda_devices):
-            raise UsageError("--sync-bn needs CUDA when running several processes (SyncBatchNorm is "
-                             "GPU-only there); drop --sync-bn on CPU")
+        if self.sync_bn:
+            check_sync_bn(launch, self.device, cuda_devices)
         if self.uses_split_bn(launch.world_size) and self.batch_size % self.bn_splits:
             raise UsageError(f"--batch-size {self.batch_size} must be a multiple of --bn-splits "
                              f"{self.bn_splits} (split BN on one process); or pass --bn-splits 1")

@@ -73,6 +73,13 @@ def schedules(*kinds: str) -> AppliesTo:
                      lambda flag, cfg: f"{flag} applies to {where}, not {cfg.lr_schedule}; drop it")
 
 
+def check_sync_bn(launch: LaunchEnv, device: str, cuda_devices: int) -> None:
+    """--sync-bn (both scripts') on several ranks needs CUDA: SyncBatchNorm has no CPU kernel."""
+    if launch.world_size > 1 and device_type(device, cuda_devices) != "cuda":
+        raise UsageError(f"--sync-bn needs CUDA: SyncBatchNorm has no CPU kernel, and these {launch.world_size} "
+                         f"ranks train on CPUs; drop --sync-bn (each rank then normalises its own batch)")
+
+
 IN_AN_OBJECT_STORE = data_flag("shards in an object store (s3://)", lambda cfg: is_object_store(cfg.data_dir))
 
 # --help's sections, each named once; a field names its own (opt(group=...))
