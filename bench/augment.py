@@ -24,7 +24,7 @@ call per purpose and view (5 purposes x 2 views).
 A fourth is the ImageNet path's device side: both MoCo v2 views at 224 px of packed batches of
 an ImageNet-like folder (``bench/imagenet_like.py``), as ``DeviceAugment.packed`` makes them
 with the CPU as the device (the code a GPU runs, eager), against the same at commit 8719b0f
-and at 6a4b01f (a resize per image and view; read from git: ``bench/at_commit.py``): CPU time
+and at 28751f1 (a resize per image and view; read from git: ``bench/at_commit.py``): CPU time
 per image on one thread, and the bytes its ops write per image (a dispatch-mode counter summing
 each op's outputs, in-place ones included): on a GPU these passes are memory-bound, so bytes
 written is what they cost there.
@@ -116,7 +116,7 @@ class BytesWritten(TorchDispatchMode):
 
 
 def packed_views(images: int = 64, batch: int = 32, repeats: int = 3) -> dict[str, tuple[float, float]]:
-    """{"8719b0f" | "6a4b01f" | "now": (CPU ms per image, MB written per image)} for both MoCo v2 views of
+    """{"8719b0f" | "28751f1" | "now": (CPU ms per image, MB written per image)} for both MoCo v2 views of
     packed batches of an ImageNet-like folder (see the module docstring)."""
     import tempfile
 
@@ -142,10 +142,10 @@ def packed_views(images: int = 64, batch: int = 32, repeats: int = 3) -> dict[st
         return [old_augment.apply_packed(x, places, u[:, v * ba.VIEW_COLUMNS:(v + 1) * ba.VIEW_COLUMNS])
                 for v in range(2)]
 
-    previous = module_at("6a4b01f", "ddp_utils/data/batch_augment.py")  # exact per-image resizes, subsets
-    at_6a4b01f = previous.DeviceAugment(previous.BatchAugment(recipe, 224), seed=0, views=2)
+    previous = module_at("28751f1", "ddp_utils/data/batch_augment.py")  # exact per-image resizes, subsets
+    at_28751f1 = previous.DeviceAugment(previous.BatchAugment(recipe, 224), seed=0, views=2)
     runs = {"8719b0f": lambda: [at_8719b0f(atlas, places, index) for (atlas, places), index in batches],
-            "6a4b01f": lambda: [at_6a4b01f.packed(atlas, places, 0, index) for (atlas, places), index in batches],
+            "28751f1": lambda: [at_28751f1.packed(atlas, places, 0, index) for (atlas, places), index in batches],
             "now": lambda: [now.packed(atlas, places, 0, index) for (atlas, places), index in batches]}
     seconds = _best_seconds(list(runs.values()), repeats)
     written = []

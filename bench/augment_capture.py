@@ -19,6 +19,13 @@ the device:
   pageable copy, a nonzero) makes the capture itself fail. Also printed: the host's time to
   issue one batch's augmentation eagerly and as one replay (what the GPU step saves).
 
+The probe's scope (:data:`SCOPE`, printed with its result): a graph replays the shapes it was
+captured with, here one atlas shape and one batch size. A training run's batches change both
+(the atlas's tiles with the images' sizes, a smaller last batch), and the training loop runs the
+augmentation eagerly: capture there would need a fixed-capacity atlas and a fixed batch, which
+this project does not build. The probe shows that the kernels themselves can be captured (no
+host read, no shape drawn), not that a run replays them.
+
 Exit code 0 when every check passes, 1 when one fails (one line each says which and by how much),
 2 when the device asked for is not there.
 """
@@ -39,6 +46,8 @@ from ddp_utils.data import batch_augment as ba  # noqa: E402
 from ddp_utils.data.files_on_device import pack  # noqa: E402
 from ddp_utils.data.recipes import moco_recipe  # noqa: E402
 
+SCOPE = ("scope: one atlas shape and batch size, captured and replayed here; training runs the augmentation "
+         "eagerly (its atlases and last batch change shape)")
 ROUND_OFF = 1e-5  # compiled against eager views: a few float32 steps of normalised values (std ~0.22)
 SIZES = [(375, 500), (500, 375), (333, 500), (500, 333), (400, 400), (480, 640)]
 
@@ -156,6 +165,7 @@ def main() -> int:
         ok = check_cuda_graph(views, batch, device, args.repeats) and ok
     else:
         print("(CUDA graph capture: needs a GPU, not run)")
+    print(SCOPE)
     return 0 if ok else 1
 
 

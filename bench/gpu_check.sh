@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One prepared check of the GPU path on one GPU, within GPU_CHECK_BUDGET seconds (default 500,
-# about 8 minutes; 900 for --cpu-smoke); installs nothing.
+# One prepared check of the GPU path on one GPU, within GPU_CHECK_BUDGET seconds (default 560,
+# about 9 minutes; 900 for --cpu-smoke); installs nothing.
 #
 #   bash bench/gpu_check.sh                 # from anywhere; python3 as found
 #   PYTHON=/path/to/python bash bench/gpu_check.sh
@@ -13,21 +13,24 @@
 # 0. pre-flight (bench/gpu_preflight.py): torch, torchvision (with its compiled ops), tensorboard
 #    and numpy import, and torch can use the GPU; it also names /dev/shm's free room. Otherwise one
 #    line says what is missing and the script exits 2 at once (on a machine without a GPU too).
-# 1-6. decisive: an ImageNet-like folder of JPEGs (bench/imagenet_like.py, 2,560 + 80 images);
+# 1-7. decisive: an ImageNet-like folder of JPEGs (bench/imagenet_like.py, 2,560 + 80 images);
 #    on it, bench/device_finish.py: nvJPEG against the CPU decoder on the same files (max and mean
 #    absolute difference); the race probe (decode while a ResNet-50 backward is queued, 50 times:
 #    decoded images against an idle GPU's and the CPU's, queued reads of freed memory against their
 #    known values) and its control (20 times, the decoder without a stream of its own: above 0
 #    shows the probe provokes the race); a sample's MoCo v2 views in a batch of 128 against alone
-#    (max |diff|, at most 1e-5 promised); then bench/augment_capture.py: the packed augmentation
-#    captured (torch.compile fullgraph, a CUDA graph) against eager, exit 1 when they differ.
-# 7-9. the loader: the workers and JPEG batch fitted to /dev/shm (gpu_preflight.py --shm: the most
+#    at its place and in an atlas of its own (max |diff|, at most 1e-5 and 1e-3 promised);
+#    bench/gpu_hazards.py: what a CPU cannot show of the CUDA branches, a row each named for the
+#    item of docs/performance.md's first-GPU-run list it shows ("hazard 1" ... "hazard 9"); then
+#    bench/augment_capture.py: the packed augmentation captured (torch.compile fullgraph, a CUDA
+#    graph of one atlas shape and batch size) against eager, exit 1 when they differ.
+# 8-10. the loader: the workers and JPEG batch fitted to /dev/shm (gpu_preflight.py --shm: the most
 #    workers whose batches host_memory.py's own check lets through, so that no part is refused; the
 #    bound is in its fit_shared_memory), then device_finish.py's loader alone (no model) in img/s at
 #    8 and all usable workers, both decode modes, with the host's share inside the decoder, and the
 #    per-batch device time of each device_finish/* profiler range (copy, decode, crop, colour,
 #    blur, normalize) with the peak memory.
-# 10-18. throughput: a CIFAR-10-size folder of noise images (50,000 + 10,000 at 32 px, so that
+# 11-19. throughput: a CIFAR-10-size folder of noise images (50,000 + 10,000 at 32 px, so that
 #    colour jitter and grayscale run as on the real data); bench/throughput.py in bf16: ResNet-18
 #    32 px classifier and MoCo with the CIFAR-10 demo's settings at batch 512 on synthetic data
 #    (noise: its MoCo augmentation is crops and flips only), ResNet-50 224 px MoCo v2 at batch 256
@@ -41,7 +44,7 @@
 #    noise folder: epoch 2's time from the log's "epoch 2 trained in X s" line (training only), one
 #    kNN pass (bank 50,000, 10,000 queries), and the CUDA syncs per optimizer step after 10 warm-up
 #    steps (torch.cuda.set_sync_debug_mode("warn"), bench/cuda_syncs.py).
-# 19-20. smoke runs of the paths the figures above leave out: the classifier with --compile, fp16,
+# 20-21. smoke runs of the paths the figures above leave out: the classifier with --compile, fp16,
 #    --clip-grad and --accum-steps 2 through one evaluate(); MoCo with --aug-on loader --workers 4
 #    (pinned memory; fewer if /dev/shm is small) through one kNN pass, with its CUDA syncs per step.
 #
@@ -50,12 +53,12 @@
 # time between timeout's TERM and KILL), and 5 s are kept for the script itself. Before running,
 # the script prints the plan: each part's limit, the parts planned and their total against the
 # budget. The pre-flight and the decisive parts are always planned; a budget smaller than they
-# need (325 s on a GPU) is refused at once, one line, exit 2. The others are planned in order while
+# need (390 s on a GPU) is refused at once, one line, exit 2. The others are planned in order while
 # their limits fit; the first that does not fit and those after it run only if, when their turn
 # comes, the time left still covers their whole limit (the decisive parts rarely use all of
-# theirs), else they get a "not run" row. At 500 s the plan holds the pre-flight, the decisive
-# parts, the /dev/shm fit, the loader and the breakdown (480 s); the throughput rows and the
-# smoke runs run on the time those leave; GPU_CHECK_BUDGET=1205 plans every part.
+# theirs), else they get a "not run" row. At 560 s the plan holds the pre-flight, the decisive
+# parts, the /dev/shm fit, the loader and the breakdown (545 s); the throughput rows and the
+# smoke runs run on the time those leave; GPU_CHECK_BUDGET=1270 plans every part.
 #
 # The output. Every line goes to the console and to a log: $OUT/gpu_check.log when OUT is set,
 # else runs/gpu_check/<UTC time>.log in the repository (a mktemp file if that cannot be written),
@@ -90,7 +93,7 @@ for arg in "$@"; do
         ;;
     esac
 done
-BUDGET=${GPU_CHECK_BUDGET:-500}
+BUDGET=${GPU_CHECK_BUDGET:-560}
 [ -n "$SMOKE" ] && BUDGET=${GPU_CHECK_BUDGET:-900}  # the CPU's limits are longer than a GPU's
 if ! [[ "$BUDGET" =~ ^[0-9]+$ ]]; then
     echo "gpu_check: GPU_CHECK_BUDGET=$BUDGET: a whole number of seconds, please" >&2
@@ -145,6 +148,7 @@ PART_SPECS=(
     "race|decisive|1|45|45|race probe|device_finish.py race: decode while a backward is queued"
     "race_control|decisive|1|30|45|race probe|device_finish.py race --unprotected: the control"
     "independence|decisive|1|30|45|batch independence|device_finish.py independence: views in a batch against alone"
+    "hazards|decisive|1|60|90|first-run hazards|gpu_hazards.py: what a CPU cannot show, a row each"
     "capture|decisive|2|60|90|graph capture|augment_capture.py: the augmentation captured against eager"
     "shm|loader|1|20|45|/dev/shm|gpu_preflight.py --shm: workers and batch fitted to /dev/shm"
     "loader|loader|1|75|75|loader|device_finish.py loader: FinishOnDevice batches alone"
@@ -345,6 +349,21 @@ part_race_control() {
 }
 part_independence() {
     device_part "batch independence" "views in a packed batch against each alone" independence --batch-size "$JPEG_BATCH"
+}
+
+# What a CPU cannot show of the CUDA branches (bench/gpu_hazards.py): a row each, "hazard N" for
+# the item of the first GPU run's list it shows (docs/performance.md).
+part_hazards() {
+    local what="bench/gpu_hazards.py --device $DEVICE: what a CPU cannot show"
+    if [ ! -e "$JPEG_OK" ]; then
+        echo "| first-run hazards | $what | FAILED | not run: no ImageNet-like folder |"
+        return
+    fi
+    run_part "first-run hazards" "$TMP/hazards.log" "$PY" bench/gpu_hazards.py --data-dir "$JPEG" --device "$DEVICE" \
+        --image-size "$SIZE50" --batch-size "$JPEG_BATCH"
+    local rc=$?
+    grep -E "^\| hazard " "$TMP/hazards.log"
+    ((rc == 0)) || echo "| first-run hazards | $what | FAILED | $PART_WHY |"
 }
 
 part_capture() {

@@ -79,9 +79,12 @@ def gpu(torch) -> str:
         fail(f"torch {torch.__version__} (built for CUDA {built_for}) cannot use the GPU with NVIDIA driver {driver}: "
              f"install a driver that supports CUDA {built_for}, or a torch build for the driver's CUDA version; "
              "--device auto would silently train on the CPU")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from ddp_utils.runtime.precision import native_bf16
+
     props = torch.cuda.get_device_properties(0)
     driver = nvidia_smi("driver_version") or "?"
-    bf16 = "bf16" if torch.cuda.is_bf16_supported() else "no bf16"
+    bf16 = "native bf16" if native_bf16(torch.device("cuda", 0)) else "no native bf16: --amp auto trains in fp32"
     return (f"{torch.cuda.get_device_name(0)} ({props.total_memory / 2**30:.0f} GiB, {bf16}), "
             f"{torch.cuda.device_count()} visible, driver {driver}, CUDA {built_for}")
 

@@ -109,6 +109,9 @@ class ListLoaders:
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         pass
 
+    def stop_making(self, *passes) -> None:
+        pass
+
 
 def test_an_undone_window_restores_what_is_registered_and_only_that():
     """A window given up (TrainingBatches.undo_window) puts back the BatchNorm statistics, the RNG

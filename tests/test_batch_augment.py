@@ -9,7 +9,10 @@ step, a biased choice) move the statistic many times further.
 from __future__ import annotations
 
 import math
+import re
+import threading
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -511,3 +514,84 @@ def test_the_classifier_recipes_and_their_pipelines():
     assert imagenet.crop_scale == (0.08, 1.0) and imagenet.flip
     plain = view_transform(classifier_recipe("cifar10", 32, augment=False), "cifar10", 32)
     assert _steps(plain) == ["ToImage", "ToDtype", "Normalize", "ToPureTensor"]  # the evaluation pipeline
+
+
+# ----------------------------------------------------------------------------- what a GPU run would show
+SWITCHES = re.compile(r"torch\.backends\.|set_flush_denormal|use_deterministic_algorithms|set_float32_matmul_precision|"
+                      r"set_num_threads")
+
+
+def test_the_data_path_touches_no_process_wide_switch():
+    """The device augmentation runs in a thread of its own beside the training thread: no module
+    under ddp_utils/data/ reads or flips a process-wide switch (cuDNN's flags, TF32, determinism);
+    the blur calls the CUDA depthwise kernel by name instead of turning cuDNN off around
+    F.conv2d, and that kernel exists in this torch."""
+    data = Path(ba.__file__).parent
+    touching = {path.name: SWITCHES.findall(path.read_text()) for path in sorted(data.glob("*.py"))}
+    assert {name: found for name, found in touching.items() if found} == {}
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::_conv_depthwise2d", "CUDA")
+
+
+def test_a_thread_augmenting_leaves_the_switches_as_the_training_thread_set_them():
+    """The training thread sets cuDNN's switches away from their defaults; a thread then makes
+    packed batches' MoCo v2 views (blur included) while the training thread reads the switches
+    over and over: every read, and the switches afterwards, are as set."""
+    from ddp_utils.data.files_on_device import pack
+
+    cudnn = torch.backends.cudnn
+    kept = (cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32)
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, 60, 80), dtype=torch.uint8, generator=g) for _ in range(8)]
+    atlas, places = pack(images)
+    augment = DeviceAugment(BatchAugment(replace(moco_recipe("imagefolder", 48, "v2"), blur_p=1.0), 48), seed=0,
+                            views=2)
+    try:
+        cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = True, True, False
+        wanted = (cudnn.enabled, True, True, False)
+        done, seen = threading.Event(), set()
+        worker = threading.Thread(target=lambda: [augment.packed(atlas, places, e, torch.arange(8)) for e in range(3)]
+                                  and done.set())
+        worker.start()
+        while not done.is_set() and worker.is_alive():
+            seen.add((cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32))
+        worker.join()
+        assert done.is_set() and seen <= {wanted}
+        assert (cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32) == wanted
+    finally:
+        cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = kept
+
+
+def test_roi_align_is_called_on_slices_its_32_bit_index_can_read():
+    """torchvision's roi_align indexes its input in 32-bit ints: an atlas of tiles over
+    ROI_ALIGN_ELEMENTS is resampled one slice of tiles at a time (every box in each call, kept
+    from the call holding its image), bit for bit the one-call result; the op count depends on
+    the atlas's size only. At the real bound, 170 tiles of 2,048 x 2,048 are one call and 171
+    two (meta tensors)."""
+    g = torch.Generator().manual_seed(0)
+    tiles = torch.rand(5, 3, 40, 64, generator=g)
+    places = torch.tensor([[1 + 40 * t, 3 + 2 * t, 30, 50] for t in (4, 0, 2, 3, 1, 4, 2)])
+    boxes = torch.tensor([[2.0, 5.0, 20.0, 31.0], [0.0, 0.0, 30.0, 50.0], [3.5, 1.25, 12.0, 9.0]] * 2 + [[1.0] * 4])
+    whole = ba.crop_from_atlas(tiles, places, boxes, 16)
+    calls = []
+    real = torch.ops.torchvision.roi_align
+
+    def counting(*args):
+        calls.append(len(args[0]))
+        return real(*args)
+
+    for per_call, expected in ((5, [5]), (2, [2, 2, 1]), (1, [1] * 5)):
+        calls.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ba, "ROI_ALIGN_ELEMENTS", per_call * 3 * 40 * 64)
+            patch.setattr(torch.ops.torchvision, "roi_align", counting)
+            assert torch.equal(ba.crop_from_atlas(tiles, places, boxes, 16), whole)
+        assert calls == expected
+    side = 2048
+    for count, expected in ((170, 1), (171, 2)):
+        meta = torch.empty(count, 3, side, side, device="meta")
+        rois = torch.zeros(4, 5, device="meta")
+        with KernelCounter() as counter:
+            ba.resample_rois(meta, rois, 8)
+        assert counter.kernels >= expected and (counter.kernels == 1) == (expected == 1), (count, counter.kernels)
+    with pytest.raises(ValueError, match="32-bit"):
+        ba.resample_rois(torch.empty(1, 3, 30_000, 30_000, device="meta"), torch.zeros(1, 5, device="meta"), 8)

@@ -74,6 +74,7 @@ def test_augment_capture_probe_finds_the_augmentation_whole_under_torch_compile(
                           env=cli_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok torch.compile(fullgraph=True): max |compiled - eager|" in proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("scope: one atlas shape and batch size")  # its claim's scope
 
 
 @pytest.mark.slow  # a process that writes JPEGs and imports torchvision: about 10 s
@@ -123,6 +124,7 @@ SMOKE_TESTS = {
     "far_store.py": "test_far_store_trains_through_the_far_network_and_counts_one_get_per_shard",
     "file_list.py": "test_file_list_scans_once_per_rank_or_once_for_the_job",
     "gpu_check.sh": GPU_CHECK_SMOKE,
+    "gpu_hazards.py": GPU_CHECK_SMOKE,
     "gpu_preflight.py": GPU_CHECK_SMOKE,
     "host_memory.py": "test_host_memory_prints_both_decode_places_with_their_bounds",
     "imagenet_like.py": GPU_CHECK_SMOKE,
@@ -301,7 +303,7 @@ def test_augment_prints_every_table_with_consistent_ratios(smoke):
     out = output_of(smoke, "augment.py")
     if "ImageNet path" in out:  # a clone with the two commits compared
         packed = columns(out, "           CPU ms/img")
-        assert [r[0] for r in packed] == ["8719b0f", "6a4b01f", "now"], out
+        assert [r[0] for r in packed] == ["8719b0f", "28751f1", "now"], out
         assert all(float(ms) > 0 and float(mb) > 0 for _, ms, mb in packed), packed
     (size, per_sample, batched, ratio), = columns(out, " size  per-sample/s")
     assert size == "16" and agrees(float(ratio.rstrip("x")), float(batched.replace(",", "")),

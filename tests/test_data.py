@@ -616,6 +616,29 @@ def test_the_thread_and_the_loaders_workers_end_with_the_iterator(jpeg_folder, h
         gc.enable()
 
 
+def test_a_pass_left_early_keeps_no_made_batch_and_every_pass_lets_its_float_atlas_go(jpeg_folder):
+    """The training loop leaves its epoch after one batch (--max-steps): the pass's thread has
+    stopped when the loop's ``for`` is left, its made batches dropped and the float atlas let go;
+    validation read to its end lets its atlas go; after ``Loaders.close`` no thread is left."""
+    from ddp_utils.train.batches import TrainingBatches
+    from ddp_utils.train.run_state import RunState
+
+    loaders = build_data(files_plan(jpeg_folder, decode_on_device=True), rank=0, world_size=1, device=CPU)
+    finish = loaders.train.batches
+    before = threads_ahead()
+    batches = TrainingBatches(loaders, RunState(), 1, torch.nn.Linear(1, 1), CPU)
+    for _ in batches.this_epoch():
+        assert len(threads_ahead() - before) == 1 and finish.augment.atlas_bytes > 0
+        break
+    assert threads_ahead() <= before and finish.augment.atlas_bytes == 0
+    assert len(list(loaders.val)) == len(loaders.val) and loaders.val.batches.augment.atlas_bytes == 0
+    it = iter(loaders.bank)
+    next(it)
+    assert len(threads_ahead() - before) == 1
+    loaders.close()
+    assert threads_ahead() <= before and loaders.bank.batches.augment.atlas_bytes == 0
+
+
 def test_a_process_that_exits_mid_epoch_exits(jpeg_folder):
     """A script that takes one batch and exits, its thread waiting on a full hand-over and its
     loader's persistent workers up: it exits at once, with its code."""
@@ -740,6 +763,9 @@ def test_a_finish_on_device_makes_each_batch_on_the_data_stream_in_its_thread_an
         def packed(self, *args):
             recorder.note("augment", recorder.inside.stream)
             return augment.packed(*args)
+
+        def release(self):
+            augment.release()
 
     watched = FinishOnDevice(Batches(taken), Augment(), CPU, finish.decoded, calls=recorder)
     got = list(watched)

@@ -106,3 +106,26 @@ def test_a_two_rank_run_with_too_small_shm_exits_2_on_every_rank_writing_nothing
     assert proc.codes == [2, 2], proc.stderr
     assert proc.stderr.count("\n") == 1 and f"{SHM_DIR} has " in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_check_names_the_device_memory_the_data_path_holds(jpeg_folder, tmp_path, capsys):
+    """--check with image files finished on the device: one line with the bytes a training and an
+    evaluation pass hold on the device (the float atlas at 12 bytes per atlas pixel, the batch in
+    the making, the finished batches), those of files_on_device.DeviceMemory for the folder's mean
+    image; none on the loader path."""
+    from ddp_utils.data.files_on_device import AHEAD, DeviceMemory
+    from ddp_utils.data.host_memory import ATLAS_PADDING, mean_image_pixels, size_text
+    from ddp_utils.data.image_files import FolderListing, ImageFiles
+
+    args = ["--dataset", "imagefolder", "--data-dir", str(jpeg_folder), "--image-size", "64", "--batch-size", "8",
+            "--workers", "1", "--arch", "small_cnn", "--out", str(tmp_path / "run"), "--check"]
+    device = in_process(train_moco.main, [*args, "--aug-on", "device", "--decode-on", "device"], capsys)
+    assert device.returncode == 0, device.stderr
+    line, = [ln.strip() for ln in device.stdout.splitlines() if ln.strip().startswith("device memory:")]
+    pixels = mean_image_pixels(ImageFiles(FolderListing.of(str(jpeg_folder / "train"))))
+    train = DeviceMemory.of_pass(pixels, 8, 2, 64, decode_on_device=True)
+    assert train.atlas == round(12 * ATLAS_PADDING * 8 * pixels) and train.made == (AHEAD + 2) * 8 * 2 * 3 * 64 * 64 * 4
+    assert line.startswith(f"device memory: the data path holds about {size_text(train.total)} per rank on cpu in a "
+                           f"training pass (the float atlas {size_text(train.atlas)}, "), line
+    loader = in_process(train_moco.main, [*args, "--aug-on", "loader"], capsys)
+    assert loader.returncode == 0 and "device memory:" not in loader.stdout

@@ -18,12 +18,22 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
-from ddp_utils.data.batch_augment import BatchAugment, as_float_rgb, atlas_for_resampling, keyed_uniforms
+from ddp_utils.data import files_on_device
+from ddp_utils.data.batch_augment import (
+    BatchAugment,
+    DeviceAugment,
+    as_float_rgb,
+    atlas_for_resampling,
+    keyed_uniforms,
+)
 from ddp_utils.data.files_on_device import (
+    EncodedBatch,
     PackedImages,
     SharedBuffers,
     collate_files,
+    decode_on,
     pack,
+    pack_gathered,
     placements,
     unpack,
 )
@@ -46,11 +56,13 @@ def packed_float(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
     return atlas_for_resampling(atlas), places
 
 
-def same_to_round_off(ours: torch.Tensor, alone: torch.Tensor) -> None:
-    """A view from a batch against the same view alone: at most one float32 step apart (5e-7 at
-    the normalised range, |x| < 4) in at most 1 value of 10,000 (measured: 1 of 150,528)."""
+def same_to_the_place_shift(ours: torch.Tensor, alone: torch.Tensor) -> None:
+    """A view from a batch against the same view alone, both resampled in float32 at positions
+    relative to their tile (under 2,048 px: kept to 1/8,192 px): at most 1e-3 apart at the
+    normalised range (1/16 of a grey level of 255), 1e-4 on average. Measured on noise (the
+    steepest edges) last in a batch of 256: at most 8e-4, mean at most 8e-5; on photographs 1e-6."""
     difference = (ours - alone).abs()
-    assert difference.max() <= 5e-7 and (difference > 0).sum() <= difference.numel() // 10_000
+    assert difference.max() <= 1e-3 and difference.mean() <= 1e-4
 
 
 # ----------------------------------------------------------------------------- packing
@@ -69,6 +81,35 @@ def test_pack_places_every_image_whole_and_apart_with_its_edge_repeated_around_i
         assert t >= 1 and left >= 1 and t + h + 1 <= atlas.shape[0] and left + w + 1 <= atlas.shape[1]
         for t2, left2, h2, w2 in boxes[i + 1:]:  # images and their edges never overlap
             assert t + h + 1 <= t2 - 1 or t2 + h2 + 1 <= t - 1 or left + w + 1 <= left2 - 1 or left2 + w2 + 1 <= left - 1
+
+
+def test_packing_where_the_images_are_is_a_fixed_number_of_ops_and_packs_as_the_workers_do():
+    """pack_gathered (decoded on the device): each image and its repeated edge exactly as pack's,
+    at the same places, over several tiles, and the views made from it pack's bit for bit; the
+    same op count for 32, 128 and 512 images of
+    ImageNet's sizes (meta device: what a GPU would launch), where pack makes five copies an
+    image."""
+    from bench.augment import KernelCounter
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [(375, 500), (500, 375), (7, 1200), (1, 1), (333, 500), (900, 2100)] * 4
+    images = [torch.randint(0, 256, (3, h, w), generator=g, dtype=torch.uint8) for h, w in sizes]
+    (atlas, places), (gathered, same_places) = pack(images), pack_gathered(images)
+    assert torch.equal(places, same_places) and gathered.shape == atlas.shape and atlas.shape[0] > atlas.shape[1]
+    for t, left, h, w in places.tolist():
+        assert torch.equal(gathered[t - 1:t + h + 1, left - 1:left + w + 1], atlas[t - 1:t + h + 1, left - 1:left + w + 1])
+    augment, index = DeviceAugment(BatchAugment(moco_recipe("imagefolder", 32, "v2"), 32), seed=0, views=2), \
+        torch.arange(len(images))
+    for ours, theirs in zip(augment.packed(gathered, places, 0, index), augment.packed(atlas, places, 0, index)):
+        assert torch.equal(ours, theirs)  # its planar memory read as the workers' atlas is
+    common = [(375, 500), (500, 375), (333, 500), (1200, 800), (64, 48)]
+    counts = []
+    for batch in (32, 128, 512):
+        on_meta = [torch.empty(3, *common[i % len(common)], dtype=torch.uint8, device="meta") for i in range(batch)]
+        with KernelCounter() as counter:
+            pack_gathered(on_meta)
+        counts.append(counter.kernels)
+    assert max(counts) == min(counts) <= 25, counts
 
 
 def test_a_workers_buffer_is_lent_until_released_then_filled_again():
@@ -155,20 +196,23 @@ def test_the_pin_thread_pins_a_packed_batch_and_releases_its_buffer(monkeypatch)
     assert int(lease) == 0 and torch.equal(pinned.atlas, atlas)
 
 
-def test_an_atlas_of_imagenet_size_images_wastes_under_a_quarter_of_its_pixels():
-    """Rows filled tallest first: the atlas of 256 images of ImageNet's common sizes and a tail
-    of larger ones holds under 1.25 x their pixels (rows in the order given: 1.37 x)."""
+def test_an_atlas_of_imagenet_size_images_wastes_under_30_percent_of_its_pixels():
+    """Rows filled tallest first, each in the first tile with room: the atlas of 256 images of
+    ImageNet's common sizes and a tail of larger ones holds under 1.3 x their pixels (1.28; each
+    row in the next tile instead: 1.71 x), in square tiles that no image crosses."""
     g = torch.Generator().manual_seed(0)
     common = [(375, 500), (500, 375), (333, 500), (500, 333), (281, 500), (500, 500), (1200, 1600), (427, 640)]
     sizes = [common[i] for i in torch.randint(0, len(common), (256,), generator=g).tolist()]
-    _, height, width = placements(sizes)
-    assert height * width < 1.25 * sum(h * w for h, w in sizes)
+    places, height, width = placements(sizes)
+    assert height * width < 1.3 * sum(h * w for h, w in sizes)
+    assert height > 10 * width  # several W x W tiles
+    assert all((top - 1) // width == (top + h) // width for top, _, h, _ in places)
 
 
 def test_a_view_cropped_from_the_atlas_is_the_view_of_the_image_alone(jpeg_folder):
     """Random crops (boxes at the image's edges included) and the evaluation view, from packed
-    batches, against the same recipe on each image alone (an atlas of one): the same to float32
-    round-off (:func:`same_to_round_off`)."""
+    batches, against the same recipe on each image alone (an atlas of one): the same to the shift
+    of its place (:func:`same_to_the_place_shift`)."""
     images = photos(jpeg_folder, 12)
     x, places = packed_float(images)
     index = torch.arange(len(images))
@@ -178,13 +222,14 @@ def test_a_view_cropped_from_the_atlas_is_the_view_of_the_image_alone(jpeg_folde
         together = augment.apply_packed(x, places, u)
         for i, image in enumerate(images):
             alone, alone_places = packed_float([image])
-            same_to_round_off(together[i:i + 1], augment.apply_packed(alone, alone_places, u[i:i + 1]))
+            same_to_the_place_shift(together[i:i + 1], augment.apply_packed(alone, alone_places, u[i:i + 1]))
 
 
 def test_a_samples_views_do_not_depend_on_its_place_in_a_batch_of_256_imagenet_size_images():
     """Both MoCo v2 views (colour and blur included) of one image alone and last in a batch of
-    256 ImageNet-size images (an atlas about 20,000 rows tall, where float32 positions would be
-    1/512 px apart): the same to float32 round-off, since the atlas is resampled in float64."""
+    256 ImageNet-size images (an atlas about 28,000 rows tall, where float32 positions would be
+    1/1,024 px apart): within the bound of :func:`same_to_the_place_shift`, since the atlas is
+    resampled as tiles of 2,048 rows."""
     g = torch.Generator().manual_seed(0)
     sizes = [(375, 500), (500, 375), (333, 500), (500, 333), (400, 400), (480, 640)]
     last = torch.randint(0, 256, (3, 375, 500), generator=g, dtype=torch.uint8)  # noise: the steepest edges
@@ -197,7 +242,7 @@ def test_a_samples_views_do_not_depend_on_its_place_in_a_batch_of_256_imagenet_s
     batch = atlas_for_resampling(atlas)
     for view in (u[:, :u.shape[1] // 2], u[:, u.shape[1] // 2:]):
         alone = augment.apply_packed(atlas_for_resampling(alone_atlas), alone_places, view)
-        same_to_round_off(augment.apply_packed(batch, places[-1:], view), alone)
+        same_to_the_place_shift(augment.apply_packed(batch, places[-1:], view), alone)
 
 
 # ----------------------------------------------------------------------------- boxes and pixels
@@ -283,6 +328,49 @@ def test_decoding_on_the_device_gives_the_workers_batches_bit_for_bit(jpeg_folde
         assert torch.equal(y, z)
         for x1, x2 in zip(a if isinstance(a, tuple) else [a], b if isinstance(b, tuple) else [b]):
             assert torch.equal(x1, x2)
+
+
+def test_the_device_running_out_of_memory_is_raised_never_taken_for_a_refused_image(jpeg_folder, monkeypatch):
+    """decode_on with a decoder that fails: out of memory (PyTorch's, or a CUDA error's or
+    nvJPEG allocator's text) and an accelerator error are raised as they are, never retried
+    image by image and decoded on the CPU as refused images; a batch whose every image fails
+    alone too raises with the batch's error; one bad file among good ones is that file alone."""
+    files = sorted((jpeg_folder / "train").glob("n*/train_*.JPEG"))[:3]
+    batch = EncodedBatch.join([read_bytes(str(path)) for path in files])
+    decode_jpeg, rgb = files_on_device.jpeg_decoder()
+
+    def decoder(fail):
+        return lambda data, mode, device: fail(data) or decode_jpeg(data, mode=mode, device=device)
+
+    def raising(error):
+        def fail(data):
+            raise error
+        return fail
+
+    failures = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                RuntimeError("CUDA error: an illegal memory access was encountered"),
+                RuntimeError("nvjpegDecodeBatched failed: NVJPEG_STATUS_ALLOCATOR_FAILURE")]
+    if hasattr(torch, "AcceleratorError"):
+        failures.append(torch.AcceleratorError("CUDA error: out of memory"))
+    for error in failures:
+        monkeypatch.setattr(files_on_device, "jpeg_decoder", lambda: (decoder(raising(error)), rgb))
+        with pytest.raises(type(error)) as raised:
+            decode_on(CPU, batch)
+        assert raised.value is error
+    refusal = RuntimeError("Unsupported marker type 0xd9")
+    monkeypatch.setattr(files_on_device, "jpeg_decoder", lambda: (decoder(raising(refusal)), rgb))
+    with pytest.raises(RuntimeError, match="failed a batch of 3 JPEGs and then each of them alone: Unsupported marker"):
+        decode_on(CPU, batch)
+    bad = batch.images()[1]
+
+    def refuses_the_second(data):
+        if isinstance(data, list) or data.data_ptr() == bad.data_ptr():
+            if isinstance(data, list) and all(d.data_ptr() != bad.data_ptr() for d in data):
+                return None
+            raise refusal
+    monkeypatch.setattr(files_on_device, "jpeg_decoder", lambda: (decoder(refuses_the_second), rgb))
+    images, failed = decode_on(CPU, batch)
+    assert failed == [1] and images[1] is None and images[0] is not None and images[2] is not None
 
 
 def test_the_workers_decode_as_pil_does(jpeg_folder):

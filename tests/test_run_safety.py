@@ -69,6 +69,25 @@ def test_no_ddp_model_outlives_the_process_group(script, args, fault, codes, tmp
     assert [json.loads((probe / f"rank{r}.json").read_text()) for r in range(2)] == [0, 0]
 
 
+def test_a_run_that_raises_stops_its_device_batch_thread_before_it_returns(jpeg_folder, tmp_path, monkeypatch):
+    """One process, image files augmented on the device, an error raised after step 1 (its
+    traceback, still held here, holds the run and the thread's iterator): when main() has raised,
+    the thread that makes batches ahead has stopped (the session closed the loaders), so that no
+    CUDA work of it can run while the process tears down."""
+    import threading
+
+    from ddp_utils.data.files_on_device import THREAD_NAME
+
+    monkeypatch.setenv("DDP_FAULT", "raise:0:1")
+    before = {t for t in threading.enumerate() if t.name == THREAD_NAME}
+    with pytest.raises(RuntimeError, match="injected fault") as raised:
+        train_moco.main(["--dataset", "imagefolder", "--data-dir", str(jpeg_folder), "--aug-on", "device",
+                         "--workers", "0", "--image-size", "32", "--batch-size", "4", "--bn-splits", "1", "--moco-k", "16",
+                         "--knn-every", "0", "--device", "cpu", "--out", str(tmp_path / "run")])
+    assert raised.traceback  # held: the run's frames are alive
+    assert {t for t in threading.enumerate() if t.name == THREAD_NAME} <= before
+
+
 # ----------------------------------------------------------------------------- run folders
 def test_overwrite_starts_over_and_never_mixes_two_runs(classifier, tmp_path):
     out = tmp_path / "run"

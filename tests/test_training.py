@@ -233,6 +233,29 @@ def test_debug_run_under_anomaly_detection(tmp_path, capsys):
     assert "(128 images)" in proc.stdout
 
 
+@pytest.mark.parametrize("native, emulated, expected", [
+    (True, True, "bf16 (--amp auto: this GPU computes bf16 natively)"),
+    (False, True, "fp32 (--amp auto: this GPU has no native bf16, at most an emulated one; --amp fp16 uses its fp16 tensor cores)"),
+    (False, False, "fp32 (--amp auto: this GPU has no native bf16, at most an emulated one; --amp fp16 uses its fp16 tensor cores)"),
+], ids=["A100/H100", "V100/T4 (emulated)", "no bf16"])
+def test_amp_auto_picks_bf16_only_where_the_gpu_computes_it(monkeypatch, native, emulated, expected):
+    """``torch.cuda.is_bf16_supported()`` says yes where CUDA only emulates bf16 (a V100, a T4):
+    --amp auto asks without emulation, and the start-up line and --check say which and why. The
+    keyword exists on the torch release installed (CI: the oldest and newest pairs)."""
+    import inspect
+
+    from ddp_utils.runtime import precision
+
+    assert "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native or
+                        (emulated and including_emulation))
+    cuda = torch.device("cuda", 0)
+    assert precision.resolve_amp("auto", cuda) == ("bf16" if native else "none")
+    assert precision.precision_name("auto", cuda) == expected
+    assert precision.precision_name("auto", torch.device("cpu")) == "fp32"
+    assert precision.precision_name("bf16", cuda) == "bf16"
+
+
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_mixed_precision_runs_and_checkpoints_the_scaler(tmp_path, capsys, amp):
     out = tmp_path / amp

@@ -48,6 +48,13 @@ VIEW_COLUMNS = 2 * _ATTEMPTS + 15
 _LUMA = (0.2989, 0.587, 0.114)  # ITU-R 601-2 luma, with torchvision's 0.2989 for red
 _HUE_RAMPS = ((3.0, 2.0, 4.0), (1.0, -1.0, -1.0), (-1.0, 2.0, 2.0))  # centre, slope, offset for R, G, B
 
+# Blur taps below this are 0, which changes a blurred value in [0, 1] by less than 1e-10 (an
+# ulp of 1/255 is 5e-10); kept, their products through both passes fall below float32's normal
+# range (1e-38), and a CPU multiplies such subnormal numbers some 10x slower
+TAP_FLOOR = 1e-10
+# roi_align (torchvision's CPU and CUDA kernels) indexes its input in 32-bit ints: one call reads
+# an input of at most this many elements
+ROI_ALIGN_ELEMENTS = 2**31
 Draw = Callable[[int, int], Tensor]  # (purpose, count) -> B x count uniforms
 
 
@@ -133,20 +140,47 @@ def centre_boxes(height: Tensor, width: Tensor, out: int, resize: int) -> Tensor
     return torch.stack([top, left, out * scale_h, out * scale_w], 1)
 
 
-def crop_from_atlas(atlas: Tensor, places: Tensor, boxes: Tensor, out: int) -> Tensor:
+def crop_from_atlas(tiles: Tensor, places: Tensor, boxes: Tensor, out: int) -> Tensor:
     """B x 3 x out x out float32: each sample's box (``boxes`` B x 4, top, left, h, w in its
-    image's pixels) of a float64 atlas (1 x 3 x H x W, :func:`atlas_for_resampling`; ``places``
-    B x 4 on its device: where each image lies) resampled by one ``roi_align``.
+    image's pixels) of an atlas's tiles (N x 3 x T x W float32, :func:`atlas_for_resampling`;
+    ``places`` B x 4 on its device: where each image lies in the N T x W atlas) resampled by one
+    ``roi_align``.
 
     Each output pixel reads only its sample's image and the one-pixel edge ``files_on_device.pack``
     replicates around it, so a sample's view does not depend on its neighbours. The sampling
-    positions are absolute atlas coordinates; in float64 their rounding with the image's place
-    moves a view by at most float32 round-off (tested against the image alone)."""
-    boxes = boxes.to(atlas.dtype)
-    top = places[:, 0].to(atlas.dtype) + boxes[:, 0]
-    left = places[:, 1].to(atlas.dtype) + boxes[:, 1]
-    rois = torch.stack([torch.zeros_like(top), left, top, left + boxes[:, 3], top + boxes[:, 2]], 1)
-    return torch.ops.torchvision.roi_align(atlas, rois, 1.0, out, out, 0, True).to(torch.float32)
+    positions are relative to the image's tile, at most T x W (2,048 px a side unless an image is
+    wider), so float32 keeps them to 1/8,192 px: a view in a batch is the view alone to within
+    that shift (the bound is tested)."""
+    tile_rows = tiles.shape[2]
+    tile = torch.div(places[:, 0], tile_rows, rounding_mode="floor")  # which tile the image lies in
+    boxes = boxes.to(tiles.dtype)
+    top = (places[:, 0] - tile * tile_rows).to(tiles.dtype) + boxes[:, 0]
+    left = places[:, 1].to(tiles.dtype) + boxes[:, 1]
+    rois = torch.stack([tile.to(tiles.dtype), left, top, left + boxes[:, 3], top + boxes[:, 2]], 1)
+    return resample_rois(tiles, rois, out)
+
+
+def resample_rois(x: Tensor, rois: Tensor, out: int) -> Tensor:
+    """``roi_align(x, rois)`` resampled to out x out (scale 1, adaptive sampling, aligned): one call
+    while ``x`` has at most :data:`ROI_ALIGN_ELEMENTS` elements; beyond, one call per slice of
+    ``x`` under that size, each sample kept from the call that holds its image (every call
+    resamples every box, its image index clamped into the slice: the op count depends on ``x``'s
+    size only, never on the boxes)."""
+    per_call = ROI_ALIGN_ELEMENTS // x[0].numel()
+    if per_call < 1:
+        raise ValueError(f"roi_align: one image of {tuple(x.shape[1:])} is over {ROI_ALIGN_ELEMENTS} elements, "
+                         f"which its 32-bit indexing cannot read")
+    if len(x) <= per_call:
+        return torch.ops.torchvision.roi_align(x, rois, 1.0, out, out, 0, True)
+    image = rois[:, 0]
+    views = None
+    for first in range(0, len(x), per_call):
+        part = x[first:first + per_call]
+        local = torch.cat([(image - first).clamp(0, len(part) - 1)[:, None], rois[:, 1:]], 1)
+        made = torch.ops.torchvision.roi_align(part, local, 1.0, out, out, 0, True)
+        inside = ((image >= first) & (image < first + len(part)))[:, None, None, None]
+        views = made if views is None else torch.where(inside, made, views)
+    return views
 
 
 def _pad_crop_boxes(u: Tensor, height: int, width: int, pad: int, out: int) -> Tensor:
@@ -173,7 +207,7 @@ def _resample_boxes(x: Tensor, boxes: Tensor, out: int) -> Tensor:
     top, left, h, w = boxes.to(x.dtype).unbind(1)  # B each
     batch = torch.arange(len(x), device=x.device, dtype=x.dtype)
     rois = torch.stack([batch, left, top, left + w, top + h], 1)  # B x 5: (b, x1, y1, x2, y2)
-    return torch.ops.torchvision.roi_align(x, rois, 1.0, out, out, 0, True)  # scale 1, adaptive sampling, aligned
+    return resample_rois(x, rois, out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -316,20 +350,22 @@ def gaussian_blur(x: Tensor, sigma: Tensor, size: int) -> Tensor:
     pad = size // 2
     offsets = torch.arange(size, device=x.device, dtype=x.dtype) - pad
     taps = torch.softmax(-0.5 * (offsets / sigma[:, None]) ** 2, dim=1)  # B x size, as torchvision
+    taps = F.threshold(taps, TAP_FLOOR, 0.0)  # no subnormal products (TAP_FLOOR)
     taps = taps.repeat_interleave(c, 0)  # (B * C) x size: one group per sample and channel
     padded = F.pad(x, (pad, pad, pad, pad), mode="reflect").view(1, b * c, h + 2 * pad, w + 2 * pad)
-    rows = _depthwise(padded, taps.view(b * c, 1, 1, size))  # 1 x BC x (H + 2p) x W
-    return _depthwise(rows, taps.view(b * c, 1, size, 1)).view(b, c, h, w)
+    rows = depthwise(padded, taps.view(b * c, 1, 1, size))  # 1 x BC x (H + 2p) x W
+    return depthwise(rows, taps.view(b * c, 1, size, 1)).view(b, c, h, w)
 
 
-def _depthwise(x: Tensor, weight: Tensor) -> Tensor:
-    """A depthwise convolution (one group per channel), on CUDA by PyTorch's own kernel, not
-    cuDNN's, which would follow cuDNN's TF32 switch (on by default) and choose its algorithm by
-    the batch's shape. The switch is Python state, set around the call as it is issued (a CUDA
-    graph captures the kernel chosen); torch.compile cannot trace it and leaves it out."""
+def depthwise(x: Tensor, weight: Tensor) -> Tensor:
+    """A depthwise convolution (one group per channel). On CUDA it calls PyTorch's own depthwise
+    kernel by name (``aten::_conv_depthwise2d``, what ``F.conv2d`` runs when it does not pick
+    cuDNN): cuDNN's would follow its TF32 switch and choose its algorithm by the batch's shape,
+    and turning cuDNN off around the call would flip a process-wide switch under the training
+    thread (the augmentation runs in a thread of its own). The op has no fake kernel, so a traced
+    view (torch.compile) keeps ``F.conv2d``."""
     if x.device.type == "cuda" and not torch.compiler.is_compiling():
-        with torch.backends.cudnn.flags(enabled=False):
-            return F.conv2d(x, weight, groups=x.shape[1])
+        return torch.ops.aten._conv_depthwise2d(x, weight, weight.shape[2:], None, (1, 1), (0, 0), (1, 1))
     return F.conv2d(x, weight, groups=x.shape[1])
 
 
@@ -388,8 +424,8 @@ class BatchAugment:
 
     def apply_packed(self, atlas: Tensor, places: Tensor, u: Tensor,
                      layout: torch.memory_format = torch.contiguous_format) -> Tensor:
-        """:meth:`apply` for images of different sizes packed in one atlas (1 x 3 x H x W float64
-        in [0, 1], from :func:`atlas_for_resampling`; ``places`` B x 4 int64: top, left, height,
+        """:meth:`apply` for images of different sizes packed in one atlas (its tiles, N x 3 x T x W
+        float32 in [0, 1], from :func:`atlas_for_resampling`; ``places`` B x 4 int64: top, left, height,
         width, as ``files_on_device.pack`` made them, on the host or the atlas's device): each
         sample's crop drawn for its own size and resampled from its place
         (:func:`crop_from_atlas`). A recipe without a crop gives the evaluation view."""
@@ -494,16 +530,28 @@ class DeviceAugment:
         device; ``places`` B x 4, on the host): each cropped from its place
         (:meth:`BatchAugment.apply_packed`).
 
-        The atlas is made float64 in one buffer kept for the next batch (on the CPU a fresh one
-        would cost a page fault per 4 KiB; on CUDA it is what the caching allocator would keep
-        for it): 24 bytes per atlas pixel, the largest atlas of the run."""
-        if self._atlas.device != atlas.device or self._atlas.numel() < 3 * atlas.shape[0] * atlas.shape[1]:
+        The atlas is made float32 in one buffer kept for the pass's next batch (on the CPU a fresh
+        one would cost a page fault per 4 KiB): 12 bytes per atlas pixel, the pass's largest
+        atlas, until :meth:`release`."""
+        tiles, tile = tiles_of(atlas)
+        numel = tiles * 3 * tile * atlas.shape[1]
+        if self._atlas.device != atlas.device or self._atlas.numel() < numel:
             self._atlas = torch.empty(0)  # the old one freed first
-            self._atlas = atlas.new_empty(atlas.numel(), dtype=torch.float64)
-        x = atlas_for_resampling(atlas, out=self._atlas)  # 1 x 3 x H x W, made once for every view
+            self._atlas = atlas.new_empty(numel, dtype=torch.float32)
+        x = atlas_for_resampling(atlas, out=self._atlas)  # N x 3 x T x W, made once for every view
         device, layout = atlas.device, memory_format(atlas.device)
         places = pinned_to_device(places, device)
         return self._views(epoch, index, device, lambda view, u: self.augment.apply_packed(x, places, u, layout))
+
+    @property
+    def atlas_bytes(self) -> int:
+        """Bytes of the float atlas kept for the pass (0 once released)."""
+        return self._atlas.numel() * self._atlas.element_size()
+
+    def release(self) -> None:
+        """Lets the kept float atlas go (a pass has ended): on CUDA its block returns to the caching
+        allocator, which can then give it to the training stream when memory runs short."""
+        self._atlas = torch.empty(0)
 
     def _views(self, epoch: int, index: torch.Tensor, device: torch.device, make: Callable[[int, Tensor], Tensor]):
         """``make(view, u)`` for each view, ``u`` its B x VIEW_COLUMNS slice of one call's
@@ -546,14 +594,30 @@ def normalize(x: Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] 
 
 
 def atlas_for_resampling(atlas: Tensor, out: Tensor | None = None) -> Tensor:
-    """1 x 3 x H x W float64 in [0, 1] (uint8 / 255) of an H x W x 3 uint8 atlas
-    (``files_on_device.pack``), the input of :meth:`BatchAugment.apply_packed`, written into
-    ``out`` (1-D float64, at least 3 H W long) where given. Float64, so that where an image lies
-    in the atlas changes its views by no more than float32 round-off (:func:`crop_from_atlas`)."""
+    """The tiles of an H x W x 3 uint8 atlas (``files_on_device.pack``: W x W tiles stacked, the
+    last one as tall as its rows) as N x 3 x T x W float32 in [0, 1] (uint8 x 1/255, as
+    :func:`as_float_rgb`; T = W, or H for one tile), the input of :meth:`BatchAugment.apply_packed`,
+    written into ``out`` (1-D float32, at least N x 3 x T x W long) where given. Planar, so that
+    each channel's rows read contiguously; the last tile's rows below the atlas are left
+    uninitialised (no image lies there)."""
     height, width, _ = atlas.shape
-    planar = atlas.new_empty(3 * height * width, dtype=torch.float64) if out is None else out[:3 * height * width]
-    planar = planar.view(1, 3, height, width).copy_(atlas.permute(2, 0, 1)[None])  # planar: rows read contiguously
-    return planar.div_(255)
+    tiles, tile = tiles_of(atlas)
+    last = height - (tiles - 1) * tile
+    numel = tiles * 3 * tile * width
+    planar = atlas.new_empty(numel, dtype=torch.float32) if out is None else out[:numel]
+    planar = planar.view(tiles, 3, tile, width)
+    whole = (tiles - 1) * tile  # rows of the full tiles: they and the last are two ops, whatever their count
+    full, rest = atlas[:whole].view(tiles - 1, tile, width, 3), atlas[whole:]
+    for part, rows in ((planar[:-1], full), (planar[-1, :, :last], rest)):
+        part.copy_(rows.movedim(-1, -3)).mul_(1 / 255)  # a copy then a multiply: faster than one mul from uint8
+    return planar
+
+
+def tiles_of(atlas: Tensor) -> tuple[int, int]:
+    """(N, T): the tiles of an H x W x 3 atlas and their rows (T = W, or H for one tile)."""
+    height, width, _ = atlas.shape
+    tile = min(height, width)
+    return -(-height // tile), tile
 
 
 def as_float_rgb(images: Tensor) -> Tensor:

@@ -34,10 +34,12 @@ import functools
 import logging
 import mmap
 import os
+import re
 import sys
 import threading
 import traceback
 import weakref
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -46,9 +48,9 @@ from torch import Tensor
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from .batch_augment import DeviceAugment, PreparedAhead
+from .batch_augment import DeviceAugment, PreparedAhead, pinned_to_device
 from .data_stream import CudaCalls, DataStream, HandedOut, Made
-from .host_memory import KEPT_PER_WORKER
+from .host_memory import ATLAS_PADDING, KEPT_PER_WORKER, size_text
 from .image_files import jpeg_decoder, sample_path
 from .order import augmentation_index
 
@@ -72,17 +74,28 @@ def placements(sizes: list[tuple[int, int]], width: int | None = None) -> tuple[
     """Where each (h, w) image goes: ([(top, left, h, w), ...] in the order of ``sizes``, atlas
     height, atlas width), each image with a one-pixel edge around it (its :data:`EDGE`, outside
     its place). Rows (shelves) are filled tallest image first, so that images of one row have
-    similar heights: a row is as tall as its tallest."""
-    width = max(width or ATLAS_WIDTH, max(w for _, w in sizes) + 2 * EDGE)
+    similar heights: a row is as tall as its tallest.
+
+    The atlas is a stack of square tiles, W x W (W at least :data:`ATLAS_WIDTH`, and more for an
+    image that does not fit), each row in the first tile with room for it (shorter rows fill what
+    taller ones left); the last tile is only as tall as its rows. The resampling reads the tiles as
+    a batch of images (``batch_augment.atlas_for_resampling``), so that its coordinates stay
+    under W."""
+    width = max(width or ATLAS_WIDTH, *(max(h, w) + 2 * EDGE for h, w in sizes))
     places: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * len(sizes)
-    x, y, row = 0, 0, 0
+    filled: list[int] = []  # rows of each tile taken so far
+    x, y = width, 0  # the row being filled starts at y, its next image at x
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i][0]):  # stable: ties keep their order
         h, w = sizes[i]
-        if x + w + 2 * EDGE > width:
-            x, y, row = 0, y + row, 0
+        if x + w + 2 * EDGE > width:  # a new row, as tall as this image, in the first tile with room
+            tile = next((t for t, rows in enumerate(filled) if rows + h + 2 * EDGE <= width), len(filled))
+            if tile == len(filled):
+                filled.append(0)
+            x, y = 0, tile * width + filled[tile]
+            filled[tile] += h + 2 * EDGE
         places[i] = (y + EDGE, x + EDGE, h, w)
-        x, row = x + w + 2 * EDGE, max(row, h + 2 * EDGE)
-    return places, y + row, width
+        x += w + 2 * EDGE
+    return places, (len(filled) - 1) * width + filled[-1], width
 
 
 def pack(images: list[Tensor], buffer: Callable[[int], Tensor] | None = None) -> tuple[Tensor, Tensor]:
@@ -103,6 +116,53 @@ def pack(images: list[Tensor], buffer: Callable[[int], Tensor] | None = None) ->
         atlas[top - 1, left - 1:left + w + 1] = atlas[top, left - 1:left + w + 1]
         atlas[top + h, left - 1:left + w + 1] = atlas[top + h - 1, left - 1:left + w + 1]
     return atlas, torch.tensor(places, dtype=torch.int64)
+
+
+def pack_gathered(images: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """:func:`pack` where the images are (on the device, after ``--decode-on device``), in a fixed
+    number of ops whatever their count: one concatenation of the images and one gather of the
+    atlas from it, its map computed there from a table the host writes and copies in one piece
+    (per image its place and where its pixels start; per atlas row its shelf; per shelf and
+    column the image there). Each image and its repeated edge are :func:`pack`'s exactly; the
+    pixels between them are copies of a nearby image's (where :func:`pack` leaves them
+    uninitialised). The atlas is H x W x 3 over planar memory (the gather's natural layout,
+    which the resampling's planar copy reads contiguously)."""
+    sizes = [(image.shape[1], image.shape[2]) for image in images]
+    places, height, width = placements(sizes)
+    tops = np.array([p[0] for p in places])
+    shelf_tops, shelf_of = np.unique(tops, return_inverse=True)
+    shelf_rows = np.zeros(len(shelf_tops), np.int64)  # each shelf's height, its edge rows included
+    np.maximum.at(shelf_rows, shelf_of, [h + 2 * EDGE for h, _ in sizes])
+    rows = np.zeros(height, np.int64)  # the shelf of each atlas row (rows below a tile's shelves: 0)
+    for shelf, (top, tall) in enumerate(zip(shelf_tops, shelf_rows)):
+        rows[top - EDGE:top - EDGE + tall] = shelf
+    owner = np.zeros((len(shelf_tops), width), np.int64)  # the image in each shelf's columns
+    starts = np.cumsum([0, *(h * w for h, w in sizes[:-1])])
+    table = np.empty((len(sizes), _PACK_COLUMNS), np.int64)
+    for i, ((top, left, h, w), start) in enumerate(zip(places, starts)):
+        owner[shelf_of[i], left - EDGE:left + w + EDGE] = i
+        table[i] = (top, left, h - 1, w - 1, w, start)
+    index_type = torch.int32 if sum(h * w for h, w in sizes) < 2**31 and height * width < 2**31 else torch.int64
+    host = torch.from_numpy(np.concatenate([table.ravel(), rows, owner.ravel()])).to(index_type)
+    maps = pinned_to_device(host, images[0].device)  # one copy
+    table, rows, owner = maps.split([table.size, height, owner.size])
+    table = table.view(len(sizes), _PACK_COLUMNS)
+    owners = owner.view(-1, width).index_select(0, rows).view(-1)  # H W: the image each atlas pixel copies
+
+    def of(column: int) -> Tensor:  # H x W: that column of each pixel's image
+        return table[:, column].index_select(0, owners).view(height, width)
+
+    y = torch.arange(height, device=maps.device, dtype=index_type)[:, None]
+    x = torch.arange(width, device=maps.device, dtype=index_type)[None, :]
+    row = torch.minimum((y - of(0)).clamp_(min=0), of(2))  # clamped: the edge repeats the image's border
+    column = torch.minimum((x - of(1)).clamp_(min=0), of(3))
+    source = row.mul_(of(4)).add_(column).add_(of(5))
+    pixels = torch.cat([image.reshape(3, -1) for image in images], 1)  # 3 x every pixel, image after image
+    planar = pixels.index_select(1, source.view(-1)).view(3, height, width)
+    return planar.permute(1, 2, 0), torch.tensor(places, dtype=torch.int64)
+
+
+_PACK_COLUMNS = 6  # pack_gathered's table: top, left, last row, last column, width, first pixel
 
 
 def unpack(atlas: Tensor, places: Tensor) -> list[Tensor]:
@@ -260,6 +320,43 @@ THREAD_NAME = "device-batches-ahead"
 log = logging.getLogger("train")
 
 
+# Device bytes per atlas pixel: the float32 tiles a pass keeps (batch_augment.atlas_for_resampling),
+# the uint8 atlas of the batch in the making, and with --decode-on device what pack_gathered adds
+# at its peak (the decoded images and their concatenation, about 3 bytes each, five int32 maps)
+FLOAT_ATLAS_BYTES, ATLAS_BYTES, PACK_PEAK_BYTES = 12, 3, 26
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Device bytes a pass of this path holds per rank, about (atlases vary with their images):
+    the float atlas kept for the pass, the batch in the making, the finished batches (:data:`AHEAD`
+    waiting, one being made, one the training step reads)."""
+
+    atlas: int
+    making: int
+    made: int
+
+    @property
+    def total(self) -> int:
+        return self.atlas + self.making + self.made
+
+    @staticmethod
+    def of_pass(mean_pixels: float, batch: int, views: int, size: int, decode_on_device: bool) -> DeviceMemory:
+        atlas_pixels = ATLAS_PADDING * batch * mean_pixels
+        making = (ATLAS_BYTES + (PACK_PEAK_BYTES if decode_on_device else 0)) * atlas_pixels
+        return DeviceMemory(round(FLOAT_ATLAS_BYTES * atlas_pixels), round(making),
+                            (AHEAD + 2) * batch * views * 3 * size * size * 4)
+
+
+def describe_device_memory(train: DeviceMemory, evaluation: DeviceMemory, device: torch.device) -> str:
+    """One line for ``--check``: what the path holds on ``device`` in a training and in an
+    evaluation pass (never both: a pass lets its buffers go when it ends)."""
+    return (f"device memory: the data path holds about {size_text(train.total)} per rank on {device.type} in a "
+            f"training pass (the float atlas {size_text(train.atlas)}, the batch in the making "
+            f"{size_text(train.making)}, {AHEAD + 2} finished batches {size_text(train.made)}) and "
+            f"{size_text(evaluation.total)} in an evaluation pass; each pass lets them go when it ends")
+
+
 class FinishOnDevice:
     """Finishes on the device what DataLoader workers started (``loader``: batches of
     :func:`collate_files`): every view cropped, resized, coloured, blurred, flipped and
@@ -295,13 +392,24 @@ class FinishOnDevice:
             # the loader's one iterator (persistent workers) is reset below: the last pass's thread
             # must be off it first
             self._producer.close(wait=None)
-        producer = _Producer(iter(self.loader), self.make, self.ahead, _this_device(self.device))
+        producer = _Producer(iter(self.loader), self.make, self.ahead, _this_device(self.device), self.augment.release)
         self._producer = producer
         return BatchesAhead(producer)
 
     def _made(self):
-        for batch in self.loader:
-            yield self.make(batch)
+        try:
+            for batch in self.loader:
+                yield self.make(batch)
+        finally:
+            self.augment.release()
+
+    def close(self) -> None:
+        """Stops the pass's thread, the batches it made and did not hand out dropped, and lets the
+        augmentation's float atlas go: a pass that ends early (``--max-steps``), the run's end."""
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+        self.augment.release()
 
     def finish(self, batch: list) -> tuple:
         """(views, targets) of one collated batch (:func:`collate_files`), for the caller's
@@ -329,7 +437,8 @@ class FinishOnDevice:
                 if fallen_back:
                     self.fallbacks.add(self.device, sample_path(self.decoded, int(index[fallen_back[0]])),
                                        len(fallen_back))
-                atlas, places = pack(decoded)
+                # a fixed number of launches on CUDA; a CPU copies slices faster than it gathers
+                atlas, places = (pack_gathered if self.device.type == "cuda" else pack)(decoded)
         else:
             atlas, places = images.atlas, images.places
             with record_function("device_finish/copy"):
@@ -446,9 +555,10 @@ class _Producer:
     """The thread of a :class:`BatchesAhead` and its hand-over; held by the iterator and by
     :class:`FinishOnDevice`, never holding either."""
 
-    def __init__(self, batches, make: Callable[[list], Made], depth: int, device: torch.device):
+    def __init__(self, batches, make: Callable[[list], Made], depth: int, device: torch.device,
+                 ended: Callable[[], None]):
         self.handover = _HandOver(depth)
-        self.thread = threading.Thread(target=_make_ahead, args=([batches], make, self.handover, device),
+        self.thread = threading.Thread(target=_make_ahead, args=([batches], make, self.handover, device, ended),
                                        name=THREAD_NAME, daemon=True)
         self.thread.start()
 
@@ -458,11 +568,12 @@ class _Producer:
             self.thread.join(wait)
 
 
-def _make_ahead(source: list, make: Callable[[list], Made], handover: _HandOver, device: torch.device) -> None:
+def _make_ahead(source: list, make: Callable[[list], Made], handover: _HandOver, device: torch.device,
+                ended: Callable[[], None]) -> None:
     """The thread's work: each batch of the loader's iterator (``source[0]``) made and handed
     over, in order, then :data:`_END`; an error handed over in its place. The iterator is let go
     when the thread ends (``source`` emptied; the error's frames cleared of their locals), so
-    nothing of it outlives the thread."""
+    nothing of it outlives the thread, and ``ended()`` is called (the pass's buffers let go)."""
     batch = None
     try:
         if device.type == "cuda":
@@ -481,6 +592,7 @@ def _make_ahead(source: list, make: Callable[[list], Made], handover: _HandOver,
             batch[0].release()  # taken and not handed over: nothing reads it
         batch = None
         source.clear()
+        ended()
 
 
 def _one_iterator(loader) -> bool:
@@ -503,7 +615,9 @@ def decode_on(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor | 
     One file the batched decoder refuses fails the whole batch (its header passed the worker's
     check, its data did not): the batch is then decoded image by image, and only the images the
     device refuses alone are returned as failed (the caller decodes them on the CPU: PIL reads
-    some files that libjpeg-turbo refuses).
+    some files that libjpeg-turbo refuses). The device failing is raised as it is, never taken
+    for a refused image (:func:`_refused`: out of memory, an accelerator error), and so is a
+    batch of several whose every image fails alone too (with the batch's error).
 
     On CUDA the images are ready for the caller's current stream when this returns (in
     :class:`FinishOnDevice`, the data stream), and safe to free there: see :func:`_decode_on_cuda`."""
@@ -554,8 +668,13 @@ def _decode_all(device: torch.device, batch: EncodedBatch) -> tuple[list[Tensor 
         decode_jpeg, rgb = jpeg_decoder()
         try:
             decoded = decode_jpeg([images[i] for i in encoded], mode=rgb, device=device)
-        except RuntimeError:
+        except RuntimeError as err:
+            if not _refused(err):
+                raise
             decoded = [_decode_one(device, images[i]) for i in encoded]
+            if len(encoded) > 1 and all(image is None for image in decoded):
+                raise RuntimeError(f"--decode-on device: the {device.type} decoder failed a batch of {len(encoded)} "
+                                   f"JPEGs and then each of them alone: {err}") from err
         for i, image in zip(encoded, decoded):
             if image is None:
                 failed.append(i)
@@ -569,8 +688,24 @@ def _decode_one(device: torch.device, data: Tensor) -> Tensor | None:
     decode_jpeg, rgb = jpeg_decoder()
     try:
         return decode_jpeg(data, mode=rgb, device=device)
-    except RuntimeError:
+    except RuntimeError as err:
+        if not _refused(err):
+            raise
         return None
+
+
+# The device failing rather than refusing an image: its memory (PyTorch's, or nvJPEG's own
+# allocations outside PyTorch's cache) or a CUDA error
+_DEVICE_FAILURES = tuple(getattr(torch, name) for name in ("OutOfMemoryError", "AcceleratorError") if hasattr(torch, name))
+_DEVICE_FAILURE_TEXT = re.compile(r"out of memory|CUDA error|ALLOCATOR_FAILURE|alloc", re.IGNORECASE)
+
+
+def _refused(err: RuntimeError) -> bool:
+    """Whether a decoder's error refuses the image's data (which the CPU may then decode) rather
+    than reports the device failing (out of memory, an accelerator error), which must stop the
+    run as what it is: retried image by image and decoded on the CPU for the rest of the run, it
+    would be called a refused image."""
+    return not isinstance(err, _DEVICE_FAILURES) and not _DEVICE_FAILURE_TEXT.search(str(err))
 
 
 # ----------------------------------------------------------------------------- the device's decoder

@@ -41,7 +41,14 @@ from .. import hashing
 from ..config import UsageError
 from .batch_augment import BatchAugment, DeviceAugment, PreparedAhead, pinned_to_device
 from .data_stream import DataStream, HandedOut
-from .host_memory import EVAL_PREFETCH, TRAIN_PREFETCH, check_shared_memory, eval_batch_size, loader_memory
+from .host_memory import (
+    EVAL_PREFETCH,
+    TRAIN_PREFETCH,
+    check_shared_memory,
+    eval_batch_size,
+    loader_memory,
+    mean_image_pixels,
+)
 from .image_files import FolderListing, ImageFiles, image_files_of, read_as
 from .object_store import StoreError
 from .order import (
@@ -165,12 +172,26 @@ class Loaders:
     decode_fallbacks: DecodeFallbacks | None = None  # image files on the device: what its decoder refused
 
     def close(self, restartable: bool = False) -> None:
-        """Shards from an object store: stop downloading, let this rank's holds go, and (the
-        node's last rank, unless the plan keeps it or the run stopped to be started again:
-        ``restartable``, whose next attempt keeps what it can use) delete the node's cache."""
+        """The device path's threads stopped (:meth:`stop_making`). Shards from an object store:
+        stop downloading, let this rank's holds go, and (the node's last rank, unless the plan
+        keeps it or the run stopped to be started again: ``restartable``, whose next attempt keeps
+        what it can use) delete the node's cache."""
+        self.stop_making(self.train, self.val, self.bank)
         if self.read_ahead is not None:
             self.read_ahead.close()
             self.read_ahead.cache.leave(keep=self.plan.store.keep or restartable)
+
+    @staticmethod
+    def stop_making(*passes: Batches | None) -> None:
+        """Image files finished on the device: each of ``passes``' thread stopped, the batches it
+        made and did not hand out dropped, its float atlas let go (a pass that ends early, the
+        run's end, which must stop the thread before the process group goes)."""
+        from .files_on_device import FinishOnDevice
+
+        for batches in passes:
+            made = batches.batches if isinstance(batches, RecordingUnreadable) else batches
+            if isinstance(made, FinishOnDevice):
+                made.close()
 
     @property
     def batches_per_epoch(self) -> int:
@@ -450,6 +471,21 @@ def plan_memory(plan: DataPlan, train_raw: Dataset):
     return loader_memory(train_raw, batch_size=plan.batch_size, workers=plan.workers, views=plan.views,
                          image_size=max(plan.image_size, plan.train_image_size), aug_on_device=plan.aug_on_device,
                          decode_on_device=plan.decode_on_device)
+
+
+def describe_plan_device_memory(plan: DataPlan, train_raw: Dataset, device: torch.device) -> str | None:
+    """``--check``'s line on the device memory of image files finished on the device
+    (``files_on_device.DeviceMemory``); None on the other paths."""
+    files = image_files_of(train_raw)
+    if not plan.aug_on_device or files is None:
+        return None
+    from .files_on_device import DeviceMemory, describe_device_memory
+
+    pixels = mean_image_pixels(files)
+    train = DeviceMemory.of_pass(pixels, plan.batch_size, plan.views, plan.train_image_size, plan.decode_on_device)
+    evaluation = DeviceMemory.of_pass(pixels, eval_batch_size(plan.batch_size, True), 1, plan.image_size,
+                                      plan.decode_on_device)
+    return describe_device_memory(train, evaluation, device)
 
 
 # ----------------------------------------------------------------------------- image files that cannot be decoded, recorded

@@ -1,5 +1,5 @@
 """The forward's autocast and fp16's loss scaler, from ``--amp {auto,none,bf16,fp16,torchvision}``
-(auto: bf16 on CUDA, fp32 elsewhere; torchvision: its train.py's bare ``--amp``, fp16 on CUDA and
+(auto: bf16 on a GPU that computes it natively, fp32 elsewhere; torchvision: its train.py's bare ``--amp``, fp16 on CUDA and
 fp32 elsewhere). Training and the kNN monitor's feature extraction both take them."""
 from __future__ import annotations
 
@@ -12,22 +12,33 @@ AMP_MODES = ("auto", "none", "bf16", "fp16", "torchvision")
 
 
 def resolve_amp(amp: str, device: torch.device) -> str:
-    """``auto`` -> bf16 on CUDA (when the GPU supports it), fp32 ("none") elsewhere;
+    """``auto`` -> bf16 on a GPU with native bf16 (Ampere and later), fp32 ("none") elsewhere;
     ``torchvision`` -> fp16 on CUDA, fp32 elsewhere (its autocast is CUDA's, which leaves a CPU's
     operations in fp32)."""
     if amp == "torchvision":
         return "fp16" if device.type == "cuda" else "none"
     if amp != "auto":
         return amp
-    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "none"
+    return "bf16" if native_bf16(device) else "none"
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU that computes bf16 natively. ``is_bf16_supported()`` alone also
+    says yes where CUDA emulates it (a V100, a T4: no bf16 tensor cores), slower than fp32 there."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def precision_name(amp: str, device: torch.device) -> str:
-    """What ``--amp`` trains in on ``device``, in words: "fp32", "bf16", "fp16"; a bare ``--amp``
-    adds what it is on CUDA where this device is not."""
+    """What ``--amp`` trains in on ``device``, in words: "fp32", "bf16", "fp16", and why where
+    the choice was made for this machine (``auto``, a bare ``--amp`` off CUDA)."""
     name = resolve_amp(amp, device).replace("none", "fp32")
-    return name + (" (bare --amp, torchvision's: fp16 with a GradScaler on CUDA)"
-                   if amp == "torchvision" and device.type != "cuda" else "")
+    if amp == "torchvision" and device.type != "cuda":
+        return name + " (bare --amp, torchvision's: fp16 with a GradScaler on CUDA)"
+    if amp != "auto" or device.type != "cuda":
+        return name
+    if name == "bf16":
+        return name + " (--amp auto: this GPU computes bf16 natively)"
+    return name + " (--amp auto: this GPU has no native bf16, at most an emulated one; --amp fp16 uses its fp16 tensor cores)"
 
 
 def autocast(amp: str, device: torch.device) -> ContextManager:

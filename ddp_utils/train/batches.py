@@ -158,15 +158,19 @@ class TrainingBatches:
             self.loaders.set_epoch(state.epoch)
         self.epoch_started = (time.perf_counter(), state.batches_done, self.data_wait.seconds)
         self._batches = self.data_wait.call(lambda: iter(self.loaders.train))  # may start the workers
-        for micro in plan_windows(len(self.loaders.train), self.accum_steps):
-            batch = self.data_wait.next(self._batches)
-            if batch is None:
-                return
-            if micro.index == 0:
-                self._window_start = state.batches_done
-                self.window_undo.save()
-            state.batches_done += 1
-            yield micro, batch
+        try:
+            for micro in plan_windows(len(self.loaders.train), self.accum_steps):
+                batch = self.data_wait.next(self._batches)
+                if batch is None:
+                    return
+                if micro.index == 0:
+                    self._window_start = state.batches_done
+                    self.window_undo.save()
+                state.batches_done += 1
+                yield micro, batch
+        finally:  # a pass left early (--max-steps) keeps no batch made ahead through what follows
+            self._batches = None
+            self.loaders.stop_making(self.loaders.train)
 
     def prepare_next(self) -> None:
         """Batches made on the device: queue the next one's augmentation now, so the device

@@ -15,6 +15,7 @@ from ..config import UsageError
 from ..data.host_memory import check_shared_memory, describe_memory
 from ..data.image_files import image_files_of
 from ..data.pipeline import (
+    describe_plan_device_memory,
     plan_memory,
     raw_splits,
     require_a_batch,
@@ -97,6 +98,9 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         check_shared_memory(memory, launch.local_world_size)
         if memory is not None:
             lines.append(describe_memory(memory, launch.local_world_size))
+        on_device = describe_plan_device_memory(plan, train, device)
+        if on_device:
+            lines.append(on_device)
         if cfg.check_data:
             started, threads = time.perf_counter(), usable_cpus()
             if cfg.dataset == "shards":  # first the shards' checksums: a damaged copy is one line a shard
