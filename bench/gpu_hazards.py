@@ -44,8 +44,9 @@ from bench.device_finish import decodable, folder_files, row, sync  # noqa: E402
 from ddp_utils.data import batch_augment as ba  # noqa: E402
 from ddp_utils.data import files_on_device  # noqa: E402
 from ddp_utils.data.batch_augment import BatchAugment, DeviceAugment  # noqa: E402
-from ddp_utils.data.files_on_device import EncodedBatch, decode_on, pack, pack_gathered  # noqa: E402
-from ddp_utils.data.image_files import decode_cpu, read_bytes  # noqa: E402
+from ddp_utils.data.files_on_device import DeviceMemory, EncodedBatch, decode_on, pack, pack_gathered  # noqa: E402
+from ddp_utils.data.host_memory import mean_image_pixels  # noqa: E402
+from ddp_utils.data.image_files import decode_cpu, image_files_of, read_bytes  # noqa: E402
 from ddp_utils.data.pipeline import DataPlan, build_data  # noqa: E402
 from ddp_utils.data.recipes import moco_recipe  # noqa: E402
 
@@ -218,11 +219,14 @@ def memory_held(args: argparse.Namespace, device: torch.device) -> bool:
     ended = allocated(device)
     atlas = loaders.train.batches.augment.atlas_bytes
     loaders.close()
+    estimate = DeviceMemory.of_pass(mean_image_pixels(image_files_of(loaders.train_set)), args.batch_size, 2,
+                                    args.image_size, decode_on_device=False)
     ok = atlas == 0 and (device.type != "cuda" or ended - before < (running - before) // 4)
     print(row("hazard 5: atlases held", f"{args.repeats} training batches of {args.batch_size} (MoCo v2) on "
               f"{device.type}, then the pass left as --max-steps leaves it", f"{(ended - before) / 1e6:.1f} MB held after",
-              f"{(running - before) / 1e6:.1f} MB while running (the float atlas, made batches); float atlas kept after: "
-              f"{atlas} bytes" + ("" if ok else "; FAILED")), flush=True)
+              f"{(running - before) / 1e6:.1f} MB while running (--check estimates {estimate.total / 1e6:.1f} MB: the "
+              f"float atlas, made batches); float atlas kept after: {atlas} bytes" + ("" if ok else "; FAILED")),
+          flush=True)
     return ok
 
 
