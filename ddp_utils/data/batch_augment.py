@@ -533,15 +533,17 @@ class DeviceAugment:
         The atlas is made float32 in one buffer kept for the pass's next batch (on the CPU a fresh
         one would cost a page fault per 4 KiB): 12 bytes per atlas pixel, the pass's largest
         atlas, until :meth:`release`."""
-        tiles, tile = tiles_of(atlas)
-        numel = tiles * 3 * tile * atlas.shape[1]
-        if self._atlas.device != atlas.device or self._atlas.numel() < numel:
-            self._atlas = torch.empty(0)  # the old one freed first
-            self._atlas = atlas.new_empty(numel, dtype=torch.float32)
-        x = atlas_for_resampling(atlas, out=self._atlas)  # N x 3 x T x W, made once for every view
+        x = atlas_for_resampling(atlas, buffer=self._kept_atlas)  # N x 3 x T x W, made once for every view
         device, layout = atlas.device, memory_format(atlas.device)
         places = pinned_to_device(places, device)
         return self._views(epoch, index, device, lambda view, u: self.augment.apply_packed(x, places, u, layout))
+
+    def _kept_atlas(self, numel: int, device: torch.device) -> Tensor:
+        """The kept float atlas, made anew when this atlas needs more or another device."""
+        if self._atlas.device != device or self._atlas.numel() < numel:
+            self._atlas = torch.empty(0)  # the old one freed first
+            self._atlas = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._atlas
 
     @property
     def atlas_bytes(self) -> int:
@@ -593,31 +595,25 @@ def normalize(x: Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] 
     return torch.addcmul(shift, x, scale, out=torch.empty_like(x, memory_format=layout))  # one pass
 
 
-def atlas_for_resampling(atlas: Tensor, out: Tensor | None = None) -> Tensor:
+def atlas_for_resampling(atlas: Tensor, buffer: Callable[[int, torch.device], Tensor] | None = None) -> Tensor:
     """The tiles of an H x W x 3 uint8 atlas (``files_on_device.pack``: W x W tiles stacked, the
     last one as tall as its rows) as N x 3 x T x W float32 in [0, 1] (uint8 x 1/255, as
     :func:`as_float_rgb`; T = W, or H for one tile), the input of :meth:`BatchAugment.apply_packed`,
-    written into ``out`` (1-D float32, at least N x 3 x T x W long) where given. Planar, so that
-    each channel's rows read contiguously; the last tile's rows below the atlas are left
-    uninitialised (no image lies there)."""
+    written into ``buffer(numel, device)`` (1-D float32, at least ``numel`` long) where given.
+    Planar, so that each channel's rows read contiguously; the last tile's rows below the atlas
+    are left uninitialised (no image lies there)."""
     height, width, _ = atlas.shape
-    tiles, tile = tiles_of(atlas)
+    tile = min(height, width)
+    tiles = -(-height // tile)
     last = height - (tiles - 1) * tile
     numel = tiles * 3 * tile * width
-    planar = atlas.new_empty(numel, dtype=torch.float32) if out is None else out[:numel]
+    planar = atlas.new_empty(numel, dtype=torch.float32) if buffer is None else buffer(numel, atlas.device)[:numel]
     planar = planar.view(tiles, 3, tile, width)
     whole = (tiles - 1) * tile  # rows of the full tiles: they and the last are two ops, whatever their count
     full, rest = atlas[:whole].view(tiles - 1, tile, width, 3), atlas[whole:]
     for part, rows in ((planar[:-1], full), (planar[-1, :, :last], rest)):
         part.copy_(rows.movedim(-1, -3)).mul_(1 / 255)  # a copy then a multiply: faster than one mul from uint8
     return planar
-
-
-def tiles_of(atlas: Tensor) -> tuple[int, int]:
-    """(N, T): the tiles of an H x W x 3 atlas and their rows (T = W, or H for one tile)."""
-    height, width, _ = atlas.shape
-    tile = min(height, width)
-    return -(-height // tile), tile
 
 
 def as_float_rgb(images: Tensor) -> Tensor:

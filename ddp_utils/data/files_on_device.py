@@ -697,7 +697,7 @@ def _decode_one(device: torch.device, data: Tensor) -> Tensor | None:
 # The device failing rather than refusing an image: its memory (PyTorch's, or nvJPEG's own
 # allocations outside PyTorch's cache) or a CUDA error
 _DEVICE_FAILURES = tuple(getattr(torch, name) for name in ("OutOfMemoryError", "AcceleratorError") if hasattr(torch, name))
-_DEVICE_FAILURE_TEXT = re.compile(r"out of memory|CUDA error|ALLOCATOR_FAILURE|alloc", re.IGNORECASE)
+_DEVICE_FAILURE_TEXT = re.compile(r"out of memory|CUDA error|alloc", re.IGNORECASE)  # alloc: nvJPEG ALLOCATOR_FAILURE too
 
 
 def _refused(err: RuntimeError) -> bool:

@@ -1,6 +1,7 @@
 """The forward's autocast and fp16's loss scaler, from ``--amp {auto,none,bf16,fp16,torchvision}``
-(auto: bf16 on a GPU that computes it natively, fp32 elsewhere; torchvision: its train.py's bare ``--amp``, fp16 on CUDA and
-fp32 elsewhere). Training and the kNN monitor's feature extraction both take them."""
+(auto: bf16 on a GPU that computes it natively, fp32 elsewhere; torchvision: its train.py's bare
+``--amp``, fp16 on CUDA and fp32 elsewhere). Training and the kNN monitor's feature extraction
+both take them."""
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,8 @@ def precision_name(amp: str, device: torch.device) -> str:
         return name
     if name == "bf16":
         return name + " (--amp auto: this GPU computes bf16 natively)"
-    return name + " (--amp auto: this GPU has no native bf16, at most an emulated one; --amp fp16 uses its fp16 tensor cores)"
+    return name + (" (--amp auto: this GPU has no native bf16, at most an emulated one; --amp fp16 uses its fp16 "
+                   "tensor cores)")
 
 
 def autocast(amp: str, device: torch.device) -> ContextManager:
