@@ -89,14 +89,14 @@ from ddp_utils.runtime.collectives import (
     check_replicas_identical,
     sync_buffers_from_rank0,
 )
-from ddp_utils.runtime.device import to_device
-from ddp_utils.runtime.dist import DistInfo, unwrap
+from ddp_utils.runtime.device import place_model, to_device
+from ddp_utils.runtime.dist import DistInfo, unwrap, wrap_network
 from ddp_utils.runtime.launch import LaunchEnv
 from ddp_utils.runtime.logs import release_held_logs
 from ddp_utils.runtime.precision import autocast
 from ddp_utils.train.accumulation import fp16_overflow, no_sync, set_lr, stepped_parameters
 from ddp_utils.train.check import check_only
-from ddp_utils.train.checkpoint import Resume, mismatch_detail, save_checkpoint
+from ddp_utils.train.checkpoint import Resume, mismatch_detail
 from ddp_utils.train.ema import WeightsEMA, ema_decay
 from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.optimization import OPTIMIZERS, build_optimization, parameter_groups, state_copies
@@ -109,10 +109,16 @@ from ddp_utils.train.pretrained import (
     tensors_equal,
 )
 from ddp_utils.train.resume import state_to_start_from, stop_if_complete
-from ddp_utils.train.run import TrainRun, start_training
+from ddp_utils.train.run import (
+    TrainRun,
+    ends_the_run,
+    save_checkpoint,
+    skip_or_stop_nonfinite,
+    start_training,
+    stop_for_signal,
+)
 from ddp_utils.train.run_folder import open_run_folder
-from ddp_utils.train.session import RunSession, place_model, wrap_network
-from ddp_utils.train.step_policy import ends_the_run, skip_or_stop_nonfinite, stop_for_signal
+from ddp_utils.train.session import RunSession
 from ddp_utils.train.train_config import (
     MODEL,
     OUT_HELP,
@@ -464,10 +470,6 @@ def with_trained_sizes(cfg: ClassifierConfig) -> ClassifierConfig:
 @dataclass(kw_only=True)
 class ClassifierRun(TrainRun):
     frozen_backbone: dict | None = None  # --linear-probe: the backbone's tensors at the start
-    ema: WeightsEMA | None = None        # --model-ema: the average of the weights
-
-    def checkpoint_extras(self) -> dict:
-        return {"model_ema": self.ema.state_dict()} if self.ema is not None else {}
 
 
 # ----------------------------------------------------------------------------- building

@@ -63,23 +63,28 @@ from ddp_utils.models.backbones import (
 from ddp_utils.models.moco import Encoder, MoCo, contrastive_step
 from ddp_utils.models.shuffle_bn import split_batchnorm
 from ddp_utils.runtime.collectives import all_ranks_agree, check_replicas_identical, sync_buffers_from_rank0
-from ddp_utils.runtime.device import to_device
-from ddp_utils.runtime.dist import DistInfo, barrier
+from ddp_utils.runtime.device import place_model, to_device
+from ddp_utils.runtime.dist import DistInfo, barrier, wrap_network
 from ddp_utils.runtime.launch import LaunchEnv
 from ddp_utils.runtime.precision import autocast
 from ddp_utils.train.accumulation import fp16_overflow, no_sync, set_lr, stepped_parameters
 from ddp_utils.train.check import check_only
-from ddp_utils.train.checkpoint import save_checkpoint
 from ddp_utils.train.monitor import StepMeter
 from ddp_utils.train.optimization import LR_SCHEDULES, build_optimization, cosine_to_one
 from ddp_utils.train.preflight import preflight
 from ddp_utils.train.pretrained import export_backbone
 from ddp_utils.train.resume import state_to_start_from, stop_if_complete
-from ddp_utils.train.run import TrainRun, start_training
+from ddp_utils.train.run import (
+    TrainRun,
+    ends_the_run,
+    is_complete,
+    save_checkpoint,
+    skip_or_stop_nonfinite,
+    start_training,
+    stop_for_signal,
+)
 from ddp_utils.train.run_folder import open_run_folder
-from ddp_utils.train.run_state import is_complete
-from ddp_utils.train.session import RunSession, place_model, wrap_network
-from ddp_utils.train.step_policy import ends_the_run, skip_or_stop_nonfinite, stop_for_signal
+from ddp_utils.train.session import RunSession
 from ddp_utils.train.train_config import MODEL, OUT_HELP, RUN_FOLDER, TrainConfig, check_sync_bn, parse_args
 from ddp_utils.train.unreadable_files import stop_if_files_unreadable
 

@@ -13,8 +13,7 @@ from ddp_utils.data.sets import DigitsDataset
 from ddp_utils.models.backbones import build_model
 from ddp_utils.runtime.stopping import StepGuard
 from ddp_utils.train.accumulation import MicroStep, fp16_overflow, no_sync, plan_windows, set_lr
-from ddp_utils.train.batches import TrainingBatches, WindowUndo
-from ddp_utils.train.run_state import RunState
+from ddp_utils.train.run import RunState, TrainingBatches, WindowUndo
 
 DIGITS_LENET = ["--dataset", "digits", "--arch", "lenet", "--no-augment", "--device", "cpu",
                 # constant LR: a cosine schedule's length depends on how many samples drop_last

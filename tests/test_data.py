@@ -620,8 +620,7 @@ def test_a_pass_left_early_keeps_no_made_batch_and_every_pass_lets_its_float_atl
     """The training loop leaves its epoch after one batch (--max-steps): the pass's thread has
     stopped when the loop's ``for`` is left, its made batches dropped and the float atlas let go;
     validation read to its end lets its atlas go; after ``Loaders.close`` no thread is left."""
-    from ddp_utils.train.batches import TrainingBatches
-    from ddp_utils.train.run_state import RunState
+    from ddp_utils.train.run import RunState, TrainingBatches
 
     loaders = build_data(files_plan(jpeg_folder, decode_on_device=True), rank=0, world_size=1, device=CPU)
     finish = loaders.train.batches

@@ -324,7 +324,7 @@ ONE_BATCH_FILES = {
     "training process": {
         "data/order.py", "data/image_files.py", "data/pipeline.py", "data/files_on_device.py",
         "data/data_stream.py", "data/batch_augment.py", "hashing.py",  # the batch
-        "train/batches.py", "train/accumulation.py",  # handed to the loop
+        "train/run.py", "train/accumulation.py",  # handed to the loop
         "runtime/device.py", "runtime/precision.py", "runtime/dist.py", "models/moco.py", "models/shuffle_bn.py",
         "models/backbones.py", "runtime/collectives.py",  # the forward and the loss
     },
@@ -332,7 +332,7 @@ ONE_BATCH_FILES = {
 # The data's own part (steps 1 to 4 of the walk), from the sampler's keys to the loop's hand-out;
 # train/accumulation.py places the batch in its window but is counted with the step.
 DATA_PART = {"data/order.py", "data/pipeline.py", "data/image_files.py", "data/files_on_device.py",
-             "data/data_stream.py", "data/batch_augment.py", "hashing.py", "train/batches.py"}
+             "data/data_stream.py", "data/batch_augment.py", "hashing.py", "train/run.py"}
 
 
 def files_one_batch_enters(monkeypatch, args: list[str]) -> dict[str, dict[str, set[str]]]:

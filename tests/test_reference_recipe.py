@@ -264,7 +264,7 @@ def run_project(tmp_path, monkeypatch, capsys, extra: list[str], unmixed: list |
         checkpoints[run.state.step] = {"step": run.state.step, "facts": run.facts, "model": _copy(run.model.state_dict()),
                                        "optimizer": {"param_groups": [dict(g, params=None)
                                                                       for g in run.optimizer.param_groups]},
-                                       **{k: _copy(v) for k, v in run.checkpoint_extras().items()}}
+                                       **({"model_ema": _copy(run.ema.state_dict())} if run.ema is not None else {})}
 
     def recording_network(cfg, info, num_classes):
         model = build(cfg, info, num_classes)

@@ -33,9 +33,8 @@ from ddp_utils.runtime.collectives import all_ranks_agree
 from ddp_utils.runtime.dist import DistInfo
 from ddp_utils.runtime.stopping import EXIT_NONFINITE, RunStopped
 from ddp_utils.train import monitor
-from ddp_utils.train.checkpoint import save_checkpoint
 from ddp_utils.train.monitor import Progress
-from ddp_utils.train.run import start_training
+from ddp_utils.train.run import save_checkpoint, start_training
 from ddp_utils.train.session import RunSession
 
 LENET = ["--device", "cpu", "--arch", "lenet", "--batch-size", "16", "--log-every", "1"]

@@ -27,7 +27,7 @@ from ddp_utils.train.optimization import (
     warmup_cosine_factor,
     warmup_step_factor,
 )
-from ddp_utils.train.run_state import RunState
+from ddp_utils.train.run import RunState
 
 PEAK, TOTAL, MILESTONES = 0.05, 300, (120, 210)  # 0.05: not a power of two, so rounding would show
 KINDS = [("cosine", 0), ("cosine", 25), ("step", 0), ("step", 25), ("constant", 0), ("constant", 25)]

@@ -81,7 +81,7 @@ class MoCo(nn.Module):
         """Run the key encoder through ``torch.compile``; its parameters stay encoder_k's own."""
         object.__setattr__(self, "compiled_key_encoder", torch.compile(self.encoder_k))
 
-    # The window's undo (train.batches.WindowUndo; ForwardState is its interface): a training
+    # The window's undo (train.run.WindowUndo; ForwardState is its interface): a training
     # forward advances the shuffle count, so a window given up must put it back, or the next
     # shuffles would differ from a run that never met that window. train_moco.setup registers
     # MoCo (run.batches.window_undo.register(moco)); a module that is not registered is not undone.

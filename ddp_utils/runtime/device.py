@@ -1,12 +1,13 @@
 """The device of this process: which GPU a rank takes (one-line errors where none can work), the
-backend that goes with it, whether two ranks share a GPU, and the memory format a batch takes
-on the device."""
+backend that goes with it, whether two ranks share a GPU, and the memory format a batch and the
+model take on the device (:func:`to_device`, :func:`place_model`)."""
 from __future__ import annotations
 
 import os
 import socket
 
 import torch
+from torch import nn
 
 from ..config import UsageError
 from .launch import LaunchEnv
@@ -96,3 +97,8 @@ def to_device(images: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A batch on the training device in its memory format; asynchronous from pinned memory
     (and a no-op for a batch already there)."""
     return images.to(device, non_blocking=True, memory_format=memory_format(device))
+
+
+def place_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` on ``device``, in the memory format its convolutions run fastest in there."""
+    return model.to(device=device, memory_format=memory_format(device))

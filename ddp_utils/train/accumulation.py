@@ -15,7 +15,6 @@ Mixed precision, the forward's autocast and fp16's loss scaler from ``--amp``, i
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import ContextManager
 
@@ -41,11 +40,6 @@ def plan_windows(num_micro_batches: int, accum_steps: int) -> list[MicroStep]:
         size = min(accum_steps, num_micro_batches - start)
         plan += [MicroStep(i, size) for i in range(size)]
     return plan
-
-
-def steps_per_epoch(batches_per_epoch: int, accum_steps: int) -> int:
-    """Optimizer steps in one epoch: its windows (:func:`plan_windows`), a shorter last one counted."""
-    return math.ceil(batches_per_epoch / accum_steps)
 
 
 def no_sync(network: nn.Module, enabled: bool) -> ContextManager:

@@ -33,11 +33,11 @@ from ..runtime.launch import LaunchEnv, detect_launch, restart_count
 from ..runtime.logs import masked, say_error
 from ..runtime.precision import precision_name
 from ..runtime.stopping import EXIT_OK
-from .accumulation import steps_per_epoch
 from .data_record import check_same_data
+from .optimization import steps_per_epoch
 from .preflight import check_cache_room, checks_before_start, describe_settings, named_by, resolved_settings
 from .resume import check_resume_fits
-from .run_state import describe_position
+from .run import describe_position
 from .train_config import RESUME_IF_RESTARTED, TrainConfig
 
 ScriptCheck = Callable[[Dataset], tuple[dict[str, Any], list[str]]]

@@ -1,5 +1,5 @@
-"""Checkpoints: what one holds, a run's saved (:func:`save_checkpoint`), written atomically by
-rank 0 with a short history, read back as data only (``torch.load(..., weights_only=True)``).
+"""Checkpoints: what one holds, written atomically by rank 0 with a short history, read back as
+data only (``torch.load(..., weights_only=True)``); ``run.save_checkpoint`` saves a run's.
 
 ``OUT/checkpoint_last.pt`` is the newest; ``checkpoint_prev1.pt`` ... ``checkpoint_prev{N-1}.pt``
 are older ones (``--keep-checkpoints N``). A new checkpoint is written to a temp file and fsynced;
@@ -15,20 +15,17 @@ import pickle
 import random
 import re
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ..config import UsageError, config_dict
+from ..config import UsageError
 from ..runtime.collectives import all_gather_object, all_reduce_sum, broadcast_object
 from ..runtime.dist import get_rank, unwrap
-from ..runtime.stopping import EXIT_FAILURE, EXIT_NONFINITE, RunStopped
+from ..runtime.stopping import EXIT_FAILURE, RunStopped
 from .train_config import ResolvedSettings
-
-if TYPE_CHECKING:
-    from .run import TrainRun
 
 log = logging.getLogger("train")
 LAST = "checkpoint_last.pt"
@@ -72,26 +69,6 @@ def newest_checkpoint_in(folder: str | Path, flag: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- writing
-def save_checkpoint(run: TrainRun) -> None:
-    """Checkpoint the run, unless this very step is on disk already (every rank calls; rank 0
-    writes). Weights that are NaN or Inf are never written over a good checkpoint."""
-    step = run.state.step
-    if run.session.saved.step == step:
-        return
-    if not weights_finite(run.model, run.info.device):
-        raise RunStopped(f"step {step}: the weights are NaN or Inf, so no checkpoint was written; "
-                         f"{run.session.saved.describe()}. Lower --lr or add --clip-grad", EXIT_NONFINITE)
-    order = run.loaders.train_sampler.state_dict(run.state.epoch, run.state.batches_done)  # how far the epoch went
-    contents = checkpoint_contents(state={**asdict(run.state), "order": order}, script=run.script, facts=run.facts,
-                                   world_size=run.info.world_size, config=config_dict(run.cfg),
-                                   resolved=run.resolved, model=run.model, optimizer=run.optimizer,
-                                   scaler=run.scaler, device=run.info.device)
-    contents.update(run.checkpoint_extras())
-    path = write_checkpoint(contents, run.cfg.out, run.cfg.keep_checkpoints)
-    run.session.saved.step, run.session.saved.path = step, path
-    log.info("saved checkpoint %s (%s)", path, run.state.describe())
-
-
 def checkpoint_contents(*, state: dict[str, Any], script: str, facts: dict[str, Any], world_size: int,
                         config: dict[str, Any], resolved: ResolvedSettings, model: torch.nn.Module,
                         optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,

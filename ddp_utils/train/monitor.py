@@ -1,5 +1,5 @@
 """What rank 0 reports while training: TensorBoard scalars, a progress line, the share of time the
-loop waited for its batches (``batches.WaitClock`` measures it) and what to do when that share is
+loop waited for its batches (``run.WaitClock`` measures it) and what to do when that share is
 too high (:func:`input_advice`)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -15,10 +15,10 @@ from ..data.sets import IMAGE_FILES
 from ..runtime.collectives import all_reduce_sum
 
 if TYPE_CHECKING:
-    from .batches import WaitClock
     from .train_config import ResolvedSettings, TrainConfig
 
 log = logging.getLogger("train")
+TB_DIR = "tb"  # TensorBoard's folder in a run folder
 INPUT_BOUND = 0.2  # an epoch that waited for its batches longer than this share of its time is input-bound
 
 
@@ -122,22 +122,22 @@ class StepMeter:
 
     Micro-step values are summed on the device (no host read per micro-step), each as
     value / window size, so a step contributes its mean; one all_reduce per logged step. The
-    share of wall time spent waiting for batches (``wait``: the clock of this rank's
-    ``TrainingBatches``) is logged beside them.
+    share of wall time spent waiting for batches (``waited()``: the seconds this rank's
+    ``TrainingBatches`` waited so far) is logged beside them.
     """
 
     def __init__(self, tb: TensorBoard, progress: Progress, device, world_size: int, log_every: int,
-                 wait: WaitClock):
+                 waited: Callable[[], float]):
         self.tb, self.progress, self.device = tb, progress, device
         self.world_size, self.log_every = world_size, log_every
-        self.wait = wait
+        self.waited = waited
         self.window: dict = {}  # this optimizer step's sums so far
         self._reset()
 
     def _reset(self) -> None:
         self.sums: dict = {}
         self.images, self.steps, self.since = 0, 0, time.perf_counter()
-        self.waited_before = self.wait.seconds
+        self.waited_before = self.waited()
 
     def add_micro(self, window_size: int, images: int, **metrics) -> None:
         """``images``: samples of this micro-step over all ranks; metrics: 0-dim tensors."""
@@ -166,7 +166,7 @@ class StepMeter:
         summed = all_reduce_sum(torch.stack([self.sums[n] for n in names]).double()).tolist() if names else []
         means = {n: v / (self.world_size * self.steps) for n, v in zip(names, summed)}
         rate = self.images / elapsed
-        waited = min(1.0, (self.wait.seconds - self.waited_before) / elapsed)
+        waited = min(1.0, (self.waited() - self.waited_before) / elapsed)
         self.tb.scalars(step, **{f"train__{k}": v for k, v in {**means, **values}.items()},
                         train__images_per_sec=rate, train__data_wait_percent=100 * waited)
         self.progress.update(step, epoch, means.get("loss", float("nan")), values.get("lr", 0.0), rate, waited)

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from ..runtime.precision import grad_scaler
-from .accumulation import steps_per_epoch
 
 LR_SCHEDULES = ("cosine", "step", "constant", "cosine-epoch", "cosineannealinglr", "steplr", "exponentiallr")
 # what --lr-warmup-epochs warms up
@@ -31,6 +30,11 @@ EMBEDDING_KEYS = ("class_token", "position_embedding", "relative_position_bias_t
 NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
                nn.LocalResponseNorm)
 RMSPROP_EPS, RMSPROP_ALPHA = 0.0316, 0.9  # torchvision's RMSprop (its EfficientNet and MobileNetV3 recipes)
+
+
+def steps_per_epoch(batches_per_epoch: int, accum_steps: int) -> int:
+    """Optimizer steps in one epoch: its accumulation windows (``accumulation.plan_windows``), a shorter last one counted."""
+    return math.ceil(batches_per_epoch / accum_steps)
 
 
 def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int) -> float:

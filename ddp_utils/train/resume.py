@@ -26,9 +26,8 @@ from .checkpoint import (
     newest_checkpoint_in,
     read_checkpoint,
 )
-from .monitor import last_accuracies
-from .run_folder import TB_DIR
-from .run_state import RunState, describe_position, is_complete
+from .monitor import TB_DIR, last_accuracies
+from .run import RunState, describe_position, is_complete
 from .train_config import RESUME_IF_RESTARTED, TrainConfig, config_changes
 
 log = logging.getLogger("train")

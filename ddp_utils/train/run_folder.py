@@ -18,16 +18,13 @@ from ..runtime.dist import barrier
 from ..runtime.stopping import MARKER
 from .checkpoint import LAST, Resume, checkpoint_files
 from .data_record import LISTED, Listings, write_listing_record
-from .monitor import TensorBoard
+from .monitor import TB_DIR, TensorBoard
 from .train_config import ResolvedSettings, TrainConfig, config_changes
 
 if TYPE_CHECKING:
     from .session import RunSession
 
 log = logging.getLogger("train")
-TB_DIR = "tb"
-
-
 def check_out_dir(out: str) -> None:
     """``--out`` must be a folder (or not exist yet) somewhere this process can write."""
     path = Path(out)

@@ -6,10 +6,8 @@
     return session.exit_code
 
 Every way a run can end becomes one exit code (``runtime.stopping.EXIT_CODES``), said once. The
-process's device and process group also set how the network runs: the process-wide switches of
-the GPU fast path (:func:`configure_backends`: TF32, cuDNN's autotuner; on the CPU only what
-changes nothing numerically), the model's placement (:func:`place_model`) and DDP with
-``torch.compile`` around it (:func:`wrap_network`).
+session also sets the process-wide switches of the GPU fast path (:func:`configure_backends`:
+TF32, cuDNN's autotuner; on the CPU only what changes nothing numerically).
 """
 from __future__ import annotations
 
@@ -27,13 +25,10 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import UsageError
 from ..data.pipeline import Loaders
 from ..runtime.collectives import all_gather_object
-from ..runtime.device import memory_format
 from ..runtime.dist import DistInfo, cleanup_distributed, init_distributed
 from ..runtime.faults import FaultPlan
 from ..runtime.launch import detect_launch, node_name
@@ -48,6 +43,7 @@ from ..runtime.stopping import (
     STORE_MARKER,
     RunStopped,
     StepGuard,
+    StepVerdict,
     StopSignals,
 )
 from .train_config import TrainConfig
@@ -95,7 +91,7 @@ class RunSession:
             self.info: DistInfo = init_distributed(cfg.device, cfg.dist_timeout)
             setup_logging(self.info.rank, cfg.debug, hold=True)  # shown once the start has succeeded
             self._closing.callback(configure_backends(self.info.device, cfg.tf32, cfg.deterministic))
-            self.agree_on_step = StepGuard(self.signals, self.info.device)
+            self._step_guard = StepGuard(self.signals, self.info.device)
         except BaseException:
             self._close()
             raise
@@ -110,6 +106,13 @@ class RunSession:
         if cfg.debug:
             log.info("--debug: autograd anomaly detection on, small data subsets, extra checks after every step")
         return self
+
+    def agree_on_step(self, nonfinite: torch.Tensor, overflow: torch.Tensor | None = None,
+                      give_up: bool = False) -> StepVerdict:
+        """The ranks' one agreement per optimizer step (every rank calls): a NaN/Inf loss, an
+        fp16 overflow, a stop signal or a rank giving up the window (``give_up``: its data could
+        not be read), in one all-reduce and one device read (:class:`StepGuard`)."""
+        return self._step_guard(nonfinite, overflow, give_up)
 
     def close_at_exit(self, resource):
         """``resource.close()`` when the session ends, however it ends; returns ``resource``."""
@@ -238,18 +241,3 @@ def configure_backends(device: torch.device, tf32: bool = True, deterministic: b
         cudnn.benchmark = not deterministic
         cudnn.deterministic = deterministic
     return restore
-
-
-def place_model(model: nn.Module, device: torch.device) -> nn.Module:
-    return model.to(device=device, memory_format=memory_format(device))
-
-
-def wrap_network(module: nn.Module, info: DistInfo, compile: bool) -> nn.Module:
-    """DDP around ``module`` when distributed, then torch.compile when asked. Every rank must
-    call it (DDP broadcasts rank 0's weights). Gradients live in DDP's all-reduce buckets
-    (``gradient_as_bucket_view``): one copy of them fewer. The compiled wrapper forwards
-    attributes: DDP's ``no_sync``."""
-    if info.is_distributed:
-        module = DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-                     gradient_as_bucket_view=True)
-    return torch.compile(module) if compile else module

@@ -46,11 +46,10 @@ from ..data.image_files import UnreadableImage
 from ..data.object_store import ShardChanged, StoreError
 from ..data.unreadable import decode_again, describe_unreadable, fix_hint
 from ..runtime.stopping import EXIT_USAGE, STORE_MARKER, RunStopped
-from .checkpoint import save_checkpoint
+from .run import TrainRun, save_checkpoint
 
 if TYPE_CHECKING:
     from .checkpoint import Resume
-    from .run import TrainRun
 
 UNREADABLE_MARKER = "UNREADABLE"  # in the run folder: the image files a run stopped on, one "PATH\treason" per line
 
