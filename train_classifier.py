@@ -51,16 +51,23 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddp_utils.config import AppliesTo, UsageError, also_spelled, flag_defaults, flag_name, opt
+from ddp_utils.config import (
+    AppliesTo,
+    UsageError,
+    also_spelled,
+    flag_defaults,
+    flag_name,
+    opt,
+    per_sample_flags,
+)
 from ddp_utils.data.host_memory import size_text
 from ddp_utils.data.mixing import BatchMixer
 from ddp_utils.data.object_store import is_object_store
-from ddp_utils.data.pipeline import DataPlan, Loaders, build_data
+from ddp_utils.data.pipeline import Loaders, build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import (
     AUTO_AUGMENTS,
     INTERPOLATIONS,
-    AugmentRecipe,
     classifier_recipe,
     evaluation_resize,
 )
@@ -124,8 +131,10 @@ from ddp_utils.train.train_config import (
     OUT_HELP,
     RUN_FOLDER,
     ResolvedSettings,
+    ScriptData,
     TrainConfig,
     check_sync_bn,
+    data_plan,
     needs_flag,
     parse_args,
 )
@@ -200,13 +209,13 @@ class ClassifierConfig(TrainConfig):
     pretrained: str = opt("", "initialise the backbone from a train_moco.py checkpoint, its run folder "
                           "(the newest checkpoint) or an exported backbone (--export-backbone); fc starts "
                           "fresh; --image-size 0 then means the size it was pretrained at",
-                          group=PRETRAINED)
+                          group=PRETRAINED, names_file=True)
     weights: str = opt("", "start from whole weights: torchvision's published ones by name (e.g. "
                        "ResNet50_Weights.IMAGENET1K_V2, read from torch's hub cache, $TORCH_HOME/hub/checkpoints), "
                        "timm's (timm/ARCH.TAG, from the Hugging Face cache, $HF_HOME/hub; never downloaded by a run) "
                        "or a checkpoint of this script (a file, or a run folder: its newest); without --test-only "
                        "they are fine-tuned, tensors of another shape (a classifier for other classes) starting fresh",
-                       group=PRETRAINED)
+                       group=PRETRAINED, names_file=lambda weights: published_weights(weights) is None)
     test_only: bool = opt(False, "evaluate --weights on the validation split and exit (torchvision's --test-only): "
                           "acc@1 and acc@5, nothing written; torchvision's weights with their own evaluation view "
                           "(resize, crop, interpolation)", group=PRETRAINED, on_resume="invocation", from_file=False)
@@ -271,7 +280,7 @@ class ClassifierConfig(TrainConfig):
                             "RandAugment (--ra-magnitude), ta_wide = TrivialAugmentWide, augmix = AugMix "
                             "(--augmix-severity); bilinear interpolation; on 8-bit images (cifar10, imagefolder, "
                             "shards); per sample in the DataLoader workers (--aug-on loader); '' = none",
-                            choices=("", *AUTO_AUGMENTS), group=AUGMENTATION)
+                            choices=("", *AUTO_AUGMENTS), group=AUGMENTATION, per_sample=True)
     ra_magnitude: int = opt(9, "the magnitude of RandAugment's operations, in its 31 bins "
                             "(0 = none, 30 = strongest)", group=AUGMENTATION, at_least=0, at_most=30,
                             applies_to=magnitude_applies(), spellings=("--policy-magnitude",))
@@ -281,7 +290,7 @@ class ClassifierConfig(TrainConfig):
     random_erase: float = opt(0.0, "probability P of torchvision's RandomErasing on each normalised training image "
                               "(a rectangle of 2-33%% of the area, aspect 0.3-3.3, set to 0), the view's last "
                               "step; per sample in the DataLoader workers (--aug-on loader); 0 = off",
-                              group=AUGMENTATION, at_least=0, at_most=1)
+                              group=AUGMENTATION, at_least=0, at_most=1, per_sample=True)
     ra_reps: int = opt(1, "repeated augmentation, torchvision's --ra-sampler --ra-reps N: each epoch every sample of "
                        "the shuffled training split is repeated N times in a row and the sequence dealt out to the "
                        "ranks in turn, so an image's N copies go to different ranks (when N <= world size), each "
@@ -298,7 +307,7 @@ class ClassifierConfig(TrainConfig):
     interpolation: str = opt("bilinear", "the interpolation of the image files' resizes: the training crops', the "
                              "evaluation resize's and the automatic augmentation's (torchvision's --interpolation); "
                              "other than bilinear, the training view runs per sample in the DataLoader workers",
-                             choices=INTERPOLATIONS, group=AUGMENTATION, applies_to=image_files_only())
+                             choices=INTERPOLATIONS, group=AUGMENTATION, applies_to=image_files_only(), per_sample=True)
 
     def validate(self, launch: LaunchEnv, cuda_devices: int) -> None:
         if is_timm(self.arch):  # timm imported for such a name only; not installed: the requirement's line
@@ -358,16 +367,12 @@ class ClassifierConfig(TrainConfig):
                     augmix_severity=self.augmix_severity, random_erase=self.random_erase,
                     interpolation=self.interpolation)
 
-    def per_sample_flags(self) -> list[str]:
-        return [flag for flag, on in (("--auto-augment", self.auto_augment), ("--random-erase", self.random_erase),
-                                      ("--interpolation", self.interpolation != "bilinear")) if on]
-
     def check_augmentation_flags(self) -> None:
         """torchvision's augmentation and sizes where they apply: an automatic augmentation on
         8-bit images, both per sample (not --aug-on device, nor --no-augment); the FixRes sizes
         with a network that is the same at both sizes (on image files alone, and a policy's
         settings with that policy: ``opt(applies_to=...)``)."""
-        per_sample = self.per_sample_flags()
+        per_sample = per_sample_flags(self)
         if per_sample and not self.augment:
             raise UsageError(f"{per_sample[0]} augments the training images and --no-augment turns augmentation off; "
                              f"drop one of them")
@@ -389,37 +394,10 @@ class ClassifierConfig(TrainConfig):
                              f"chosen by --image-size {size}: --train-crop-size {train} would train it at the other "
                              f"stem's size; keep both on one side of {CIFAR_STEM_MAX_SIZE} px")
 
-    def describe_views(self, image_size: int) -> str:
-        if not (self.per_sample_flags() or self.train_crop_size or self.val_resize_size):
-            return ""  # the views as --image-size alone says them
-        steps = [f"--auto-augment {self.auto_augment}" if self.auto_augment else "",
-                 f"random erasing p {self.random_erase:g}" if self.random_erase else ""]
-        extra = ", ".join(step for step in steps if step)
-        if self.dataset not in IMAGE_FILES:
-            return f"training view with {extra}" if extra else ""
-        train = self.train_crop_size or image_size
-        resize = evaluation_resize(image_size, self.val_resize_size)
-        crop = f"random resized crop {train} px, flip" if self.augment else f"resize {evaluation_resize(train)} px, " \
-            f"centre crop {train} px"
-        return (f"training view: {crop}{', ' + extra if extra else ''}; evaluation view: resize {resize} px, centre "
-                f"crop {image_size} px")
-
-    def data_plan(self, resolved: ResolvedSettings, recipe: AugmentRecipe, bank_samples: int | None = None,
-                  listings: tuple | None = None) -> DataPlan:
-        plan = super().data_plan(resolved, recipe, bank_samples, listings)
-        return dataclasses.replace(plan, ra_reps=self.ra_reps, train_size=self.train_crop_size,
-                                   val_resize=self.val_resize_size)
-
     def weight_decay_of(self, name: str) -> float | None:
         """--norm-weight-decay or --bias-weight-decay (``name``) as torchvision's: None when unset."""
         value = getattr(self, name)
         return None if value == UNSET else value
-
-    def required_paths(self) -> dict[str, str]:
-        paths = {"--pretrained": self.pretrained} if self.pretrained else {}
-        if self.weights and published_weights(self.weights) is None:
-            paths["--weights"] = self.weights  # a checkpoint; published ones are looked up in their cache
-        return paths
 
     def check_weights_flags(self) -> None:
         """--test-only evaluates --weights; --weights starts a whole network, not a backbone; a
@@ -450,6 +428,33 @@ class ClassifierConfig(TrainConfig):
             close = difflib.get_close_matches(self.weights, names, n=1)
             raise UsageError(f"--weights {self.weights}: not torchvision's weights" +
                              (f"; did you mean {close[0]}?" if close else ""))
+
+
+def describe_views(cfg: ClassifierConfig, image_size: int) -> str:
+    """The views' sizes and per-sample steps in words, for the start-up log and --check ('' when
+    --image-size says it all)."""
+    if not (per_sample_flags(cfg) or cfg.train_crop_size or cfg.val_resize_size):
+        return ""  # the views as --image-size alone says them
+    steps = [f"--auto-augment {cfg.auto_augment}" if cfg.auto_augment else "",
+             f"random erasing p {cfg.random_erase:g}" if cfg.random_erase else ""]
+    extra = ", ".join(step for step in steps if step)
+    if cfg.dataset not in IMAGE_FILES:
+        return f"training view with {extra}" if extra else ""
+    train = cfg.train_crop_size or image_size
+    resize = evaluation_resize(image_size, cfg.val_resize_size)
+    crop = f"random resized crop {train} px, flip" if cfg.augment else f"resize {evaluation_resize(train)} px, " \
+        f"centre crop {train} px"
+    return (f"training view: {crop}{', ' + extra if extra else ''}; evaluation view: resize {resize} px, centre "
+            f"crop {image_size} px")
+
+
+
+def script_data(cfg: ClassifierConfig) -> ScriptData:
+    """What this script adds to the shared data settings: repeated augmentation, the FixRes sizes,
+    its views in words."""
+    return ScriptData(plan_fields=dict(ra_reps=cfg.ra_reps, train_size=cfg.train_crop_size,
+                                       val_resize=cfg.val_resize_size),
+                      views=lambda image_size: describe_views(cfg, image_size))
 
 
 def with_trained_sizes(cfg: ClassifierConfig) -> ClassifierConfig:
@@ -624,14 +629,14 @@ def build_loaders(cfg: ClassifierConfig, session: RunSession, resolved: Resolved
     info = session.info
     recipe = classifier_recipe(cfg.dataset, resolved.image_size, cfg.augment, cfg.normalization,
                                **cfg.augmentation_policy())
-    return session.close_loaders_at_exit(build_data(cfg.data_plan(resolved, recipe, listings=listings),
+    return session.close_loaders_at_exit(build_data(data_plan(cfg, resolved, recipe, script_data(cfg), listings),
                                                     rank=info.rank, world_size=info.world_size, device=info.device,
                                                     ranks_on_node=info.local_world_size, node=info.node, fresh=fresh))
 
 
 def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
     info = session.info
-    resume, resolved, listings = preflight(cfg, session)  # every rank checked; "auto" resolved; files listed once
+    resume, resolved, listings = preflight(cfg, session, script_data(cfg))  # every rank checked; "auto" resolved; files listed once
     with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
         loaders = build_loaders(cfg, session, resolved, listings, fresh=resume is None)
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
@@ -831,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
             (f", from {cfg.pretrained}" if cfg.pretrained else "") + recipe_summary(cfg)
         defaults = ["defaults: torchvision's train.py's for every flag not given (--data-path brings them; "
                     "docs/recipe.md)"] if flag_defaults(ClassifierConfig, sys.argv[1:] if argv is None else argv) else []
-        return check_only(cfg, SCRIPT, model, lambda train: check_classifier(cfg, train, defaults))
+        return check_only(cfg, SCRIPT, model, lambda train: check_classifier(cfg, train, defaults), script_data(cfg))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
         if cfg.test_only:
             evaluate_weights(cfg, session)

@@ -85,7 +85,16 @@ from ddp_utils.train.run import (
 )
 from ddp_utils.train.run_folder import open_run_folder
 from ddp_utils.train.session import RunSession
-from ddp_utils.train.train_config import MODEL, OUT_HELP, RUN_FOLDER, TrainConfig, check_sync_bn, parse_args
+from ddp_utils.train.train_config import (
+    MODEL,
+    OUT_HELP,
+    RUN_FOLDER,
+    ScriptData,
+    TrainConfig,
+    check_sync_bn,
+    data_plan,
+    parse_args,
+)
 from ddp_utils.train.unreadable_files import stop_if_files_unreadable
 
 log = logging.getLogger("train")
@@ -199,10 +208,6 @@ class MocoConfig(TrainConfig):
     def uses_split_bn(self, world_size: int) -> bool:
         return self.shuffle_bn and not self.sync_bn and world_size == 1 and self.bn_splits > 1
 
-    def bank_samples(self) -> int | None:
-        """The kNN monitor's bank: ``--knn-bank-samples`` of the training split (0: all); none
-        without the monitor (``--knn-every 0``)."""
-        return self.knn_bank_samples if self.knn_every else None
 
 
 @dataclass(kw_only=True)
@@ -250,14 +255,19 @@ def queue_size_that_fits(train_images: int) -> int:
     return 1 << (train_images.bit_length() - 1)  # the largest power of two <= the training images
 
 
+def script_data(cfg: MocoConfig) -> ScriptData:
+    """What this script adds to the shared data settings: the kNN monitor's bank,
+    ``--knn-bank-samples`` of the training split (0: all), none without the monitor."""
+    return ScriptData(plan_fields=dict(bank_samples=cfg.knn_bank_samples if cfg.knn_every else None))
+
 def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
     info = session.info
-    resume, resolved, listings = preflight(cfg, session)  # every rank checked; "auto" resolved; files listed once
+    resume, resolved, listings = preflight(cfg, session, script_data(cfg))  # every rank checked; "auto" resolved; files listed once
     with all_ranks_agree():  # every check that can fail, before the first collective
         # Two views per training sample; the kNN monitor's bank: the un-augmented train split (or
         # --knn-bank-samples of it).
         recipe = moco_recipe(cfg.dataset, resolved.image_size, cfg.aug, cfg.crop_min, cfg.normalization)
-        plan = cfg.data_plan(resolved, recipe, bank_samples=cfg.bank_samples(), listings=listings)
+        plan = data_plan(cfg, resolved, recipe, script_data(cfg), listings)
         loaders = session.close_loaders_at_exit(build_data(plan, rank=info.rank, world_size=info.world_size,
                                                            device=info.device, ranks_on_node=info.local_world_size,
                                                            node=info.node, fresh=resume is None))
@@ -419,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{'MLP' if cfg.mlp else 'linear'} head, {cfg.aug} augmentation")
         return check_only(cfg, SCRIPT, model, lambda train: ({}, [
             f"backbone: {cfg.arch}, its classifier {head_of(cfg.arch)} replaced by the projection head",
-            *(f"warning: {remark}" for remark in queue_remarks(cfg, len(train)))]))
+            *(f"warning: {remark}" for remark in queue_remarks(cfg, len(train)))]), script_data(cfg))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
         fit(setup(cfg, session))  # no name holds the run: its DDP model dies before the group (cleanup_distributed)
     return session.exit_code

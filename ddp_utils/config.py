@@ -63,7 +63,8 @@ def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group:
         on_resume: str = "experiment", from_file: bool = True, at_least: float | None = None,
         above: float | None = None, below: float | None = None, at_most: float | None = None,
         applies_to: AppliesTo | None = None, spellings: tuple[str, ...] = (), bare: Any = None,
-        switch: tuple[str, Any] | None = None) -> Any:
+        switch: tuple[str, Any] | None = None, per_sample: bool = False,
+        names_file: bool | Callable[[Any], bool] = False) -> Any:
     """A config field: its default, help text (unit and meaning) and allowed values; the --help
     section it is listed in (``group``; None: at the top, with --config); what a resume may do
     with it (``on_resume``, one of ON_RESUME); whether ``--config FILE`` may set it; the bounds of
@@ -73,7 +74,10 @@ def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group:
     it (another project's name for it, as ``--model`` for ``--arch``), also keys of a config file;
     ``bare``: the value of the flag given without one (torchvision's ``--amp``); ``switch``:
     (FLAG, VALUE), a flag without a value that sets the field to VALUE where it is still at its
-    default (torchvision's ``--ra-sampler``: ``--ra-reps`` 3 unless given)."""
+    default (torchvision's ``--ra-sampler``: ``--ra-reps`` 3 unless given); ``per_sample``: given
+    (not at its default), the flag asks for a step only the DataLoader workers run, per sample
+    (:func:`per_sample_flags`); ``names_file``: a value given names a file or folder that must
+    exist, or does where ``names_file(value)`` holds (:func:`named_files`)."""
     if on_resume not in ON_RESUME:
         raise ValueError(f"opt: on_resume must be one of {', '.join(ON_RESUME)}, got {on_resume!r}")
     if at_least is not None and above is not None or below is not None and at_most is not None:
@@ -82,7 +86,7 @@ def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group:
     return dataclasses.field(default=default, metadata={
         "help": help, "choices": choices, "group": group, "on_resume": on_resume, "from_file": from_file,
         "bounds": {k: v for k, v in bounds.items() if v is not None}, "applies_to": applies_to,
-        "spellings": spellings, "bare": bare, "switch": switch})
+        "spellings": spellings, "bare": bare, "switch": switch, "per_sample": per_sample, "names_file": names_file})
 
 
 def also_spelled(cls: type, name: str, *spellings: str) -> Any:
@@ -132,6 +136,23 @@ def check_applies(cfg: Any) -> None:
         applies_to = f.metadata.get("applies_to")
         if applies_to is not None and getattr(cfg, f.name) != f.default and not applies_to.holds(cfg):
             raise UsageError(applies_to.refusal(flag_name(f.name), cfg))
+
+
+def per_sample_flags(cfg: Any) -> list[str]:
+    """The flags given (not at their default) that ask for a step only the DataLoader workers run,
+    per sample (``opt(per_sample=True)``)."""
+    return [flag_name(f.name) for f in dataclasses.fields(cfg)
+            if f.metadata.get("per_sample") and getattr(cfg, f.name) != f.default]
+
+
+def named_files(cfg: Any) -> dict[str, str]:
+    """{flag: path} of the files and folders ``cfg`` names that must exist (``opt(names_file=...)``)."""
+    named = {}
+    for f in dataclasses.fields(cfg):
+        rule, value = f.metadata.get("names_file"), getattr(cfg, f.name)
+        if rule and value and (rule is True or rule(value)):
+            named[flag_name(f.name)] = value
+    return named
 
 
 def fields_on_resume(cls: type, *kinds: str) -> tuple[str, ...]:

@@ -38,6 +38,7 @@ from ddp_utils.data.pipeline import DataPlan, SeededTransform, build_data
 from ddp_utils.data.recipes import classifier_recipe, eval_recipe, moco_recipe
 from ddp_utils.data.sets import DigitsDataset, SyntheticImages, load_split
 from ddp_utils.data.transforms import view_transform
+from ddp_utils.train.train_config import data_plan
 
 CPU = torch.device("cpu")
 
@@ -181,7 +182,7 @@ def _listing_worker(info, data_dir: str, empty_class_dir: str):
     cfg = ClassifierConfig(dataset="imagefolder", data_dir=data_dir, device="cpu")
     listings, _ = list_image_files_once(cfg, info)
     resolved = ResolvedSettings(image_size=32, workers=0, aug_on="loader", decode_on="loader", order="samples")
-    train, val = raw_splits(cfg.data_plan(resolved, AugmentRecipe(), listings=listings))
+    train, val = raw_splits(data_plan(cfg, resolved, AugmentRecipe(), listings=listings))
     results = {"scans": [str(Path(path).relative_to(data_dir)) for path in scans],
                "samples": (train.samples, val.samples), "classes": (train.classes, val.classes)}
     try:

@@ -45,6 +45,7 @@ from ddp_utils.data.recipes import moco_recipe
 from ddp_utils.data.unreadable import UnreadableFiles
 from ddp_utils.runtime.dist import DistInfo
 from ddp_utils.train.preflight import resolved_settings
+from ddp_utils.train.train_config import data_plan
 
 CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), None, "single")
 # small_cnn at 32 px on the full-size JPEGs: decoding is most of the work
@@ -133,7 +134,8 @@ def test_cmyk_grayscale_and_png_named_jpeg_are_rgb_on_every_path(jpeg_folder, au
                                 workers=0, aug_on=aug_on, decode_on=decode_on, device="cpu", moco_k=64)
     resolved = resolved_settings(cfg, "single", 1, CPU.device)
     recipe = moco_recipe(cfg.dataset, resolved.image_size, cfg.aug, cfg.crop_min, cfg.normalization)
-    loaders = build_data(cfg.data_plan(resolved, recipe, bank_samples=cfg.knn_bank_samples), rank=0, world_size=1,
+    loaders = build_data(data_plan(cfg, resolved, recipe, train_moco.script_data(cfg)),
+                         rank=0, world_size=1,
                          device=CPU.device)
     loaders.set_epoch(0)
     seen = 0

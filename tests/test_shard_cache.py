@@ -54,8 +54,8 @@ from ddp_utils.runtime.dist import DistInfo
 from ddp_utils.runtime.launch import detect_launch
 from ddp_utils.train import preflight
 from ddp_utils.train.checkpoint import Resume
-from ddp_utils.train.train_config import STORE_MARGIN_S
-from train_classifier import ClassifierConfig
+from ddp_utils.train.train_config import STORE_MARGIN_S, data_plan
+from train_classifier import ClassifierConfig, script_data
 
 
 class _Samples(Dataset):
@@ -222,7 +222,7 @@ def test_each_node_has_one_cache_folder_prepared_by_its_local_rank_0(envs, bucke
     the one its pre-flight prepares (train.preflight, LOCAL_RANK 0 of each node)."""
     indexes = (ShardIndex.read(f"{bucket}/train"), ShardIndex.read(f"{bucket}/val"))
     cfg = ClassifierConfig(dataset="shards", data_dir=bucket, shard_cache_dir=str(tmp_path), batch_size=4, workers=1)
-    plan = cfg.data_plan(preflight.resolved_settings(cfg, "slurm", 1, torch.device("cpu")), AugmentRecipe())
+    plan = data_plan(cfg, preflight.resolved_settings(cfg, "slurm", 1, torch.device("cpu")), AugmentRecipe())
     prepared = []
     monkeypatch.setattr(preflight.NodeCache, "prepare", lambda cache, keep=(): prepared.append((cache.folder,
                                                                                                   cache.rank)))
@@ -234,7 +234,7 @@ def test_each_node_has_one_cache_folder_prepared_by_its_local_rank_0(envs, bucke
         node_of[info.rank] = env.get("SLURM_NODEID", env.get("GROUP_RANK"))
         read[info.rank] = node_cache_of(plan, info.rank, info.node).folder
         preflight.prepare_shard_cache_once_per_node(cfg, info, preflight.resolved_settings(
-            cfg, info.launcher, info.local_world_size, info.device), indexes, None)
+            cfg, info.launcher, info.local_world_size, info.device), indexes, None, script_data(cfg))
     folders = {node: {read[rank] for rank in read if node_of[rank] == node} for node in set(node_of.values())}
     assert all(len(shared) == 1 for shared in folders.values())  # a node's ranks share one folder
     assert len({folder for shared in folders.values() for folder in shared}) == len(folders)  # one per node
@@ -453,7 +453,7 @@ def test_a_later_attempt_keeps_the_shards_it_listed_and_a_new_run_starts_empty(b
     resolved = preflight.resolved_settings(cfg, "single", 1, info.device)
     listings = (index, ShardIndex.read(f"{bucket}/val"))
     for resume in (None, Resume(tmp_path / "checkpoint_last.pt", {})):
-        preflight.prepare_shard_cache_once_per_node(cfg, info, resolved, listings, resume)
+        preflight.prepare_shard_cache_once_per_node(cfg, info, resolved, listings, resume, script_data(cfg))
     assert kept == [[], [*listings[0].refs(), *listings[1].refs()]]  # a resume keeps what it lists
 
 

@@ -38,19 +38,20 @@ from .optimization import steps_per_epoch
 from .preflight import check_cache_room, checks_before_start, describe_settings, named_by, resolved_settings
 from .resume import check_resume_fits
 from .run import describe_position
-from .train_config import RESUME_IF_RESTARTED, TrainConfig
+from .train_config import RESUME_IF_RESTARTED, ScriptData, TrainConfig, data_plan
 
 ScriptCheck = Callable[[Dataset], tuple[dict[str, Any], list[str]]]
 
 
-def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck) -> int:
+def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck, data: ScriptData) -> int:
     """Run every check of a launch; print the run (rank 0) or the one-line problem; return the exit
     code. ``script_check(train_split)`` returns the script's facts that a resume must match (e.g.
-    the class count) and lines to add at the end (a warning's begins "warning: "), or raises UsageError."""
+    the class count) and lines to add at the end (a warning's begins "warning: "), or raises UsageError;
+    ``data``: what the script adds to the data settings."""
     launch = detect_launch()
     says = launch.rank == 0  # a requeued job's check speaks too: its log is where a user looks
     try:
-        lines = _checked_run(cfg, script, model, script_check, launch)
+        lines = _checked_run(cfg, script, model, script_check, data, launch)
     except UsageError as err:
         if says and not err.said:
             say_error(f"{script}: error: {err}")
@@ -61,11 +62,12 @@ def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCh
     return EXIT_OK
 
 
-def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck, launch: LaunchEnv) -> list[str]:
+def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck, data: ScriptData,
+                 launch: LaunchEnv) -> list[str]:
     resume, _ = checks_before_start(cfg, restarted=restart_count() > 0, announce=False)  # the pre-flight's own
     device, world_size = torch.device(device_type(cfg.device)), launch.world_size
     resolved = resolved_settings(cfg, launch.launcher, launch.local_world_size, device)
-    settings = describe_settings(cfg, resolved, launch.launcher, launch.local_world_size)
+    settings = describe_settings(cfg, resolved, launch.launcher, launch.local_world_size, data.views(resolved.image_size))
     global_batch = world_size * cfg.accum_steps * cfg.batch_size
     lines = [f"launch: world size {world_size}, {device}, precision {precision_name(cfg.amp, device)}"]
     hazard = worker_start_hazard(resolved.workers)
@@ -78,12 +80,12 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         listings = tuple(list_image_files(cfg.dataset, cfg.data_dir, split) for split in (True, False)) \
             if cfg.dataset in IMAGE_FILES else None
         listings, changes = check_same_data(resume, listings, named_by(resume), cfg.allow_changes)
-        plan = cfg.data_plan(resolved, AugmentRecipe(), listings=listings)  # the augmentation plays no part in the checks
+        plan = data_plan(cfg, resolved, AugmentRecipe(), data, listings)  # the augmentation plays no part in the checks
         train, val = raw_splits(plan)
         facts, extra = script_check(train)
         samples_per_rank = training_order(plan, train, world_size, 0).num_samples
         capacity = check_cache_room(cfg, resolved, (image_files_of(train).index, image_files_of(val).index),
-                                    launch.local_world_size, launch.node) if cfg.dataset == "shards" else None
+                                    launch.local_world_size, launch.node, data) if cfg.dataset == "shards" else None
         batches = require_a_batch(samples_per_rank // cfg.batch_size, len(train), world_size, cfg.batch_size)
         steps = steps_per_epoch(batches, cfg.accum_steps)
         lines.append(f"data: {cfg.dataset}, {len(train):,} training and {len(val):,} validation images; {settings}")

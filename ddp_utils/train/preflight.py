@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import UsageError, dataset_values, flag_name
+from ..config import UsageError, dataset_values, flag_name, named_files, per_sample_flags
 from ..data.image_files import FolderListing, data_fingerprint
 from ..data.pipeline import default_workers, rank_shards_in_use, usable_cpus, worker_start_hazard
 from ..data.recipes import AugmentRecipe, augment_on_device
@@ -26,7 +26,7 @@ from .checkpoint import Resume
 from .data_record import check_same_data
 from .resume import choose_resume
 from .run_folder import check_out_dir
-from .train_config import ResolvedSettings, TrainConfig
+from .train_config import ResolvedSettings, ScriptData, TrainConfig, data_plan
 from .unreadable_files import forget_unreadable, named_by_the_run, refuse_unfixed_files
 
 if TYPE_CHECKING:
@@ -36,14 +36,15 @@ log = logging.getLogger("train")
 Listings = tuple[FolderListing, FolderListing] | tuple[ShardIndex, ShardIndex]  # image files' train/ and val/
 
 
-def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, ResolvedSettings, Listings | None]:
+def preflight(cfg: TrainConfig, session: RunSession,
+              script: ScriptData) -> tuple[Resume | None, ResolvedSettings, Listings | None]:
     """The checks every rank must pass before anything is built (folders, data, the fault plan,
     the checkpoint to resume, GPUs not shared), agreed by all ranks so that all stop together,
     the CIFAR-10 download and an image folder's listing. Returns the checkpoint to resume (or
     None), what the "auto" data flags resolve to (:func:`resolved_settings`, logged; with image
     files, what identifies them: ``data_fingerprint``) and the image files' train and val
-    listings (:func:`list_image_files_once`; None for other data).
-    Nothing is written into --out."""
+    listings (:func:`list_image_files_once`; None for other data); ``script``: what the script
+    adds to the data settings. Nothing is written into --out."""
     info = session.info
     # A node that comes back joins with a fresh torchrun agent (restart count 0) while the others'
     # count restarts: the job is restarted if any rank says so.
@@ -55,7 +56,7 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, Res
     if info.is_main:
         forget_unreadable(cfg.out)  # what a run here stopped on is fixed, or put back, or this run starts afresh
     resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
-    prepare_shard_cache_once_per_node(cfg, info, resolved, listings, resume)
+    prepare_shard_cache_once_per_node(cfg, info, resolved, listings, resume, script)
     if info.device.type == "cuda" and info.is_distributed:
         problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))
         if problem:
@@ -64,7 +65,8 @@ def preflight(cfg: TrainConfig, session: RunSession) -> tuple[Resume | None, Res
         resolved = dataclasses.replace(resolved, data_fingerprint=data_fingerprint(*listings),
                                        data_changes=data_changes)
     if info.is_main:
-        log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size))
+        log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size,
+                                                   script.views(resolved.image_size)))
         hazard = worker_start_hazard(resolved.workers)
         if hazard:
             log.warning(hazard)
@@ -84,12 +86,13 @@ def checks_before_start(cfg: TrainConfig, restarted: bool, announce: bool) -> tu
 
 def check_paths(cfg: TrainConfig) -> None:
     """The files and folders the config names: --out a folder this process can write in, the
-    data where --data-dir says, and each of ``cfg.required_paths()`` there (bad input if not)."""
+    data where --data-dir says, and each file a flag names (``opt(names_file=...)``) there (bad
+    input if not)."""
     check_out_dir(cfg.out)
     problem = check_data_dir(cfg.dataset, cfg.data_dir, cfg.download)
     if problem:
         raise UsageError(problem)
-    for flag, path in cfg.required_paths().items():
+    for flag, path in named_files(cfg).items():
         if not Path(path).exists():
             raise UsageError(f"{flag} {path}: no such file or folder")
 
@@ -132,7 +135,7 @@ def named_by(resume: Resume | None) -> list[str]:
 
 
 def check_cache_room(cfg: TrainConfig, resolved: ResolvedSettings, indexes: Listings, ranks_on_node: int,
-                     node: str) -> int | None:
+                     node: str, script: ScriptData) -> int | None:
     """Shards from an object store: the bytes the cache of node ``node`` may fill; bad input
     when each of its ``ranks_on_node`` ranks gets less of it than the shards its loaders hold at
     once (``pipeline.rank_shards_in_use``, from the resolved workers, the batch and the index's
@@ -142,7 +145,7 @@ def check_cache_room(cfg: TrainConfig, resolved: ResolvedSettings, indexes: List
     store = cfg.store_cache()
     if store is None:
         return None
-    plan = cfg.data_plan(resolved, AugmentRecipe(), bank_samples=cfg.bank_samples())  # the augmentation plays no part
+    plan = data_plan(cfg, resolved, AugmentRecipe(), script)  # the augmentation plays no part
     largest, in_use = largest_shard(*indexes), rank_shards_in_use(plan, indexes[0].shard, indexes[1].shard)
     problem = store.too_small(largest, ranks_on_node, in_use)
     if problem:
@@ -162,7 +165,7 @@ def check_cache_room(cfg: TrainConfig, resolved: ResolvedSettings, indexes: List
 
 
 def prepare_shard_cache_once_per_node(cfg: TrainConfig, info: DistInfo, resolved: ResolvedSettings,
-                                      indexes: Listings | None, resume: Resume | None) -> None:
+                                      indexes: Listings | None, resume: Resume | None, script: ScriptData) -> None:
     """Shards from an object store: each node's local rank 0 (the launcher's: ``info.node``
     names the node) checks its cache's disk and prepares the node's cache folder before any
     rank of the node reads (every rank waits for the agreement): a run that continues a
@@ -174,7 +177,7 @@ def prepare_shard_cache_once_per_node(cfg: TrainConfig, info: DistInfo, resolved
         return
     with all_ranks_agree():
         if info.local_rank == 0:
-            check_cache_room(cfg, resolved, indexes, info.local_world_size, info.node)
+            check_cache_room(cfg, resolved, indexes, info.local_world_size, info.node, script)
             keep = [ref for index in indexes for ref in index.refs()] if resume is not None else []
             NodeCache(store.node_folder(info.node), 0, info.rank, 0.0).prepare(keep)
 
@@ -195,7 +198,7 @@ def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int,
     sharing = ranks_sharing_cpus(launcher, local_world_size)
     own = {name: value for name, value in dataset_values(type(cfg), cfg.dataset).items()
            if getattr(cfg, name) == value}
-    on_device = augment_on_device(cfg.aug_on, cfg.dataset, device, bool(cfg.per_sample_flags()))
+    on_device = augment_on_device(cfg.aug_on, cfg.dataset, device, bool(per_sample_flags(cfg)))
     return ResolvedSettings(image_size=cfg.resolved_image_size(),
                             workers=cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing),
                             aug_on="device" if on_device else "loader",
@@ -203,16 +206,18 @@ def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int,
                             order=cfg.resolved_order(), dataset_defaults=own)
 
 
-def describe_settings(cfg: TrainConfig, resolved: ResolvedSettings, launcher: str, local_world_size: int) -> str:
+def describe_settings(cfg: TrainConfig, resolved: ResolvedSettings, launcher: str, local_world_size: int,
+                      views: str = "") -> str:
     """The resolved data settings in words, each followed by the flag it came from where that
     was left to the machine: "224 px (--image-size 0), augmentation on the loader (--aug-on
-    auto), 3 DataLoader workers per rank (--workers -1: ...)"."""
+    auto), 3 DataLoader workers per rank (--workers -1: ...)"; then ``views``, the script's views
+    in words (``ScriptData.views``)."""
     sharing = ranks_sharing_cpus(launcher, local_world_size)
     why_workers = "in-memory data needs none" if resolved.workers == 0 else \
         f"{usable_cpus()} usable CPUs shared by {sharing} rank(s)"
     auto = {"image_size": cfg.image_size == 0 and "--image-size 0",
             "aug_on": cfg.aug_on == "auto" and "--aug-on auto" + (
-                f": {', '.join(cfg.per_sample_flags())} run per sample" if cfg.per_sample_flags() else ""),
+                f": {', '.join(per_sample_flags(cfg))} run per sample" if per_sample_flags(cfg) else ""),
             "decode_on": cfg.decode_on == "auto" and "--decode-on auto",
             "workers": cfg.workers < 0 and f"--workers -1: {why_workers}",
             "order": cfg.order == "auto" and "--order auto"}
@@ -225,7 +230,6 @@ def describe_settings(cfg: TrainConfig, resolved: ResolvedSettings, launcher: st
     if cfg.dataset != "shards":
         del said["order"]  # the one order there is
     text = ", ".join(text + (f" ({auto[name]})" if auto[name] else "") for name, text in said.items())
-    views = cfg.describe_views(resolved.image_size)
     if views:
         text += f"; {views}"
     own = resolved.dataset_defaults

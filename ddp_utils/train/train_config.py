@@ -24,6 +24,7 @@ from ..config import (
     flag_name,
     opt,
     parse_config,
+    per_sample_flags,
     recorded_run,
 )
 from ..data.object_store import is_object_store
@@ -327,7 +328,7 @@ class TrainConfig:
         check_device(self.device, launch, cuda_devices)
         device = torch.device(device_type(self.device, cuda_devices))
         if self.decode_on == "device" and not augment_on_device(self.aug_on, self.dataset, device,
-                                                                bool(self.per_sample_flags())):
+                                                                bool(per_sample_flags(self))):
             raise UsageError(f"--decode-on device needs --aug-on device (the loader path decodes and augments each "
                              f"image in the workers; --aug-on {self.aug_on} means the loader on {device.type}); add "
                              f"--aug-on device or drop --decode-on")
@@ -359,26 +360,6 @@ class TrainConfig:
         if self.lr_warmup_epochs >= self.epochs:
             raise UsageError(f"--lr-warmup-epochs {self.lr_warmup_epochs} must be less than --epochs {self.epochs}: "
                              f"the schedule runs after the warm-up")
-
-    def per_sample_flags(self) -> list[str]:
-        """The flags given that ask for steps only the loader path runs (``--aug-on auto`` then
-        means the loader; the script refuses ``--aug-on device``); none here, a script adds its own."""
-        return []
-
-    def describe_views(self, image_size: int) -> str:
-        """The views' sizes and per-sample steps in words, for the start-up log and ``--check``
-        ('' when there is nothing beyond ``image_size``); a script adds its own."""
-        return ""
-
-    def required_paths(self) -> dict[str, str]:
-        """{flag: path} of the files or folders this config names that must exist (the pre-flight
-        checks them); the data and --out are checked on their own."""
-        return {}
-
-    def bank_samples(self) -> int | None:
-        """The training samples a kNN bank reads (0: all of them), None without one; a script
-        with a bank says so (its data plan's, what the shards' cache is sized for)."""
-        return None
 
     def for_machine(self: C, cuda_devices: int) -> C:
         """The config with what "auto" means with ``cuda_devices`` visible devices filled in
@@ -417,19 +398,6 @@ class TrainConfig:
 
     def resolved_image_size(self) -> int:
         return self.image_size or NATIVE_SIZE[self.dataset]
-
-    def data_plan(self, resolved: ResolvedSettings, recipe: AugmentRecipe, bank_samples: int | None = None,
-                  listings: tuple | None = None) -> DataPlan:
-        """The run's data, as ``data.pipeline.build_data`` takes it: these flags with what the
-        "auto" ones resolved to (``resolved``), the script's training view (``recipe``, ``VIEWS``
-        per sample), MoCo's kNN bank (``bank_samples``; None: no bank) and an image folder's
-        listings made once for the job (``listings``, from ``train.preflight``)."""
-        return DataPlan(dataset=self.dataset, data_dir=self.data_dir, image_size=resolved.image_size,
-                        synthetic_samples=self.synthetic_samples, debug=self.debug, seed=self.seed,
-                        batch_size=self.batch_size, workers=resolved.workers, normalization=self.normalization,
-                        recipe=recipe, views=self.VIEWS, aug_on_device=resolved.aug_on == "device",
-                        decode_on_device=resolved.decode_on == "device", bank_samples=bank_samples,
-                        order=resolved.order, store=self.store_cache(), listings=listings)
 
     def resolved_order(self) -> str:
         """``--order auto``: the shards order for shards, the samples order for anything else."""
@@ -484,6 +452,33 @@ class ResolvedSettings:
         else:
             del record["data_changes"]
         return record
+
+
+@dataclass(frozen=True)
+class ScriptData:
+    """What a script adds to the data settings both scripts share, handed to the pre-flight and
+    ``--check`` as an argument (train/ calls nothing a script overrides)."""
+
+    # DataPlan fields of the script's own (the classifier's ra_reps, train_size, val_resize;
+    # MoCo's bank_samples)
+    plan_fields: dict[str, Any] = field(default_factory=dict)
+    # the views' sizes and per-sample steps in words for an image size, for the start-up log and
+    # --check ('' when the image size says it all)
+    views: Callable[[int], str] = lambda image_size: ""
+
+
+def data_plan(cfg: TrainConfig, resolved: ResolvedSettings, recipe: AugmentRecipe, script: ScriptData = ScriptData(),
+              listings: tuple | None = None) -> DataPlan:
+    """The run's data, as ``data.pipeline.build_data`` takes it: the flags with what the "auto"
+    ones resolved to (``resolved``), the script's training view (``recipe``, ``VIEWS`` per
+    sample) and its own fields (``script``), and an image folder's listings made once for the job
+    (``listings``, from ``train.preflight``)."""
+    return DataPlan(dataset=cfg.dataset, data_dir=cfg.data_dir, image_size=resolved.image_size,
+                    synthetic_samples=cfg.synthetic_samples, debug=cfg.debug, seed=cfg.seed,
+                    batch_size=cfg.batch_size, workers=resolved.workers, normalization=cfg.normalization,
+                    recipe=recipe, views=cfg.VIEWS, aug_on_device=resolved.aug_on == "device",
+                    decode_on_device=resolved.decode_on == "device", order=resolved.order,
+                    store=cfg.store_cache(), listings=listings, **script.plan_fields)
 
 
 def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[Any]]:
