@@ -5,7 +5,7 @@
     python bench/far_store.py --rounds 3               # each run 3 times, interleaved: the median
 
 A local S3 server (moto) holds the shards of an ImageNet-like folder (``bench/imagenet_like.py``,
-written by ``write_shards.py``); ``bench/far_network.py``'s proxy sits in front of it. Each row
+written by ``write_shards.py``); ``tests/far_network.py``'s proxy sits in front of it. Each row
 is a real 2-rank MoCo run of ``train_moco.py`` under torchrun (2 DataLoader workers per rank, a
 node cache smaller than the training split: the size ``--shard-cache-gb 0`` gives, ``--epochs``
 epochs), whose requests the proxy counts:
@@ -42,9 +42,10 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the far network is the object-store tests' proxy
+from far_network import FarNetwork  # noqa: E402
+
 import write_shards  # noqa: E402
-from bench.far_network import FarNetwork  # noqa: E402
 from bench.imagenet_like import write_imagenet_like  # noqa: E402
 from bench.shards import start_s3  # noqa: E402
 

@@ -5,7 +5,7 @@
     python bench/store_clients.py --smoke                  # seconds: 3 shards of 64 kB, 10 ms, 1 round
 
 What it measures: moto's S3 server on 127.0.0.1 (a subprocess) holds ``--shards`` random shards of
-``--shard-mb`` MB, behind ``bench/far_network.py`` (``--latency-ms`` per request, ``--mbps`` MB/s per
+``--shard-mb`` MB, behind ``tests/far_network.py`` (``--latency-ms`` per request, ``--mbps`` MB/s per
 connection: a scaled stand-in for a far S3, where one connection carries about a third of what a
 rank needs). Each row is a download layer and the way it is driven (the project's ``fetch``: one GET
 per shard, as the read-ahead does it with ``--shard-downloads 4``, and with 16; boto3's transfer
@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from bench.far_network import FarNetwork, Request  # noqa: E402
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the far network is the object-store tests' proxy
+from far_network import FarNetwork, Request  # noqa: E402
+
 from ddp_utils.data import object_store  # noqa: E402
 from ddp_utils.data.object_store import Patience, ShardRef, fetch  # noqa: E402
 from ddp_utils.runtime.spawn import free_port  # noqa: E402

@@ -200,9 +200,9 @@ def bucket(s3_server, written) -> str:
 
 @pytest.fixture(scope="session")
 def far(s3_server):
-    """The far-network proxy (bench/far_network.py) in front of the S3 server (no latency, no cap
+    """The far-network proxy (tests/far_network.py) in front of the S3 server (no latency, no cap
     unless a test sets them), and the AWS_* variables that go through it."""
-    from bench.far_network import FarNetwork
+    from far_network import FarNetwork
 
     port = int(s3_server["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
     with FarNetwork(("127.0.0.1", port), latency_s=None, bytes_per_s=None) as proxy:

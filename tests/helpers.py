@@ -281,9 +281,9 @@ def write_image_folder(root: Path, per_class: int = 12) -> None:
 
 
 def s3_error(status: int, code: str, headers: tuple[tuple[str, str], ...] = ()):
-    """A rule's answer (``bench.far_network.Rewrite``) as an S3 store words an error (no body at
+    """A rule's answer (``far_network.Rewrite``) as an S3 store words an error (no body at
     all for code "")."""
-    from bench.far_network import Rewrite
+    from far_network import Rewrite
 
     body = f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>said by the proxy</Message>' \
            f'</Error>'.encode() if code else b""

@@ -30,6 +30,7 @@ def run_bench(name: str, timeout: float, extra: list[str] | None = None) -> subp
     return proc
 
 
+@pytest.mark.slow  # moto's server and every download layer, 1 round: the source of a table in docs/performance.md
 def test_store_clients_prints_every_row_with_its_requests_per_shard():
     proc = run_bench("store_clients.py", timeout=180)
     rows = table_rows(proc.stdout, "| download layer")
@@ -120,7 +121,6 @@ SMOKE_TESTS = {
     "augment_host.py": "test_augment_host_counts_a_fixed_number_of_ops_per_batch_now_and_more_with_each_image_before",
     "cuda_syncs.py": GPU_CHECK_SMOKE,
     "device_finish.py": GPU_CHECK_SMOKE,
-    "far_network.py": "test_far_network.py::test_the_cli_serves_cuts_on_sigusr1_and_ends_on_sigterm",
     "far_store.py": "test_far_store_trains_through_the_far_network_and_counts_one_get_per_shard",
     "file_list.py": "test_file_list_scans_once_per_rank_or_once_for_the_job",
     "gpu_check.sh": GPU_CHECK_SMOKE,

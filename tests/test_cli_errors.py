@@ -301,6 +301,7 @@ def test_a_subset_through_the_real_cli(tmp_path, files):
 
 
 @pytest.mark.slow  # two torchrun jobs; in-process, every case above is checked in the fast tier
+@pytest.mark.torch_versions  # what torchrun prints of a worker's failure
 @pytest.mark.parametrize("args, message", [
     (["--batch-size", "0"], "--batch-size must be positive"),           # a flag check, before the group forms
     (["--resume", "{corrupt}"], "truncated or not a PyTorch checkpoint"),  # a file check, agreed by the ranks

@@ -19,10 +19,10 @@ import boto3
 import numpy as np
 import pytest
 from boto3.s3.transfer import TransferConfig
+from far_network import Rewrite, Seen
 from helpers import assert_ok, in_process, load_ckpt, s3_error
 
 import train_classifier
-from bench.far_network import Rewrite, Seen
 from ddp_utils.data import shard_cache
 from ddp_utils.data.object_store import fetch
 from ddp_utils.data.order import ShardAwareSampler

@@ -5,6 +5,7 @@ the README stays short, every relative link in it and in docs/ resolves, and eac
 opens with its copy-paste commands."""
 from __future__ import annotations
 
+import ast
 import inspect
 import os
 import re
@@ -234,3 +235,40 @@ def test_the_readme_claims_the_pythons_ci_tests():
     assert claims["README"] == claims[".ci/run"] == claims["pyproject.toml"] == {"3.12", "3.13"}, claims
     if os.environ.get("CI") == "true":
         assert f"{sys.version_info.major}.{sys.version_info.minor}" in claims["README"]
+
+
+AUTOGRAD_ERRORS = ("modified by an inplace operation", "backward through the graph a second time")
+
+
+def _tests_with_marks(path) -> dict[str, tuple[set[str], str]]:
+    """{test function of ``path``: (the ``pytest.mark`` names on it, its parameters and its module,
+    its source)}."""
+    source = path.read_text()
+    tree = ast.parse(source)
+    module = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets):
+            module = set(re.findall(r"pytest\.mark\.(\w+)", ast.unparse(node.value)))
+    return {node.name: (module | set(re.findall(r"pytest\.mark\.(\w+)", " ".join(map(ast.unparse, node.decorator_list)))),
+                        ast.get_source_segment(source, node))
+            for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+
+
+def test_the_oldest_torch_pair_runs_every_test_of_what_differs_between_releases():
+    """.ci/run's oldest pair runs `-m "not slow or torch_versions"`; each test naming one of the
+    seed's two autograd errors runs there (fast, or slow and marked); a marked test is a slow one,
+    and docs/tests.md's "On both torch pairs" names its file."""
+    ci = (REPO / ".ci/run").read_text()
+    assert re.search(r'^"\$OLDEST_VENV/bin/python" -m pytest -m "not slow or torch_versions"$', ci, re.M), ci
+    section = _section("On both torch pairs", "docs/tests.md")
+    naming, marked = {}, {}
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        for name, (marks, source) in _tests_with_marks(path).items():
+            if any(error in source for error in AUTOGRAD_ERRORS):
+                naming[f"{path.name}::{name}"] = marks
+            if "torch_versions" in marks:
+                marked[f"{path.name}::{name}"] = marks
+    assert len(naming) >= 2, naming  # test_symmetric.py's and test_moco.py's at least
+    assert all("slow" not in marks or "torch_versions" in marks for marks in naming.values()), naming
+    assert marked and all("slow" in marks for marks in marked.values()), marked
+    assert all(f"`{test.split('::')[0]}`" in section for test in marked), marked

@@ -1,31 +1,23 @@
-"""bench/far_network.py, the far-network proxy, between real clients (http.client, boto3) and real
+"""tests/far_network.py, the far-network proxy, between real clients (http.client, boto3) and real
 servers on 127.0.0.1 (a small HTTP/1.1 server here, moto's S3 server): bytes unchanged over
 keep-alive connections, 100-continue, the latency and bandwidth as lower bounds, cuts, holds, the
-request log without headers, early closes on either side, a low rate that trickles, the rules
-that answer, drop request headers and rewrite bodies, and the loopback-only refusal."""
+requests it recorded, early closes on either side, a low rate that trickles, the rules that
+answer, drop request headers and rewrite bodies, and the loopback-only refusal."""
 from __future__ import annotations
 
 import http.client
 import http.server
 import io
-import json
-import os
 import random
-import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import REPO, wait_until
+from far_network import FarNetwork, Rewrite
+from helpers import wait_until
 
-from bench.far_network import FarNetwork, Rewrite
-
-SCRIPT = REPO / "bench" / "far_network.py"
 BROKEN = (http.client.HTTPException, OSError)  # what a client sees when its connection drops
 
 
@@ -141,9 +133,8 @@ def answered(proxy: FarNetwork, n: int) -> list:
     return proxy.requests
 
 
-def test_bytes_pass_unchanged_over_one_keep_alive_connection_and_are_logged_without_headers(target, origin, tmp_path):
-    log = tmp_path / "requests.jsonl"
-    with FarNetwork(target, latency_s=0, bytes_per_s=None, log_path=log) as proxy:
+def test_bytes_pass_unchanged_over_one_keep_alive_connection_and_every_request_is_recorded(target, origin):
+    with FarNetwork(target, latency_s=0, bytes_per_s=None) as proxy:
         assert proxy.url == f"http://127.0.0.1:{proxy.port}"
         conn = connect(proxy)
         secret = {"Authorization": "AWS4-HMAC-SHA256 Credential=secret-key-id/x, Signature=deadbeef"}
@@ -173,12 +164,6 @@ def test_bytes_pass_unchanged_over_one_keep_alive_connection_and_are_logged_with
                         ("PUT", "/echo", "", None, 200, 20_000), ("GET", "/close/3000", "", None, 200, 3000),
                         ("PUT", "/echo", "", None, 200, 5)]
         assert all(0 <= r.started <= r.ended for r in proxy.requests)
-    text = log.read_text()
-    lines = [json.loads(line) for line in text.splitlines()]
-    assert [(x["method"], x["path"], x["query"], x["range"], x["status"], x["bytes"]) for x in lines] == done
-    assert set(lines[0]) == {"method", "path", "query", "range", "status", "bytes", "started", "ended"}
-    for header_text in ("secret-key-id", "Signature", "Authorization", "Host", "Expect", "Content-Length"):
-        assert header_text.lower() not in text.lower()
 
 
 def test_boto3_put_with_100_continue_and_get_through_the_proxy(moto_port, tmp_path, monkeypatch):
@@ -192,8 +177,7 @@ def test_boto3_put_with_100_continue_and_get_through_the_proxy(moto_port, tmp_pa
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     data = payload(300_000)
-    log = tmp_path / "requests.jsonl"
-    with FarNetwork(("127.0.0.1", moto_port), latency_s=0.01, bytes_per_s=None, log_path=log) as proxy:
+    with FarNetwork(("127.0.0.1", moto_port), latency_s=0.01, bytes_per_s=None) as proxy:
         client = boto3.client("s3", endpoint_url=proxy.url, region_name="us-east-1",
                               config=Config(retries={"max_attempts": 1}))
         client.create_bucket(Bucket="far-network")
@@ -205,10 +189,6 @@ def test_boto3_put_with_100_continue_and_get_through_the_proxy(moto_port, tmp_pa
     assert done[0][:2] == ("PUT", "/far-network") and done[1][:2] == ("PUT", "/far-network/blob")
     assert done[2:] == [("GET", "/far-network/blob", None, 200, 300_000),
                         ("GET", "/far-network/blob", "bytes=100-199", 206, 100)]
-    text = log.read_text()
-    assert len(text.splitlines()) == 4
-    for secret in ("key-id-never-logged", "secret-never-logged", "Signature", "Authorization"):
-        assert secret.lower() not in text.lower()
 
 
 def test_every_request_pays_the_latency_once(target):
@@ -302,29 +282,11 @@ def test_a_cut_drops_a_body_mid_way_refuses_new_connections_then_ends(target):
         assert get(connect(proxy), "/bytes/10") == (200, payload(10))
 
 
-def test_cut_after_n_answers_n_then_fails_until_the_cut_ends(target):
-    with FarNetwork(target, latency_s=0, bytes_per_s=None) as proxy:
-        proxy.cut_after(2, 1.0)
-        conn = connect(proxy)
-        assert get(conn, "/bytes/2000") == (200, payload(2000))
-        assert get(conn, "/bytes/3000") == (200, payload(3000))
-        cut_at = time.monotonic()
-        with pytest.raises(BROKEN):
-            get(conn, "/bytes/10")
-        with pytest.raises(BROKEN):
-            get(connect(proxy), "/bytes/10")
-        time.sleep(max(0.0, cut_at + 1.05 - time.monotonic()))
-        assert get(connect(proxy), "/bytes/10") == (200, payload(10))
-        assert [r.response_bytes for r in answered(proxy, 3)] == [2000, 3000, 10]
-        with pytest.raises(ValueError, match="answered already"):
-            proxy.cut_after(3, 1.0)
-
-
 def test_a_hold_keeps_requests_waiting_until_release(target):
     with FarNetwork(target, latency_s=0, bytes_per_s=None) as proxy, ThreadPoolExecutor(1) as pool:
-        proxy.hold_after(1)
         conn = connect(proxy)
         assert get(conn, "/bytes/100") == (200, payload(100))
+        proxy.hold()
         waiting = pool.submit(get, conn, "/bytes/200")
         time.sleep(0.5)
         assert not waiting.done() and len(proxy.requests) == 1
@@ -388,48 +350,3 @@ def test_loopback_targets_are_accepted():
     assert FarNetwork(("127.0.0.2", 9000)).target == ("127.0.0.2", 9000)
     assert FarNetwork(("::1", 9000)).target == ("::1", 9000)
     assert FarNetwork(("localhost", 9000)).target == ("127.0.0.1", 9000)
-
-
-@pytest.mark.parametrize("args, says", [
-    (["--to", "10.0.0.1:9000"], "not a loopback address"),
-    (["--to", "example.com:80"], "not a loopback address"),
-    (["--to", "127.0.0.1"], "is not HOST:PORT"),
-    (["--to", "127.0.0.1:9000", "--mbps", "fast"], "invalid number 'fast'"),
-    (["--to", "127.0.0.1:9000", "--cut-after", "0"], "must be >= 1"),
-])
-def test_the_cli_refuses_bad_input_with_one_line(args, says):
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.startswith("far_network.py: error: ") and proc.stderr.count("\n") == 1, proc.stderr
-    assert says in proc.stderr
-
-
-def test_the_cli_serves_cuts_on_sigusr1_and_ends_on_sigterm(target, tmp_path):
-    log = tmp_path / "cli.jsonl"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--to", f"127.0.0.1:{target[1]}", "--latency-ms", "0",
-                             "--mbps", "2", "--cut-for", "30", "--log", str(log)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        match = re.fullmatch(rf"far network on http://127\.0\.0\.1:(\d+) -> 127\.0\.0\.1:{target[1]} "
-                             r"\(0 ms per request, 2\.0 MB/s per connection\)\n", line)
-        assert match, line
-        port = int(match.group(1))
-        conn = connect(port)
-        assert get(conn, "/bytes/1000") == (200, payload(1000))
-        os.kill(proc.pid, signal.SIGUSR1)
-
-        def refused() -> bool:
-            try:
-                get(connect(port), "/bytes/10")
-            except BROKEN:
-                return True
-            return False
-        assert wait_until(refused)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
-    assert [json.loads(x)["bytes"] for x in log.read_text().splitlines()] == [1000]

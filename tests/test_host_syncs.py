@@ -79,6 +79,7 @@ def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
 
 
 @pytest.mark.slow
+@pytest.mark.torch_versions  # DDP's reducer (its bucket rebuild) and the collectives of this release
 @pytest.mark.parametrize("script", ["classifier", "moco"])
 def test_two_ranks_read_the_device_once_per_optimizer_step(two_ranks, script):
     """DDP's bucketed all-reduce, the agreement's all_reduce and (MoCo) shuffle BN's all_to_all

@@ -155,6 +155,7 @@ _DEAD_PEER = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.torch_versions  # how gloo and the process group fail, and a process exits, when a peer dies
 def test_dead_peer_ends_the_job_instead_of_hanging(tmp_path):
     """Rank 1 vanishes; rank 0's collective fails and it leaves with exit code 1 and one line.
     Leaving with sys.exit while the group was alive aborted the process (exit -6) in about one

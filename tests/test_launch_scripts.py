@@ -30,6 +30,7 @@ DIGITS_CPU = ["--device", "cpu", "--dataset", "digits", "--log-every", "1"]
 
 
 @pytest.mark.slow
+@pytest.mark.torch_versions  # the c10d rendezvous waits for a lost node and forms the group anew
 def test_two_torchrun_nodes_lose_one_and_resume_when_it_is_back(classifier_reference, tmp_path):
     """launch/torchrun_multinode.sh on two "nodes" (one agent and worker each, c10d on 127.0.0.1),
     restarts on. The node that does not hold the rendezvous store (the endpoint's host: losing

@@ -1,6 +1,6 @@
 """Shards in an S3-compatible object store (``--data-dir s3://BUCKET/PREFIX``), against a real
 S3 API server on localhost (moto's server mode) behind a real network's faults (the proxy of
-bench/far_network.py, which also counts every request the server answers):
+tests/far_network.py, which also counts every request the server answers):
 
 * the shards order, one order for shards wherever they are (a function of seed, epoch and world
   size; each rank reads whole shards; a resume at another shape sees each remaining sample once),

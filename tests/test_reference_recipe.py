@@ -434,6 +434,7 @@ def _lambdas(seen: dict) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.torch_versions  # a 2-rank resume, exact: RNG streams and state through torch.save and torch.load
 def test_mixing_on_two_ranks_resumes_mid_epoch_bit_for_bit(tmp_path):
     """2 ranks x 2 micro-batches per step with MixUp and CutMix, 8 steps; step 5's checkpoint (10
     micro-batches into the epoch) resumed to step 8: every later micro-batch is mixed as in the

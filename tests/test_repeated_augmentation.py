@@ -180,6 +180,7 @@ RA_RUN = TINY_DIGITS + ["--lr", "0.05", "--epochs", "1", "--ra-reps", "3", "--ma
 
 
 @pytest.mark.slow  # two 2-rank runs: about 13 s
+@pytest.mark.torch_versions  # a 2-rank resume, exact: RNG streams and state through torch.save and torch.load
 def test_a_run_with_repetition_resumes_mid_epoch_bit_for_bit(tmp_path):
     """2 ranks, --ra-reps 3, 6 optimizer steps; step 3's checkpoint resumed to step 6 ends with
     the same weights, buffers and optimizer state as the run that never stopped."""

@@ -225,6 +225,7 @@ def test_a_problem_on_one_rank_stops_every_rank(two_ranks):
 
 # ----------------------------------------------------------------------------- workers that die
 @pytest.mark.slow
+@pytest.mark.torch_versions  # torchrun's elastic agent restarts the group
 def test_elastic_restart_resumes_and_ends_like_an_uninterrupted_run(classifier_reference, tmp_path):
     """Rank 1 is killed (SIGKILL) after step 7; torchrun, started by launch/torchrun_local.sh with
     one restart allowed, restarts the group, which resumes from the step-6 checkpoint and ends at

@@ -1,5 +1,5 @@
 """The node's cache of shards from an object store, its read-ahead and the waits for it, against
-moto's S3 server behind the far-network proxy (bench/far_network.py), in this process:
+moto's S3 server behind the far-network proxy (tests/far_network.py), in this process:
 
 * a wait for a shard is bounded: a DataLoader worker whose rank's read-ahead never delivers gives
   up after --store-timeout + shard_cache.WAIT_SLACK_S and records the fault, and the training

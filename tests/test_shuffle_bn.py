@@ -406,6 +406,7 @@ def _inductor_unavailable() -> str | None:
 
 
 @pytest.mark.slow  # torch.compile: seconds of C++ builds on a cold inductor cache
+@pytest.mark.torch_versions  # torch.compile
 def test_compiled_key_encoder_gives_the_eager_keys_and_keeps_the_state_dict():
     reason = _inductor_unavailable()
     if reason:

@@ -1,5 +1,5 @@
 """The object store's faults and dialects, request by request, against moto's S3 server on
-localhost and the proxy of bench/far_network.py (which answers, drops headers and rewrites
+localhost and the proxy of tests/far_network.py (which answers, drops headers and rewrites
 bodies where moto cannot play a store's part):
 
 * no credential in any line: a secret in the real AWS form (40 characters with "/" and "+"),
@@ -26,9 +26,9 @@ from urllib.parse import quote
 
 import boto3
 import pytest
+from far_network import Rewrite
 from helpers import REPO, cli_env, free_port, s3_error, wait_until
 
-from bench.far_network import Rewrite
 from ddp_utils.data import object_store
 from ddp_utils.data.object_store import (
     AccessRefused,

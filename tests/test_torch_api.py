@@ -1,6 +1,6 @@
 """Every torch and torchvision name the project's code spells out (``torch.cuda.Stream``,
 ``F.normalize``, ``from torchvision.io import decode_jpeg``) exists in the installed release.
-CI runs the suite on the oldest and the newest supported pair, so this reaches what CPU tests
+CI runs it (the fast tier) on the oldest and the newest supported pair, so this reaches what CPU tests
 never execute: the CUDA-only branches, the bench scripts for a GPU. Names reached through
 ``getattr`` with a fallback are the code's own version switches and are not checked here."""
 from __future__ import annotations

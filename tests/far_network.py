@@ -1,16 +1,13 @@
-"""A far network in front of a local S3-compatible server: an HTTP/1.1 forwarding proxy on 127.0.0.1
-that adds latency per request, caps the bandwidth of each connection, cuts all connections for a
-while ("outages") and holds requests back, and logs every request it answered.
-
-    python bench/far_network.py --to 127.0.0.1:9000 --latency-ms 100 --mbps 2 --log requests.jsonl
-    kill -USR1 PID    # cut: every connection drops, new ones are reset, for --cut-for seconds
-    kill -USR2 PID    # release a hold (--hold-after N)
-
-In process (tests, benchmarks)::
+"""The tests' far network in front of a local S3-compatible server (moto's): an HTTP/1.1
+forwarding proxy on 127.0.0.1 that adds latency per request, caps the bandwidth of each
+connection, cuts all connections for a while ("outages"), holds requests back, answers or rewrites
+them by rule, and records every request it answered. bench/far_store.py and bench/store_clients.py
+use it too, in process like the tests: it has no command line and writes no file (``requests`` is
+the record)::
 
     with FarNetwork(target=("127.0.0.1", server_port), latency_s=0.1, bytes_per_s=2e6) as proxy:
         client = boto3.client("s3", endpoint_url=proxy.url)
-        proxy.cut_after(3, seconds=5)
+        proxy.cut(5)
         proxy.rewrite(lambda seen: Rewrite(status=503, answer=b"<Error><Code>SlowDown</Code></Error>")
                       if seen.method == "GET" else None)
 
@@ -40,27 +37,20 @@ The contract:
   (the server then sees a request whose signature no longer covers it: moto does not check),
   and/or its response's body rewritten (read whole, for small answers such as a listing; its
   length set anew). Rules run on the proxy's thread: they must be quick.
-* Log: a request is logged when its response has been sent completely (an aborted one is not):
-  ``requests`` and, with ``log_path``, one JSON line each (method, path, query, range, status,
-  bytes of the response body, started and ended in seconds since the proxy started). Request
-  headers are never logged: they carry credentials and signatures.
+* Record: a request is recorded in ``requests`` when its response has been sent completely (an
+  aborted one is not), without its headers (they carry credentials and signatures).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
 import http
 import ipaddress
-import json
 import math
-import signal
 import socket
 import struct
-import sys
 import threading
-from pathlib import Path
 from typing import Callable
 
 PIECE = 16 * 1024          # bytes per paced write to a client, at most
@@ -279,31 +269,23 @@ class _Connection:
 
 
 class FarNetwork:
-    """The proxy; see the module docstring for its contract. Settings and triggers may be changed
-    from any thread while it runs."""
+    """The proxy; see the module docstring for its contract. Settings, rules, cuts and holds may
+    be changed from any thread while it runs."""
 
-    def __init__(self, target: tuple[str, int], latency_s: float | None = 0.1, bytes_per_s: float | None = 2e6,
-                 log_path: str | Path | None = None, port: int = 0):
+    def __init__(self, target: tuple[str, int], latency_s: float | None = 0.1, bytes_per_s: float | None = 2e6):
         if not isinstance(target, (tuple, list)) or len(target) != 2:
             raise ValueError(f"target must be (host, port), got {target!r}")
         host, target_port = target
         self._host = loopback_host(str(host))
         if not isinstance(target_port, int) or not 0 < target_port < 65536:
             raise ValueError(f"target port must be in 1..65535, got {target_port!r}")
-        if not isinstance(port, int) or not 0 <= port < 65536:
-            raise ValueError(f"port must be in 0..65535, got {port!r}")
-        self._target_port, self._listen_port = target_port, port
+        self._target_port = target_port
         self.target = (self._host, target_port)
         self._latency_s, self._bytes_per_s = 0.0, None
         self.set(latency_s=latency_s, bytes_per_s=bytes_per_s)
-        self._log_path = Path(log_path) if log_path is not None else None
-        self._log = None
         self._lock = threading.Lock()
         self._requests: list[Request] = []
         self._rule: Callable[[Seen], Rewrite | None] | None = None
-        self._cut_trigger: tuple[int, float] | None = None
-        self._hold_trigger: int | None = None
-        self._held = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -317,12 +299,10 @@ class FarNetwork:
     # ------------------------------------------------------------------ control, from any thread
 
     def start(self) -> FarNetwork:
-        """Listens on 127.0.0.1:``port`` (``self.port`` then tells which) and serves from a daemon
-        thread named "far-network" with an event loop of its own; returns self."""
+        """Listens on a free port of 127.0.0.1 (``self.port``) and serves from a daemon thread named
+        "far-network" with an event loop of its own; returns self."""
         if self._thread is not None:
             raise RuntimeError("FarNetwork.start: this proxy was started already")
-        if self._log_path is not None:
-            self._log = open(self._log_path, "w", encoding="utf-8")  # the log of this run only
         self._loop = asyncio.new_event_loop()
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="far-network", daemon=True)
@@ -331,7 +311,6 @@ class FarNetwork:
             self.port = ready.result(timeout=30)
         except BaseException:
             self._thread.join(STOP_WAIT_S)
-            self._close_log()
             raise
         return self
 
@@ -339,7 +318,6 @@ class FarNetwork:
         """Closes every connection and the listener and joins the thread (within a few seconds)."""
         thread, loop = self._thread, self._loop
         if thread is None or loop is None or not thread.is_alive():
-            self._close_log()
             return
         try:
             asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=STOP_WAIT_S)
@@ -348,7 +326,6 @@ class FarNetwork:
         if not loop.is_closed():
             loop.call_soon_threadsafe(loop.stop)
         thread.join(STOP_WAIT_S)
-        self._close_log()
         if thread.is_alive():
             raise RuntimeError(f"FarNetwork.stop: the proxy thread did not end within {STOP_WAIT_S:g} s")
 
@@ -396,47 +373,28 @@ class FarNetwork:
 
     def cut(self, seconds: float) -> None:
         """An outage now, for ``seconds``: open connections drop, new ones are reset."""
-        self._call(self._cut_now, _seconds(seconds))
+        value = float(seconds)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        self._call(self._cut_now, value)
 
     def end_cut(self) -> None:
         """Ends an outage now: new connections are served again."""
         self._call(self._end_cut)
 
-    def cut_after(self, n: int, seconds: float) -> None:
-        """Arms a cut of ``seconds`` that starts when the n-th request since start (1-based) has
-        been answered; it replaces an armed one."""
-        self._cut_trigger = (self._next_count(n, "cut_after"), _seconds(seconds))
-
     def hold(self) -> None:
         """Requests that arrive from now on wait, unforwarded, until release()."""
-        self._held = True
-        if self._released is not None:
-            self._call(self._released.clear)
+        self._call(lambda: self._released.clear())
 
     def release(self) -> None:
         """Ends a hold: the waiting requests go on."""
-        self._held = False
-        if self._released is not None:
-            self._call(self._released.set)
-
-    def hold_after(self, n: int) -> None:
-        """Arms a hold that starts when the n-th request since start (1-based) has been answered."""
-        self._hold_trigger = self._next_count(n, "hold_after")
-
-    def _next_count(self, n: int, what: str) -> int:
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"{what}: n must be an integer >= 1, got {n!r}")
-        if n <= len(self.requests):
-            raise ValueError(f"{what}: request {n} was answered already")
-        return n
+        self._call(lambda: self._released.set())
 
     def _call(self, function: Callable, *args):
         """Runs ``function`` on the proxy's loop and waits for it: applied before this returns."""
         loop, thread = self._loop, self._thread
         if loop is None or thread is None or not thread.is_alive():
             raise RuntimeError("FarNetwork is not running; call start() first")
-        if threading.current_thread() is thread:
-            return function(*args)
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def run():
@@ -447,11 +405,6 @@ class FarNetwork:
 
         loop.call_soon_threadsafe(run)
         return done.result(timeout=STOP_WAIT_S)
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
     # ------------------------------------------------------------------ the loop's thread
 
@@ -478,9 +431,8 @@ class FarNetwork:
     async def _listen(self) -> asyncio.AbstractServer:
         self._t0 = asyncio.get_running_loop().time()
         self._released = asyncio.Event()
-        if not self._held:
-            self._released.set()
-        return await asyncio.start_server(self._serve, "127.0.0.1", self._listen_port, limit=HEAD_LIMIT)
+        self._released.set()
+        return await asyncio.start_server(self._serve, "127.0.0.1", 0, limit=HEAD_LIMIT)
 
     async def _shutdown(self) -> None:
         self._closing = True  # a connection accepted but not yet served is reset when its turn comes
@@ -502,11 +454,9 @@ class FarNetwork:
     def _cut_now(self, seconds: float) -> None:
         loop = asyncio.get_running_loop()
         self._cut_until = max(self._cut_until, loop.time() + seconds)
-        current = asyncio.current_task()
         for conn in list(self._conns):
             conn.abort()
-            if conn.task is not current:  # the caller itself ends when it sees its connection gone
-                conn.task.cancel()
+            conn.task.cancel()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._closing or asyncio.get_running_loop().time() < self._cut_until:
@@ -685,120 +635,3 @@ class FarNetwork:
     def _answered(self, request: Request) -> None:
         with self._lock:
             self._requests.append(request)
-            count = len(self._requests)
-        if self._log is not None:
-            self._log.write(json.dumps({"method": request.method, "path": request.path, "query": request.query,
-                                        "range": request.range_header, "status": request.status,
-                                        "bytes": request.response_bytes, "started": request.started,
-                                        "ended": request.ended}) + "\n")
-            self._log.flush()
-        if self._hold_trigger == count:
-            self._hold_trigger = None
-            self._held = True
-            self._released.clear()
-        trigger = self._cut_trigger
-        if trigger is not None and trigger[0] == count:
-            self._cut_trigger = None
-            self._cut_now(trigger[1])
-
-
-def _seconds(seconds: float) -> float:
-    value = float(seconds)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
-    return value
-
-
-# ---------------------------------------------------------------------- the command line
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _number(minimum: float, strict: bool = False) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {minimum:g}, got {text}")
-        return value
-    return parse
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def _address(text: str) -> tuple[str, int]:
-    host, colon, port = text.rpartition(":")
-    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:9000)")
-    return host.strip("[]"), int(port)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="far_network.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--to", type=_address, required=True, metavar="HOST:PORT",
-                        help="the server to forward to; loopback only (127.0.0.0/8, ::1, localhost)")
-    parser.add_argument("--port", type=int, default=0, help="port to listen on, on 127.0.0.1 (default 0: any free one)")
-    parser.add_argument("--latency-ms", type=_number(0), default=100.0, help="delay per request, in ms (default 100)")
-    parser.add_argument("--mbps", type=_number(0), default=2.0,
-                        help="bandwidth per connection, server to client, in MB/s (1e6 bytes); 0: no cap (default 2)")
-    parser.add_argument("--cut-after", type=_count, metavar="N", help="cut right after the N-th request was answered")
-    parser.add_argument("--cut-for", type=_number(0, strict=True), default=20.0, metavar="SECONDS",
-                        help="length of a cut (--cut-after, SIGUSR1), default 20")
-    parser.add_argument("--hold-after", type=_count, metavar="N",
-                        help="hold requests after the N-th was answered, until SIGUSR2")
-    parser.add_argument("--log", type=Path, metavar="FILE", help="one JSON line per answered request")
-    args = parser.parse_args(argv)
-    if not 0 <= args.port < 65536:
-        parser.error(f"--port must be in 0..65535, got {args.port}")
-    bytes_per_s = args.mbps * 1e6 or None
-    try:
-        proxy = FarNetwork(args.to, latency_s=args.latency_ms / 1000, bytes_per_s=bytes_per_s, log_path=args.log,
-                           port=args.port)
-    except ValueError as error:
-        parser.error(f"--to: {error}")
-    if args.cut_after:
-        proxy.cut_after(args.cut_after, args.cut_for)
-    if args.hold_after:
-        proxy.hold_after(args.hold_after)
-
-    signals = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
-    # blocked before the proxy's thread starts (it inherits the mask): they reach only sigwait below
-    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    try:
-        proxy.start()
-    except OSError as error:
-        if error.filename is not None:
-            parser.error(f"--log {args.log}: {error.strerror}")
-        parser.error(f"cannot listen on 127.0.0.1:{args.port}: {error}")
-    mbps = f"{args.mbps:.1f}" if round(args.mbps, 1) == args.mbps else f"{args.mbps:g}"
-    bandwidth = f"{mbps} MB/s per connection" if bytes_per_s else "no bandwidth cap"
-    host = f"[{proxy.target[0]}]" if ":" in proxy.target[0] else proxy.target[0]
-    print(f"far network on {proxy.url} -> {host}:{proxy.target[1]} ({args.latency_ms:g} ms per request, {bandwidth})",
-          flush=True)
-    try:
-        while True:
-            received = signal.sigwait(signals)
-            if received == signal.SIGUSR1:
-                proxy.cut(args.cut_for)
-            elif received == signal.SIGUSR2:
-                proxy.release()
-            else:
-                return 0
-    finally:
-        proxy.stop()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
