@@ -52,7 +52,7 @@ from ddp_utils.data.transforms import TwoCrops, view_transform  # noqa: E402
 from ddp_utils.models.moco import contrastive_loss  # noqa: E402
 from ddp_utils.runtime.device import memory_format, to_device  # noqa: E402
 from ddp_utils.runtime.launch import detect_launch  # noqa: E402
-from ddp_utils.runtime.precision import autocast  # noqa: E402
+from ddp_utils.runtime.precision import autocast, resolve_amp  # noqa: E402
 from ddp_utils.runtime.stopping import RunStopped  # noqa: E402
 from ddp_utils.train.run import start_training  # noqa: E402
 from ddp_utils.train.session import RunSession  # noqa: E402
@@ -273,7 +273,7 @@ def describe_run(args: argparse.Namespace, cfg) -> str:
 
 def row(args: argparse.Namespace, r: dict) -> str:
     cfg, device = r["cfg"], r["device"]
-    precision = ("fp32" if cfg.amp == "none" else cfg.amp) + (" compiled" if cfg.compile else "")
+    precision = resolve_amp(cfg.amp, r["device"]).replace("none", "fp32") + (" compiled" if cfg.compile else "")
     cells = [describe_run(args, cfg), f"{cfg.dataset} {cfg.resolved_image_size()} px", str(cfg.batch_size),
              device.type, precision, "device" if r["on_device"] else "loader",
              f"{r['step_s'] * 1e3:.1f}", f"{r['step_rate']:,.0f}", f"{r['floor_s'] * 1e3:.1f}",
@@ -286,7 +286,7 @@ def row(args: argparse.Namespace, r: dict) -> str:
 def brief_row(args: argparse.Namespace, r: dict) -> str:
     """One row of bench/gpu_check.sh's table: | part | what ran | figure | detail |."""
     cfg = r["cfg"]
-    precision = ("fp32" if cfg.amp == "none" else cfg.amp) + (" compiled" if cfg.compile else "")
+    precision = resolve_amp(cfg.amp, r["device"]).replace("none", "fp32") + (" compiled" if cfg.compile else "")
     what = (f"{describe_run(args, cfg)}, {cfg.dataset} {cfg.resolved_image_size()} px, batch {cfg.batch_size}, "
             f"{precision}, aug on {'device' if r['on_device'] else 'loader'}")
     detail = (f"step {r['step_s'] * 1e3:.1f} ms = {r['step_s'] / r['floor_s']:.2f} x floor; device aug "

@@ -181,7 +181,8 @@ def _listing_worker(info, data_dir: str, empty_class_dir: str):
     datasets.DatasetFolder.make_dataset = staticmethod(counted)
     cfg = ClassifierConfig(dataset="imagefolder", data_dir=data_dir, device="cpu")
     listings, _ = list_image_files_once(cfg, info)
-    resolved = ResolvedSettings(image_size=32, workers=0, aug_on="loader", decode_on="loader", order="samples")
+    resolved = ResolvedSettings(image_size=32, workers=0, aug_on="loader", decode_on="loader", order="samples",
+                                amp="none")
     train, val = raw_splits(data_plan(cfg, resolved, AugmentRecipe(), listings=listings))
     results = {"scans": [str(Path(path).relative_to(data_dir)) for path in scans],
                "samples": (train.samples, val.samples), "classes": (train.classes, val.classes)}

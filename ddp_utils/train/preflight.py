@@ -22,6 +22,7 @@ from ..runtime.device import gpu_identity, shared_gpu_problem
 from ..runtime.dist import DistInfo
 from ..runtime.faults import FaultPlan
 from ..runtime.launch import restart_count
+from ..runtime.precision import resolve_amp
 from .checkpoint import Resume
 from .data_record import check_same_data
 from .resume import choose_resume
@@ -190,10 +191,10 @@ def ranks_sharing_cpus(launcher: str, local_world_size: int) -> int:
 
 def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int,
                       device: torch.device) -> ResolvedSettings:
-    """What the data flags left to this machine resolve to: the image side (``--image-size 0``),
-    DataLoader workers per rank (``--workers -1``), where augmentation runs (``--aug-on auto``),
-    where image files are decoded and their order; and the settings at the data set's own
-    defaults (``DATASET_DEFAULTS``), however they came. The start-up log, ``--check``,
+    """What the flags left to this machine resolve to: the precision (``--amp auto``), the image
+    side (``--image-size 0``), DataLoader workers per rank (``--workers -1``), where augmentation
+    runs (``--aug-on auto``), where image files are decoded and their order; and the settings at
+    the data set's own defaults (``DATASET_DEFAULTS``), however they came. The start-up log, ``--check``,
     config.json and checkpoints give them beside the flags as asked."""
     sharing = ranks_sharing_cpus(launcher, local_world_size)
     own = {name: value for name, value in dataset_values(type(cfg), cfg.dataset).items()
@@ -203,7 +204,7 @@ def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int,
                             workers=cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing),
                             aug_on="device" if on_device else "loader",
                             decode_on="device" if cfg.decode_on == "device" else "loader",
-                            order=cfg.resolved_order(), dataset_defaults=own)
+                            order=cfg.resolved_order(), amp=resolve_amp(cfg.amp, device), dataset_defaults=own)
 
 
 def describe_settings(cfg: TrainConfig, resolved: ResolvedSettings, launcher: str, local_world_size: int,

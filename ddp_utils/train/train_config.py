@@ -3,7 +3,6 @@ the command line that fills them in, and what the settings left to the machine r
 (:class:`ResolvedSettings`)."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import sys
@@ -37,7 +36,7 @@ from ..models.backbones import HEADED_BACKBONES, SMALL_NETS, input_refusal, min_
 from ..runtime.device import check_device, device_type, visible_cuda_devices
 from ..runtime.launch import LaunchEnv, detect_launch, restart_count
 from ..runtime.logs import say_error
-from ..runtime.precision import AMP_MODES, resolve_amp
+from ..runtime.precision import AMP_MODES
 from ..runtime.stopping import EXIT_USAGE
 from .optimization import EPOCH_WARMUP_SCHEDULES, LR_SCHEDULES, WARMUP_METHODS, parse_milestones
 
@@ -361,13 +360,6 @@ class TrainConfig:
             raise UsageError(f"--lr-warmup-epochs {self.lr_warmup_epochs} must be less than --epochs {self.epochs}: "
                              f"the schedule runs after the warm-up")
 
-    def for_machine(self: C, cuda_devices: int) -> C:
-        """The config with what "auto" means with ``cuda_devices`` visible devices filled in
-        (``--amp auto``)."""
-        if self.amp != "auto":  # --amp torchvision stays: "fp16 on CUDA" is what --check tells a login node
-            return self
-        return dataclasses.replace(self, amp=resolve_amp(self.amp, torch.device(device_type(self.device, cuda_devices))))
-
     def global_batch_remark(self, world_size: int) -> str:
         """One line when this run's global batch differs from the one --lr was published for
         (--lr-ranks), with the launch that restores it; '' otherwise."""
@@ -431,6 +423,7 @@ class ResolvedSettings:
     aug_on: str       # where training augmentation runs: "device" (whole batches) or "loader" (per sample in the workers)
     decode_on: str    # where image files are decoded: "device" or "loader" (only image folders decode)
     order: str        # the training order: "samples" or "shards" (--order auto: "shards" for shards)
+    amp: str          # what the forward runs in on this device: "none" (fp32), "bf16" or "fp16" (from --amp)
     # {config field: value} of the settings at the data set's own defaults (the script's
     # DATASET_DEFAULTS), however they came; empty when none is
     dataset_defaults: dict[str, Any] = field(default_factory=dict)
@@ -492,15 +485,15 @@ def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[An
 
 def parse_args(cls: type[C], argv: Sequence[str] | None, doc: str,
                resolve: Callable[[C], C] | None = None) -> C:
-    """The command line as a checked config, ``--amp auto`` resolved for this machine (and by
-    ``resolve``, the script's own, such as a probe's image size from its checkpoint). Bad input:
+    """The command line as a checked config, the flags as asked (``resolve``: the script's own
+    rewrite, such as a probe's image size from its checkpoint). Bad input:
     one line on stderr (rank 0 only, and only in a job's first attempt: a torchrun restart or a
     requeue would repeat the same flags) and exit code 2."""
     launch, cuda_devices = detect_launch(), visible_cuda_devices()
     says = launch.rank == 0 and restart_count() == 0
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = parse_config(cls, argv, doc, quiet=not says).for_machine(cuda_devices)  # argparse exits 2 itself
+        cfg = parse_config(cls, argv, doc, quiet=not says)  # argparse exits 2 itself
         cfg = resolve(cfg) if resolve is not None else cfg
         cfg.validate(launch, cuda_devices)
         recorded = recorded_run(argv)
