@@ -110,7 +110,7 @@ def test_jpeg_path_runs_every_row_of_its_table():
 
 # ----------------------------------------------------------------------------- the other benches, tiny
 # Every bench/ file and the test that runs its command line at a tiny size; a bench added without
-# one fails test_every_bench_has_a_smoke_run. Those that gpu_check.sh runs are covered by its
+# one fails test_every_bench_has_a_smoke_run. Those that the GPU check runs are covered by its
 # --cpu-smoke (tests/test_gpu_check.py); at_commit.py is a library of augment.py and augment_host.py.
 GPU_CHECK_SMOKE = "test_gpu_check.py::test_the_cpu_smoke_runs_every_part_in_order_into_its_log"
 SMOKE_TESTS = {
@@ -123,6 +123,7 @@ SMOKE_TESTS = {
     "device_finish.py": GPU_CHECK_SMOKE,
     "far_store.py": "test_far_store_trains_through_the_far_network_and_counts_one_get_per_shard",
     "file_list.py": "test_file_list_scans_once_per_rank_or_once_for_the_job",
+    "gpu_check.py": GPU_CHECK_SMOKE,
     "gpu_check.sh": GPU_CHECK_SMOKE,
     "gpu_hazards.py": GPU_CHECK_SMOKE,
     "gpu_preflight.py": GPU_CHECK_SMOKE,
@@ -157,16 +158,18 @@ SMOKE_COMMANDS = [
 
 
 def test_every_bench_has_a_smoke_run():
-    """Each bench/ file is named above, by a test that exists; gpu_check.sh runs those it covers."""
+    """Each bench/ file is named above, by a test that exists; the GPU check runs those it covers."""
     benches = {p.name for p in (REPO / "bench").iterdir() if p.suffix in (".py", ".sh") and p.name != "__init__.py"}
     assert benches == set(SMOKE_TESTS), f"without a smoke run: {sorted(benches - set(SMOKE_TESTS))}; " \
                                         f"named but gone: {sorted(set(SMOKE_TESTS) - benches)}"
-    gpu_check = (REPO / "bench" / "gpu_check.sh").read_text()
+    from bench.gpu_check import PARTS, PREFLIGHT
+
+    gpu_check = [PREFLIGHT.split()[0], *(word for part in PARTS for word in part.command.split())]
     for bench, test in SMOKE_TESTS.items():
         file, _, name = test.rpartition("::")
         assert f"\ndef {name}(" in (REPO / "tests" / (file or "test_benches.py")).read_text(), (bench, test)
-        if test == GPU_CHECK_SMOKE and bench != "gpu_check.sh":
-            assert f'"$PY" bench/{bench}' in gpu_check, bench
+        if test == GPU_CHECK_SMOKE and not bench.startswith("gpu_check."):
+            assert f"bench/{bench}" in gpu_check, bench
     run_by_smoke = {command.split()[0] for command in SMOKE_COMMANDS}
     assert all(f"test_{bench.removesuffix('.py')}_" in SMOKE_TESTS[bench] for bench in run_by_smoke)
 
