@@ -127,6 +127,32 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def longest_chain(graph: dict[str, set[str]], within: str) -> list[str]:
+    """The longest chain of imports among the modules whose names start with ``within`` (the
+    graph has no cycle), top first."""
+    inside = {m: {n for n in graph[m] if n.startswith(within)} for m in graph if m.startswith(within)}
+    best: dict[str, list[str]] = {}
+
+    def chain(module: str) -> list[str]:
+        if module not in best:
+            best[module] = [module] + max((chain(n) for n in sorted(inside[module])), key=len, default=[])
+        return best[module]
+
+    return max((chain(m) for m in sorted(inside)), key=len)
+
+
+def test_train_is_at_most_eight_floors_deep():
+    """A reader follows a call from the scripts down through train/ in at most 8 modules (the
+    architecture page's walk); a new module that lengthens the chain fails here, named."""
+    chain = longest_chain(import_graph(), "ddp_utils.train.")
+    assert len(chain) <= 8, " -> ".join(chain)
+
+
+def test_the_chain_finder_finds_the_longest_chain():
+    graph = {"p.a": {"p.b", "p.c"}, "p.b": {"p.c"}, "p.c": {"q.d"}, "q.d": set()}
+    assert longest_chain(graph, "p.") == ["p.a", "p.b", "p.c"]
+
+
 def test_the_architecture_page_lists_the_layers_in_this_order():
     assert documented_layers((REPO / "docs" / "architecture.md").read_text()) == list(LAYERS)
 
