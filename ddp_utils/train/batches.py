@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from ..data.data_stream import Batches
 from ..data.pipeline import Loaders
 from .accumulation import MicroStep, plan_windows
 from .run_state import RunState
@@ -147,7 +148,7 @@ class TrainingBatches:
         self.window_undo = WindowUndo()  # the rest of what the window changes
         self.window_undo.keep_norm_statistics(model)
         self.window_undo.keep_rng(device)
-        self._batches: Iterator | None = None
+        self._batches: Batches | None = None  # the pass in progress
 
     def this_epoch(self) -> Iterator[tuple[MicroStep, Any]]:
         """The rest of this epoch's batches, each with its place in its accumulation window."""
@@ -175,9 +176,8 @@ class TrainingBatches:
     def prepare_next(self) -> None:
         """Batches made on the device: queue the next one's augmentation now, so the device
         works on it while the host waits (a no-op for DataLoader workers, which run ahead anyway)."""
-        prepare = getattr(self._batches, "prepare_next", None)
-        if prepare is not None:
-            self.data_wait.call(prepare)
+        if self._batches is not None:
+            self.data_wait.call(self._batches.prepare_next)
 
     def undo_window(self) -> None:
         """Every rank: give up the window in progress (its optimizer step was not taken): its
