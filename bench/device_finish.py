@@ -333,7 +333,7 @@ def breakdown(args: argparse.Namespace, device: torch.device) -> int:
     for mode in args.decode_on:
         loaders = build_data(plan_for(args, args.loader_workers, mode == "device"), rank=0, world_size=1,
                              device=device)
-        finish = loaders.train.batches  # the FinishOnDevice under unreadable's recorder
+        finish = loaders.train
         needed = args.warmup_batches + args.batches
         if needed > len(finish):
             raise UsageError(f"{len(finish)} batches of {args.batch_size} per epoch: fewer than --warmup-batches + "

@@ -217,7 +217,7 @@ def memory_held(args: argparse.Namespace, device: torch.device) -> bool:
     del taken, batches
     loaders.stop_making(loaders.train)  # the pass left early, as the training loop leaves it at --max-steps
     ended = allocated(device)
-    atlas = loaders.train.batches.augment.atlas_bytes
+    atlas = loaders.train.augment.atlas_bytes
     loaders.close()
     estimate = DeviceMemory.of_pass(mean_image_pixels(image_files_of(loaders.train_set)), args.batch_size, 2,
                                     args.image_size, decode_on_device=False)

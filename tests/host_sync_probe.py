@@ -210,7 +210,7 @@ def count_per_micro_step(main, args: list[str], monkeypatch_setattr, plant_kind:
     after the last left out), and the counted events."""
     import ddp_utils.train.session as session
     from ddp_utils.data import files_on_device
-    from ddp_utils.data.batch_augment import PreparedAhead
+    from ddp_utils.data.data_stream import LoopBatches
 
     monkeypatch_setattr(session, "init_distributed", on_training_device(session.init_distributed))
     # Image files on the device: each batch made on this thread when the loop asks for it, under this
@@ -228,13 +228,13 @@ def count_per_micro_step(main, args: list[str], monkeypatch_setattr, plant_kind:
 
     monkeypatch_setattr(torch.Tensor, "backward", marked)
     prepared = []  # (backward passes so far, whether no sync came since the last of them)
-    prepare_next = PreparedAhead.prepare_next
+    prepare_next = LoopBatches.prepare_next
 
     def recorded(self):
         prepared.append((len(marks), bool(marks) and counter.count == marks[-1]))
         return prepare_next(self)
 
-    monkeypatch_setattr(PreparedAhead, "prepare_next", recorded)
+    monkeypatch_setattr(LoopBatches, "prepare_next", recorded)
     with counter:
         code = main(args)
     first = marks[0] if marks else 0

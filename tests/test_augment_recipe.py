@@ -165,7 +165,7 @@ def test_fixres_training_batches_have_the_train_side_and_evaluation_the_image_si
     # the loader path's evaluation view: torchvision's Resize(64) + CenterCrop(48), exactly
     reference = T.Compose([T.ToImage(), T.Resize(64, antialias=True), T.CenterCrop(48),
                            T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)])
-    loader = loaders.val.batches  # the DataLoader behind the recorder of unreadable files
+    loader = loaders.val.loader
     raw, order = loader.dataset.base, list(loader.sampler)[:len(val)]
     assert torch.equal(val, torch.stack([reference(raw[int(i)][0]) for i in order]))
     # negative control: without --val-resize-size, the 256/224 rule's Resize(55) is another view

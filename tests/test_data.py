@@ -229,7 +229,7 @@ def test_persistent_workers_see_each_epoch_and_resume_exactly():
         return build_data(plan(debug=True, batch_size=32, workers=2), rank=0, world_size=1, device=CPU)
 
     loaders = build()
-    assert loaders.train.persistent_workers and not loaders.val.persistent_workers
+    assert loaders.train.loader.persistent_workers and not loaders.val.loader.persistent_workers
     epoch0, epoch1 = _epoch_batches(loaders, 0), _epoch_batches(loaders, 1)
     assert len(epoch0) == len(epoch1) == 8
     # Same samples in the same order per epoch is not the point: with the sampler's order fixed
@@ -277,7 +277,7 @@ def test_imagefolder_on_the_device_splits_the_work_and_stays_seeded(tmp_path):
     def first_batches(epoch: int):
         loaders = build_data(plan(dataset="imagefolder", data_dir=tree, batch_size=4, views=2, aug_on_device=True,
                                   recipe=moco_recipe("imagefolder", 32, "v2")), rank=0, world_size=1, device=CPU)
-        assert isinstance(loaders.train.batches, FinishOnDevice) and isinstance(loaders.val.batches, FinishOnDevice)
+        assert isinstance(loaders.train, FinishOnDevice) and isinstance(loaders.val, FinishOnDevice)
         loaders.set_epoch(epoch)
         return next(iter(loaders.train))
 
@@ -500,7 +500,7 @@ def test_the_threads_batches_are_the_loops_own_bit_for_bit(jpeg_folder, decode_o
     def passes(ahead: int) -> list:
         loaders = build_data(files_plan(jpeg_folder, decode_on_device), rank=0, world_size=1, device=CPU)
         for batches in (loaders.train, loaders.val, loaders.bank):
-            batches.batches.ahead = ahead  # the FinishOnDevice under the recorder of undecodable files
+            batches.ahead = ahead
         made = []
         for epoch in (0, 1):
             loaders.set_epoch(epoch)
@@ -537,7 +537,7 @@ class Batches:
 def collated(jpeg_folder, decode_on_device: bool, count: int) -> tuple[FinishOnDevice, list]:
     """A FinishOnDevice of the training split and ``count`` of its loader's collated batches."""
     finish = build_data(files_plan(jpeg_folder, decode_on_device, workers=0), rank=0, world_size=1,
-                        device=CPU).train.batches
+                        device=CPU).train
     finish.loader.sampler.set_epoch(0)
     taken = []
     for batch in finish.loader:
@@ -593,7 +593,7 @@ def test_the_thread_and_the_loaders_workers_end_with_the_iterator(jpeg_folder, h
     waiting on a full hand-over), closed after one, or read to its end: the thread has ended, the
     loader's iterator is gone and its workers have exited when that returns."""
     finish = build_data(files_plan(jpeg_folder, decode_on_device=False, workers=0), rank=0, world_size=1,
-                        device=CPU).train.batches
+                        device=CPU).train
     finish.loader.sampler.set_epoch(0)
     finish.loader = WatchedLoader(torch.utils.data.DataLoader(
         finish.loader.dataset, batch_size=5, sampler=finish.loader.sampler, num_workers=2, collate_fn=collate_files,
@@ -625,19 +625,19 @@ def test_a_pass_left_early_keeps_no_made_batch_and_every_pass_lets_its_float_atl
     from ddp_utils.train.run import RunState, TrainingBatches
 
     loaders = build_data(files_plan(jpeg_folder, decode_on_device=True), rank=0, world_size=1, device=CPU)
-    finish = loaders.train.batches
+    finish = loaders.train
     before = threads_ahead()
     batches = TrainingBatches(loaders, RunState(), 1, torch.nn.Linear(1, 1), CPU)
     for _ in batches.this_epoch():
         assert len(threads_ahead() - before) == 1 and finish.augment.atlas_bytes > 0
         break
     assert threads_ahead() <= before and finish.augment.atlas_bytes == 0
-    assert len(list(loaders.val)) == len(loaders.val) and loaders.val.batches.augment.atlas_bytes == 0
+    assert len(list(loaders.val)) == len(loaders.val) and loaders.val.augment.atlas_bytes == 0
     it = iter(loaders.bank)
     next(it)
     assert len(threads_ahead() - before) == 1
     loaders.close()
-    assert threads_ahead() <= before and loaders.bank.batches.augment.atlas_bytes == 0
+    assert threads_ahead() <= before and loaders.bank.augment.atlas_bytes == 0
 
 
 def test_a_process_that_exits_mid_epoch_exits(jpeg_folder):

@@ -6,6 +6,7 @@ file; the share of time spent waiting for data is logged; the log and config.jso
 "auto" resolved to; the launchers run ImageFolder jobs to the end."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -39,7 +40,7 @@ from ddp_utils.data.image_files import (
     decode_rgb,
 )
 from ddp_utils.data.order import ResumableDistributedSampler
-from ddp_utils.data.pipeline import SeededTransform, build_data, record_unreadable
+from ddp_utils.data.pipeline import LoaderBatches, SeededTransform, build_data, record_unreadable
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import moco_recipe
 from ddp_utils.data.unreadable import UnreadableFiles
@@ -119,7 +120,8 @@ def test_a_damaged_file_comes_as_a_placeholder_that_the_batches_record_on_the_ho
 
     seeded = SeededTransform(files, T.Compose([T.ToImage(), T.Resize((8, 8)), T.ToPureTensor()]), seed=0)
     unreadable = UnreadableFiles()
-    loader = record_unreadable(torch.utils.data.DataLoader(seeded, batch_size=13, num_workers=1), files, unreadable)
+    loader = LoaderBatches(torch.utils.data.DataLoader(seeded, batch_size=13, num_workers=1),
+                           functools.partial(record_unreadable, files=files, unreadable=unreadable))
     targets = torch.cat([t for _, t in loader])
     assert len(targets) == len(files) and (targets >= 0).all()  # every batch with valid labels
     assert [e.path for e in unreadable.found] == [files.samples[bad][0]]  # recorded once, by name

@@ -7,10 +7,10 @@
    batches. It loads the raw splits, chooses the path (below), and makes the training batches,
    validation and MoCo's kNN bank with one function, on each rank's share (``order``: the
    samples order, or for shards the one in which each rank reads whole shards, each resumable
-   with its own state; sharded evaluation), per-sample seeding, the DataLoader (written once),
-   the in-memory path's batches on the device (``DeviceBatches``), and the recorder wrapped
-   around every kind of batch of image files (``RecordingUnreadable``: the files a batch could
-   not decode).
+   with its own state; sharded evaluation), per-sample seeding, the DataLoader (written once)
+   and its batches (``LoaderBatches``), the in-memory path's batches on the device
+   (``DeviceBatches``), and ``record_unreadable``, which every pass of image files calls on each
+   batch it hands out (the files a batch could not decode).
 3. ``sets``: the raw splits (digits, CIFAR-10, synthetic noise, ImageFolder), the ``--debug``
    and kNN-bank subsets, in-memory splits as tensors.
 4. ``image_files``: image files as samples, listed, read and decoded on the CPU: ImageFolder's
@@ -18,7 +18,7 @@
    ``train.preflight`` and sent to every rank), each file read as PIL, decoded pixels
    (torchvision's JPEG decoder, PIL) or encoded bytes (the JPEG marker test says what the
    device's decoder is given); ``unreadable``: files that cannot be decoded (the rank's registry
-   of them, which ``pipeline.RecordingUnreadable`` fills as batches are handed out, their
+   of them, which ``pipeline.record_unreadable`` fills as batches are handed out, their
    reasons, ``--check-data``'s pass). ``ShardFiles`` reads
    the same files from an image folder's shards (``shards``: the layout ``write_shards.py``
    writes, its index, any sample by number), on a file system or in an S3 bucket
@@ -36,9 +36,12 @@
      workers.
 
 6. ``batch_augment``: every view of a batch at once on the device (crop, colour, blur, flip,
-   normalisation), keyed by (seed, epoch, index) through ``ddp_utils.hashing``; the next batch
-   prepared early for the training loop. ``data_stream``: on CUDA both device paths make their
-   batches on a stream of their own and hand them to the training stream (who waits for whom).
+   normalisation), keyed by (seed, epoch, index) through ``ddp_utils.hashing``.
+   ``data_stream``: the hand-over to the training loop, ``Batches``, the one protocol of every
+   path's passes (iterate, prepare the next, close; ``LoopBatches`` on the loop's thread, the
+   next device batch made early when asked; ``files_on_device.ThreadBatches`` by a thread of its
+   own); on CUDA both device paths make their batches on a stream of their own and hand them to
+   the training stream (who waits for whom).
 
 Beside the batches: ``host_memory`` bounds the shared and pinned memory the workers fill (checked
 before a run starts); ``preview`` draws the augmentation for TensorBoard.

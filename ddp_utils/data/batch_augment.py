@@ -1,6 +1,6 @@
 """An :class:`AugmentRecipe` applied to a whole batch on the training device, with tensor ops:
-:class:`BatchAugment` (one view), :class:`DeviceAugment` (every view of a batch, keyed by
-(seed, epoch, index)) and :class:`PreparedAhead` (the next batch's kernels queued early).
+:class:`BatchAugment` (one view) and :class:`DeviceAugment` (every view of a batch, keyed by
+(seed, epoch, index)).
 
 The per-sample torchvision pipeline (``transforms.view_transform``) makes one Python call per op
 per image in DataLoader workers, which caps throughput on small images long before a GPU is busy;
@@ -28,7 +28,7 @@ import importlib.util
 import math
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -561,28 +561,6 @@ class DeviceAugment:
         u = pinned_to_device(keyed_uniforms(self.seed, epoch, index, self.views), device)
         views = [make(v, u[:, v * VIEW_COLUMNS:(v + 1) * VIEW_COLUMNS]) for v in range(self.views)]
         return views[0] if self.views == 1 else tuple(views)
-
-
-class PreparedAhead:
-    """An iterator over batches made on the device that can make the next one early:
-    ``prepare_next()`` queues its kernels now (e.g. while the host waits for the ranks'
-    agreement), and ``next()`` then hands it out."""
-
-    def __init__(self, batches: Iterator):
-        self._batches, self._ahead = batches, None
-
-    def __iter__(self) -> PreparedAhead:
-        return self
-
-    def __next__(self):
-        if self._ahead is not None:
-            batch, self._ahead = self._ahead, None
-            return batch
-        return next(self._batches)
-
-    def prepare_next(self) -> None:
-        if self._ahead is None:
-            self._ahead = next(self._batches, None)  # None at the end: next() then stops
 
 
 def normalize(x: Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] | None,

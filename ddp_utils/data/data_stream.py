@@ -1,6 +1,8 @@
-"""Batches made on a CUDA stream of their own, the data stream, and handed to the training
-stream: the ordering contract of the device paths (``files_on_device.FinishOnDevice``,
-``pipeline.DeviceBatches``).
+"""How a pass hands its batches to the training loop: :class:`Batches`, the one protocol of every
+path's passes (:class:`LoopBatches`, made on the loop's thread; ``files_on_device.ThreadBatches``,
+by a thread of its own), and the device paths' batches made on a CUDA stream of their own, the
+data stream, and handed to the training stream: the ordering contract of
+``files_on_device.FinishOnDevice`` and ``pipeline.DeviceBatches``.
 
 On CUDA a batch's host-to-device copies and its augmentation (for image files also the decode
 and the packing) run on the data stream (one per device), so that they overlap the training
@@ -41,7 +43,7 @@ import collections
 import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import Tensor
@@ -149,22 +151,56 @@ def _tensors(batch: Any) -> Iterator[Tensor]:
             yield from _tensors(part)
 
 
-class HandedOut:
-    """Batches made on the data stream (:class:`Made`, from ``made``: a ``PreparedAhead`` or any
-    iterator), each handed to the training stream when ``next()`` hands it out, not when it was
-    made: ``prepare_next()`` makes the next one now (its kernels queued on the data stream while
-    the host waits), and the training stream waits for it only at the step that reads it."""
+class Batches(Protocol):
+    """One pass over a rank's batches (training, evaluation or the kNN bank): what ``iter()`` of a
+    path's batches gives. ``next()`` hands out the next batch, in order, ready for the calling
+    thread's current stream (:meth:`Made.hand_over`); a pass of image files records the files a
+    batch could not decode as it hands the batch out, valid labels in their placeholders' place
+    (``pipeline.record_unreadable``). ``prepare_next()`` makes the next batch now where the loop's
+    thread makes it on the device, its kernels queued while the host waits; elsewhere (a
+    loader's workers, a thread of its own: both run ahead already), or asked again, it does
+    nothing. ``close()`` ends the pass: batches made and not handed out are dropped, a thread
+    making them stopped."""
 
-    def __init__(self, made: Iterator[Made]):
-        self._made = made
+    def __iter__(self) -> Batches: ...
 
-    def __iter__(self) -> HandedOut:
+    def __next__(self) -> Any: ...
+
+    def prepare_next(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LoopBatches:
+    """:class:`Batches` taken on the loop's thread when it asks: the items of ``source``, each a
+    batch (a DataLoader's), or with ``make`` turned into one made on the data stream
+    (:class:`Made`) and handed over as ``next()`` hands it out, not when it was made; each
+    handed-out batch passes through ``record`` where given. Only with ``make`` does
+    ``prepare_next()`` make the next batch early: taking a loader's early would only wait for
+    its workers."""
+
+    def __init__(self, source: Iterator, make: Callable[[Any], Made] | None = None,
+                 record: Callable[[Any], Any] | None = None):
+        self._source, self._make, self._record = source, make, record
+        self._ahead: Made | None = None
+
+    def __iter__(self) -> LoopBatches:
         return self
 
     def __next__(self):
-        return next(self._made).hand_over()
+        if self._make is None:
+            batch = next(self._source)
+        else:
+            made, self._ahead = self._ahead, None
+            batch = (self._make(next(self._source)) if made is None else made).hand_over()
+        return batch if self._record is None else self._record(batch)
 
     def prepare_next(self) -> None:
-        prepare = getattr(self._made, "prepare_next", None)
-        if prepare is not None:
-            prepare()
+        if self._make is not None and self._ahead is None:
+            item = next(self._source, None)  # None at the end: next() then stops
+            self._ahead = None if item is None else self._make(item)
+
+    def close(self) -> None:
+        """Drops the batch made ahead and the source (a DataLoader's iterator: its workers of the
+        pass stop; a generator: its ``finally`` runs)."""
+        self._ahead, self._source = None, iter(())

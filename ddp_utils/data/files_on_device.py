@@ -8,7 +8,7 @@ One batch, in the order it passes here:
    images into one atlas in a shared-memory buffer the worker reuses (:func:`pack`,
    :class:`PackedImages`, :class:`SharedBuffers`), a file's bytes into one
    :class:`EncodedBatch`;
-2. in the training process, a thread of :class:`FinishOnDevice`'s (:class:`BatchesAhead`) takes the
+2. in the training process, a thread of :class:`FinishOnDevice`'s (:class:`ThreadBatches`) takes the
    batch from the loader while the training loop computes, copies the atlas to the device, or
    decodes the encoded batch there (:func:`decode_on`: nvJPEG on CUDA, through torchvision; an
    image it refuses is decoded on the CPU and counted, :class:`DecodeFallbacks`) and packs it;
@@ -40,7 +40,7 @@ import threading
 import traceback
 import weakref
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -48,8 +48,8 @@ from torch import Tensor
 from torch.profiler import record_function
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from .batch_augment import DeviceAugment, PreparedAhead, pinned_to_device
-from .data_stream import CudaCalls, DataStream, HandedOut, Made
+from .batch_augment import DeviceAugment, pinned_to_device
+from .data_stream import Batches, CudaCalls, DataStream, LoopBatches, Made
 from .host_memory import ATLAS_PADDING, KEPT_PER_WORKER, size_text
 from .image_files import jpeg_decoder, sample_path
 from .order import augmentation_index
@@ -363,52 +363,54 @@ class FinishOnDevice:
     normalised as a batch by ``augment`` (the evaluation view with an evaluation recipe, which
     has no crop). An image the device cannot decode is read as the loader path reads it, from
     ``decoded`` (the loader's raw data set, read as "decoded"), target included, and counted in
-    ``fallbacks``.
+    ``fallbacks``; ``record``: called on each batch handed out (``pipeline.record_unreadable``).
 
-    Iterated, a thread of its own (:class:`BatchesAhead`) takes each batch from the loader,
+    Iterated, a thread of its own (:class:`ThreadBatches`) takes each batch from the loader,
     copies it to the device or decodes it there, and augments it while the training loop
     computes; at most ``ahead`` made batches wait for the loop (``ahead`` 0: no thread, each batch
-    made on the loop's thread when it is asked for, ``PreparedAhead``'s way). On CUDA that work
-    runs on the device's data stream, and each batch is handed to the training stream when the
-    loop takes it (``data_stream``: who waits for whom). ``calls``: ``data_stream.DataStream``'s."""
+    made on the loop's thread when it is asked for or prepared, ``data_stream.LoopBatches``). On
+    CUDA that work runs on the device's data stream, and each batch is handed to the training
+    stream when the loop takes it (``data_stream``: who waits for whom). ``calls``:
+    ``data_stream.DataStream``'s."""
 
     def __init__(self, loader: DataLoader, augment: DeviceAugment, device: torch.device, decoded: Dataset,
-                 fallbacks: DecodeFallbacks | None = None, ahead: int | None = None, calls: CudaCalls | None = None):
+                 fallbacks: DecodeFallbacks | None = None, ahead: int | None = None, calls: CudaCalls | None = None,
+                 record: Callable[[tuple], tuple] | None = None):
         self.loader, self.augment, self.device, self.decoded = loader, augment, device, decoded
         self.batch_size = loader.batch_size
         self.fallbacks = DecodeFallbacks() if fallbacks is None else fallbacks
         self.ahead = AHEAD if ahead is None else ahead
+        self.record = record
         self.stream = DataStream(device, calls)
         self._making = threading.Lock()  # one batch at a time: the augmentation keeps buffers between batches
-        self._producer: _Producer | None = None
+        self._last: _HandOver | None = None  # the last pass's thread
 
     def __len__(self) -> int:
         return len(self.loader)
 
-    def __iter__(self) -> BatchesAhead | HandedOut:
+    def __iter__(self) -> Batches:
         if self.ahead <= 0:
-            return HandedOut(PreparedAhead(self._made()))
-        if self._producer is not None and _one_iterator(self.loader):
+            return LoopBatches(self._pass(iter(self.loader)), self.make, self.record)
+        if self._last is not None and _one_iterator(self.loader):
             # the loader's one iterator (persistent workers) is reset below: the last pass's thread
             # must be off it first
-            self._producer.close(wait=None)
-        producer = _Producer(iter(self.loader), self.make, self.ahead, _this_device(self.device), self.augment.release)
-        self._producer = producer
-        return BatchesAhead(producer)
+            self._last.close(wait=None)
+        self._last = _HandOver(self._pass(iter(self.loader)), self.make, self.ahead, _this_device(self.device))
+        return ThreadBatches(self._last, self.record)
 
-    def _made(self):
+    def _pass(self, batches: Iterator) -> Iterator:
+        """``batches``, the loader's of one pass; the float atlas let go when they end or are dropped."""
         try:
-            for batch in self.loader:
-                yield self.make(batch)
+            yield from batches
         finally:
             self.augment.release()
 
     def close(self) -> None:
         """Stops the pass's thread, the batches it made and did not hand out dropped, and lets the
         augmentation's float atlas go: a pass that ends early (``--max-steps``), the run's end."""
-        if self._producer is not None:
-            self._producer.close()
-            self._producer = None
+        if self._last is not None:
+            self._last.close()
+            self._last = None
         self.augment.release()
 
     def finish(self, batch: list) -> tuple:
@@ -454,7 +456,7 @@ class DecodeFallbacks:
     """Images the device's decoder refused (``--decode-on device``), which the training process
     then decoded on the CPU, counted on this rank: a WARNING when the first comes, the count in
     each epoch's line (``train.run``). A file the CPU cannot decode either is not one of them: it
-    is the run's unreadable file (``pipeline.RecordingUnreadable``), named there."""
+    is the run's unreadable file (``pipeline.record_unreadable``), named there."""
 
     def __init__(self):
         self.count = 0
@@ -470,35 +472,36 @@ class DecodeFallbacks:
                         device.type, count, first, " among them" if count > 1 else "")
 
 
-class BatchesAhead:
-    """A :class:`FinishOnDevice`'s batches, made by a thread of its own (named
-    :data:`THREAD_NAME`) while the training loop computes: ``next()`` hands the loop the next one
-    (waiting for it if the thread has none ready), on CUDA to the training stream then. An error
-    of the thread (of the loader, its workers, the store, the decoder) is raised by the
-    ``next()`` of the batch it stopped at, as it was raised there (type and traceback).
-    The thread ends when the batches do, when :meth:`close` is called or when this iterator is
-    dropped (no reference cycle holds it: the thread holds no reference to it): then the loader's
-    iterator goes too, and with it its workers unless they are persistent, as when a loop drops a
-    DataLoader's iterator. ``prepare_next()`` is a no-op: the thread makes the next batch already."""
+class ThreadBatches:
+    """:class:`~data_stream.Batches` of a :class:`FinishOnDevice` pass, made by a thread of its own
+    (named :data:`THREAD_NAME`, its :class:`_HandOver`) while the training loop computes:
+    ``next()`` hands the loop the next one (waiting for it if the thread has none ready), on CUDA
+    to the training stream then, through ``record`` where given. An error of the thread (of the
+    loader, its workers, the store, the decoder) is raised by the ``next()`` of the batch it
+    stopped at, as it was raised there (type and traceback). The thread ends when the batches
+    do, when :meth:`close` is called or when this iterator is dropped (no reference cycle holds
+    it: the thread holds no reference to it): then the loader's iterator goes too, and with it
+    its workers unless they are persistent, as when a loop drops a DataLoader's iterator."""
 
-    def __init__(self, producer: _Producer):
-        self._producer = producer
-        self._close = weakref.finalize(self, producer.close)
+    def __init__(self, handover: _HandOver, record: Callable[[tuple], tuple] | None = None):
+        self._handover, self._record = handover, record
+        self._close = weakref.finalize(self, handover.close)
 
-    def __iter__(self) -> BatchesAhead:
+    def __iter__(self) -> ThreadBatches:
         return self
 
     def __next__(self):
-        item = self._producer.handover.get()
+        item = self._handover.get()
         if isinstance(item, Made):
-            return item.hand_over()
+            batch = item.hand_over()
+            return batch if self._record is None else self._record(batch)
         self.close()
         if isinstance(item, _Failed):
             raise item.error
         raise StopIteration
 
     def prepare_next(self) -> None:
-        pass
+        """Nothing: the thread makes the next batch already."""
 
     def close(self) -> None:
         """Stop the thread and wait for it (:data:`CLOSE_WAIT_S` at most); batches made and not
@@ -514,13 +517,19 @@ _END = object()  # the thread's last hand-over when the loader's batches are all
 
 
 class _HandOver:
-    """Made batches on their way from the thread to the loop, ``depth`` at most: ``put`` waits
-    while that many wait; :meth:`close` drops them and wakes both sides."""
+    """A pass's thread, which makes each batch of ``source`` (``make``) on ``device``, and the made
+    batches on their way to the loop, ``depth`` at most: ``put`` waits while that many wait;
+    :meth:`close` drops them, wakes both sides and waits for the thread. Held by the pass's
+    :class:`ThreadBatches` and by its :class:`FinishOnDevice`; the thread holds it, never the
+    :class:`ThreadBatches`."""
 
-    def __init__(self, depth: int):
+    def __init__(self, source: Iterator, make: Callable[[list], Made], depth: int, device: torch.device):
         self.depth, self.closed = depth, False
         self._items: collections.deque = collections.deque()
         self._cond = threading.Condition()  # re-entrant: a finalizer may close it inside put()
+        self.thread = threading.Thread(target=_make_ahead, args=([source], make, self, device), name=THREAD_NAME,
+                                       daemon=True)
+        self.thread.start()
 
     def put(self, item) -> bool:
         """False when closed: ``item`` is not taken."""
@@ -544,36 +553,20 @@ class _HandOver:
             self._cond.notify_all()
             return item
 
-    def close(self) -> None:
+    def close(self, wait: float | None = CLOSE_WAIT_S) -> None:
         with self._cond:
             self.closed = True
             self._items.clear()
             self._cond.notify_all()
-
-
-class _Producer:
-    """The thread of a :class:`BatchesAhead` and its hand-over; held by the iterator and by
-    :class:`FinishOnDevice`, never holding either."""
-
-    def __init__(self, batches, make: Callable[[list], Made], depth: int, device: torch.device,
-                 ended: Callable[[], None]):
-        self.handover = _HandOver(depth)
-        self.thread = threading.Thread(target=_make_ahead, args=([batches], make, self.handover, device, ended),
-                                       name=THREAD_NAME, daemon=True)
-        self.thread.start()
-
-    def close(self, wait: float | None = CLOSE_WAIT_S) -> None:
-        self.handover.close()
         if self.thread is not threading.current_thread():
             self.thread.join(wait)
 
 
-def _make_ahead(source: list, make: Callable[[list], Made], handover: _HandOver, device: torch.device,
-                ended: Callable[[], None]) -> None:
-    """The thread's work: each batch of the loader's iterator (``source[0]``) made and handed
-    over, in order, then :data:`_END`; an error handed over in its place. The iterator is let go
-    when the thread ends (``source`` emptied; the error's frames cleared of their locals), so
-    nothing of it outlives the thread, and ``ended()`` is called (the pass's buffers let go)."""
+def _make_ahead(source: list, make: Callable[[list], Made], handover: _HandOver, device: torch.device) -> None:
+    """The thread's work: each batch of the pass (``source[0]``) made and handed over, in order,
+    then :data:`_END`; an error handed over in its place. The pass is let go when the thread ends
+    (``source`` emptied; the error's frames cleared of their locals): nothing of the loader's
+    iterator outlives the thread, and the float atlas goes (:meth:`FinishOnDevice._pass`)."""
     batch = None
     try:
         if device.type == "cuda":
@@ -592,7 +585,6 @@ def _make_ahead(source: list, make: Callable[[list], Made], handover: _HandOver,
             batch[0].release()  # taken and not handed over: nothing reads it
         batch = None
         source.clear()
-        ended()
 
 
 def _one_iterator(loader) -> bool:

@@ -21,11 +21,15 @@ shards); augmentation is a function of (seed, epoch, sample index), so a resumed
 run applies exactly the crops and flips of an uninterrupted one. Shards in an object store are
 read through the node's cache, filled ahead by each rank's read-ahead (``shard_cache``).
 
-Every kind of batch of image files is handed out through :class:`RecordingUnreadable`, which
-records the files a batch could not decode in the rank's ``unreadable.UnreadableFiles``.
+Each ``iter()`` of a path's batches is a pass, ``data_stream.Batches``: on the loader path and
+for in-memory data ``data_stream.LoopBatches``, for image files on the device
+``files_on_device.ThreadBatches``. Passes of image files record the files a batch could not
+decode in the rank's ``unreadable.UnreadableFiles`` as they hand each batch out
+(:func:`record_unreadable`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -39,8 +43,8 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from .. import hashing
 from ..config import UsageError
-from .batch_augment import BatchAugment, DeviceAugment, PreparedAhead, pinned_to_device
-from .data_stream import DataStream, HandedOut
+from .batch_augment import BatchAugment, DeviceAugment, pinned_to_device
+from .data_stream import DataStream, LoopBatches, Made
 from .host_memory import (
     EVAL_PREFETCH,
     TRAIN_PREFETCH,
@@ -77,7 +81,8 @@ from .unreadable import UnreadableFiles, why_unreadable
 if TYPE_CHECKING:
     from .files_on_device import DecodeFallbacks, FinishOnDevice
 
-Batches: TypeAlias = "DataLoader | RecordingUnreadable | DeviceBatches | FinishOnDevice"  # one path's batches
+# One kind of batch on one path; each iter() a pass (data_stream.Batches)
+Passes: TypeAlias = "LoaderBatches | DeviceBatches | FinishOnDevice"
 log = logging.getLogger("train")
 
 
@@ -161,9 +166,9 @@ class Loaders:
     """A rank's batches of a run, as :func:`build_data` made them for ``plan``."""
 
     plan: DataPlan
-    train: Batches
-    val: Batches
-    bank: Batches | None  # MoCo's kNN bank
+    train: Passes
+    val: Passes
+    bank: Passes | None  # MoCo's kNN bank
     train_sampler: ResumableDistributedSampler | ShardAwareSampler
     train_set: Dataset    # the raw training split
     num_classes: int
@@ -182,16 +187,15 @@ class Loaders:
             self.read_ahead.cache.leave(keep=self.plan.store.keep or restartable)
 
     @staticmethod
-    def stop_making(*passes: Batches | None) -> None:
+    def stop_making(*passes: Passes | None) -> None:
         """Image files finished on the device: each of ``passes``' thread stopped, the batches it
         made and did not hand out dropped, its float atlas let go (a pass that ends early, the
         run's end, which must stop the thread before the process group goes)."""
         from .files_on_device import FinishOnDevice
 
         for batches in passes:
-            made = batches.batches if isinstance(batches, RecordingUnreadable) else batches
-            if isinstance(made, FinishOnDevice):
-                made.close()
+            if isinstance(batches, FinishOnDevice):
+                batches.close()
 
     @property
     def batches_per_epoch(self) -> int:
@@ -205,19 +209,14 @@ class Loaders:
         if isinstance(train, DeviceBatches):
             at = torch.tensor(index, device=train.images.device)
             return _as_list(train.augment(train.images[at], 0, torch.tensor(index)))  # the draws take host indices
-        recorder = train if isinstance(train, RecordingUnreadable) else None
-        made = recorder.batches if recorder else train  # a DataLoader, or the device path's FinishOnDevice
-        loader = made.loader if self.plan.aug_on_device else made
-        samples = [loader.dataset[(0, i)] for i in index]
+        samples = [train.loader.dataset[(0, i)] for i in index]  # a LoaderBatches' or FinishOnDevice's loader
         if self.plan.aug_on_device:
             from .files_on_device import collate_files
 
-            batch = made.finish(collate_files(samples))
+            batch = train.finish(collate_files(samples))
         else:
             batch = default_collate(samples)
-        if recorder:
-            batch = recorder.record(batch)
-        return _as_list(batch[0])
+        return _as_list((batch if train.record is None else train.record(batch))[0])
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Reshuffle for ``epoch`` (augmentation follows: the epoch travels with each index);
@@ -280,10 +279,11 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
         if plan.decode_on_device and rank == 0:
             log.info("data: %s", describe_decoder(device))
 
-    def batches(raw: Dataset, sampler, kind: _Kind) -> Batches:  # image files: undecodable ones recorded
-        made = _batches(raw, sampler, kind, plan=plan, device=device, held=held, read_ahead=read_ahead,
-                        fallbacks=fallbacks)
-        return record_unreadable(made, raw, unreadable)
+    def batches(raw: Dataset, sampler, kind: _Kind) -> Passes:
+        files = image_files_of(raw)  # image files: the placeholders of those a batch could not decode recorded
+        record = None if files is None else functools.partial(record_unreadable, files=files, unreadable=unreadable)
+        return _batches(raw, sampler, kind, plan=plan, device=device, held=held, read_ahead=read_ahead,
+                        fallbacks=fallbacks, record=record)
 
     sampler = training_order(plan, train_raw, world_size, rank)
     if read_ahead is not None and fresh:
@@ -300,7 +300,7 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
                        batch_size=eval_batch_size(plan.batch_size, image_files_of(train_raw) is not None),
                        size=plan.image_size)
 
-    def eval_batches(raw: Dataset) -> Batches:  # validation and the kNN bank, on every path
+    def eval_batches(raw: Dataset) -> Passes:  # validation and the kNN bank, on every path
         by_shard = shards_of(raw) if plan.order == "shards" else None  # the shards order: few shards a rank
         return batches(raw, ShardedEvalSampler(raw, world_size, rank, by_shard), evaluation)
 
@@ -387,11 +387,13 @@ def _held_on_device(plan: DataPlan, train_raw: Dataset, val_raw: Dataset, device
 
 
 def _batches(raw: Dataset, sampler: Iterable, kind: _Kind, *, plan: DataPlan, device: torch.device,
-             held: dict, read_ahead: ReadAhead | None = None, fallbacks: DecodeFallbacks | None = None) -> Batches:
+             held: dict, read_ahead: ReadAhead | None = None, fallbacks: DecodeFallbacks | None = None,
+             record: Callable[[list], list] | None = None) -> Passes:
     """``kind`` of batch of ``raw`` in ``sampler``'s order, on the plan's path (see the module
     docstring); ``held``: the splits :func:`_held_on_device` put there; ``read_ahead``: the rank's,
     for shards from an object store; ``fallbacks``: the rank's count of images the device's
-    decoder refused (image files on the device)."""
+    decoder refused (image files on the device); ``record``: called on each batch a pass of image
+    files hands out."""
     shards = split_shards(raw) if read_ahead is not None else None
     size = kind.size
     if held or plan.aug_on_device:  # the device paths' (BatchAugment refuses a per-sample-only recipe)
@@ -413,14 +415,14 @@ def _batches(raw: Dataset, sampler: Iterable, kind: _Kind, *, plan: DataPlan, de
         loader = data_loader(data, sampler, batch_size=kind.batch_size, workers=plan.workers,
                              pin_memory=device.type == "cuda", train=kind.train, collate=collate_files,
                              read_ahead=read_ahead, shards=shards)
-        return FinishOnDevice(loader, augment, device, read_as(raw, "decoded"), fallbacks)
+        return FinishOnDevice(loader, augment, device, read_as(raw, "decoded"), fallbacks, record=record)
     from .transforms import TwoCrops, view_transform
 
     view = view_transform(kind.recipe, plan.dataset, size)
     data = SeededTransform(raw, view if kind.views == 1 else TwoCrops(view), kind.seed)
     loader = data_loader(data, sampler, batch_size=kind.batch_size, workers=plan.workers,
                          pin_memory=device.type == "cuda", train=kind.train, read_ahead=read_ahead, shards=shards)
-    return loader
+    return LoaderBatches(loader, record)
 
 
 def data_loader(data: Dataset, sampler: Iterable, *, batch_size: int, workers: int, pin_memory: bool, train: bool,
@@ -488,60 +490,37 @@ def describe_plan_device_memory(plan: DataPlan, train_raw: Dataset, device: torc
     return describe_device_memory(train, evaluation, device)
 
 
-# ----------------------------------------------------------------------------- image files that cannot be decoded, recorded
-class RecordingUnreadable:
-    """Batches of image files (a loader's, or the device path's finished ones) with the
-    placeholders found as each batch is handed out: ``batch[1]`` (targets, on the host) comes with
-    valid labels, the files behind the placeholders go into ``unreadable``. A batch made early
-    (prepared ahead) is recorded when it is taken. Has its batches' length and batch size."""
+# ----------------------------------------------------------------------------- the loader path
+class LoaderBatches:
+    """The loader path's batches: ``loader``'s, each pass a :class:`~data_stream.LoopBatches`
+    whose batches pass through ``record`` (image files: :func:`record_unreadable`) as they are
+    handed out."""
 
-    def __init__(self, batches, files: ImageFiles, unreadable: UnreadableFiles):
-        self.batches, self.files, self.unreadable = batches, files, unreadable
-        self.batch_size = batches.batch_size
+    def __init__(self, loader: DataLoader, record: Callable[[list], list] | None = None):
+        self.loader, self.record = loader, record
+        self.batch_size = loader.batch_size
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return len(self.loader)
 
-    def __iter__(self) -> _Recorded:
-        return _Recorded(iter(self.batches), self)
-
-    def record(self, batch: list | tuple) -> list | tuple:
-        """``batch`` with each placeholder target replaced by a valid label, its file recorded
-        (or the store's fault that kept it from being read)."""
-        targets = batch[1]
-        if not (targets < 0).any():  # a host tensor: no device is read
-            return batch
-        for code in targets[targets < 0].tolist():
-            try:
-                self.unreadable.found.append(why_unreadable(self.files, -1 - code))
-            except StoreError as fault:
-                self.unreadable.store_faults.append(fault)
-        return [batch[0], targets.clamp(min=0), *batch[2:]]
+    def __iter__(self) -> LoopBatches:
+        return LoopBatches(iter(self.loader), record=self.record)
 
 
-class _Recorded:
-    """The iterator of :class:`RecordingUnreadable`; ``prepare_next`` reaches the batches' own."""
-
-    def __init__(self, batches: Iterator, recorder: RecordingUnreadable):
-        self._batches, self._recorder = batches, recorder
-
-    def __iter__(self) -> _Recorded:
-        return self
-
-    def __next__(self):
-        return self._recorder.record(next(self._batches))
-
-    def prepare_next(self) -> None:
-        prepare = getattr(self._batches, "prepare_next", None)
-        if prepare is not None:
-            prepare()
-
-
-def record_unreadable(batches, raw: Dataset, unreadable: UnreadableFiles):
-    """``batches`` (of ``raw``) with the files they could not decode recorded in ``unreadable``,
-    when ``raw`` is image files; other data's batches as they are."""
-    files = image_files_of(raw)
-    return batches if files is None else RecordingUnreadable(batches, files, unreadable)
+# ----------------------------------------------------------------------------- image files that cannot be decoded, recorded
+def record_unreadable(batch: list | tuple, files: ImageFiles, unreadable: UnreadableFiles) -> list | tuple:
+    """``batch`` (of ``files``, its targets on the host) with each placeholder's target replaced by
+    a valid label, its file recorded in ``unreadable`` (or the store's fault that kept it from
+    being read): what a pass of image files calls on each batch it hands out."""
+    targets = batch[1]
+    if not (targets < 0).any():  # a host tensor: no device is read
+        return batch
+    for code in targets[targets < 0].tolist():
+        try:
+            unreadable.found.append(why_unreadable(files, -1 - code))
+        except StoreError as fault:
+            unreadable.store_faults.append(fault)
+    return [batch[0], targets.clamp(min=0), *batch[2:]]
 
 
 # ----------------------------------------------------------------------------- samples and their order
@@ -583,9 +562,10 @@ class DeviceBatches:
     skip; evaluation: a shard's indices, the last batch short) and augmented as a whole; no
     workers, no per-sample Python, no image copies.
 
-    On CUDA each batch (its indices' copy, the gather, the augmentation) is made on the device's
-    data stream, when ``prepare_next()`` or ``next()`` asks for it, and handed to the training
-    stream when ``next()`` hands it out (``data_stream``: who waits for whom). ``calls``:
+    Each pass is a ``data_stream.LoopBatches``: a batch (its indices' copy, the gather, the
+    augmentation: :meth:`make`) is made, on CUDA on the device's data stream, when
+    ``prepare_next()`` or ``next()`` asks for it, and handed to the training stream when
+    ``next()`` hands it out (``data_stream``: who waits for whom). ``calls``:
     ``data_stream.DataStream``'s."""
 
     def __init__(self, images: torch.Tensor, targets: torch.Tensor, sampler: Iterable[Key | int], batch_size: int,
@@ -598,23 +578,26 @@ class DeviceBatches:
         samples = len(self.sampler)  # type: ignore[arg-type]
         return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
 
-    def __iter__(self) -> HandedOut:
-        return HandedOut(PreparedAhead(self._batches()))
+    def __iter__(self) -> LoopBatches:
+        return LoopBatches(self._chunks(), self.make)
 
-    def _batches(self):
+    def _chunks(self) -> Iterator[list]:
         keys = [key if isinstance(key, tuple) else (0, key) for key in self.sampler]  # evaluation: epoch 0
-        device = self.images.device
         for start in range(0, len(self) * self.batch_size, self.batch_size):
-            chunk = keys[start:start + self.batch_size]
-            index = torch.tensor([key[1] for key in chunk])  # B, on the host: the augmentation draws there
-            # each repetition (repeated augmentation's third key element) augmented differently
-            drawn = torch.tensor([augmentation_index(key[1], key[2] if len(key) > 2 else 0) for key in chunk])
-            host = index.pin_memory() if device.type == "cuda" else index  # held until its copy is done
+            yield keys[start:start + self.batch_size]
 
-            def make(chunk=chunk, drawn=drawn, host=host):
-                on_device = pinned_to_device(host, device)
-                return self.augment(self.images[on_device], chunk[0][0], drawn), self.targets[on_device]
-            yield self.stream.run(make, hold=(host,))
+    def make(self, chunk: list) -> Made:
+        """The batch of ``chunk``'s keys, made on the data stream and not yet handed over."""
+        device = self.images.device
+        index = torch.tensor([key[1] for key in chunk])  # B, on the host: the augmentation draws there
+        # each repetition (repeated augmentation's third key element) augmented differently
+        drawn = torch.tensor([augmentation_index(key[1], key[2] if len(key) > 2 else 0) for key in chunk])
+        host = index.pin_memory() if device.type == "cuda" else index  # held until its copy is done
+
+        def batch():
+            on_device = pinned_to_device(host, device)
+            return self.augment(self.images[on_device], chunk[0][0], drawn), self.targets[on_device]
+        return self.stream.run(batch, hold=(host,))
 
 
 def padded_for_crop(images: torch.Tensor, augment: BatchAugment, chunk: int = 1024) -> torch.Tensor:

@@ -1,12 +1,12 @@
 """Image files that cannot be decoded, on the data side: the rank's registry of them
-(:class:`UnreadableFiles`, which ``pipeline.RecordingUnreadable`` fills as batches are handed
-out), their reason found by decoding them once more, how they are named to a user, and
-``--check-data``'s pass that decodes whole splits. What a run then does (stop, list them, refuse
+(:class:`UnreadableFiles`, which each pass of image files fills as it hands its batches out,
+``pipeline.record_unreadable``), their reason found by decoding them once more, how they are
+named to a user, and ``--check-data``'s pass that decodes whole splits. What a run then does (stop, list them, refuse
 to resume until they decode) is ``train/unreadable_files.py``.
 
 A file that cannot be decoded never raises inside a DataLoader worker: the traceback would name no
 file, and the rank that met it would leave while its peers wait in a collective. It comes as a
-black placeholder with target ``-1 - index`` (``image_files.ImageFiles``); the recorder finds such
+black placeholder with target ``-1 - index`` (``image_files.ImageFiles``); the pass finds such
 targets on the host, records the file here and hands on the batch with a valid target, so every
 rank finishes the step and the per-step agreement stops them together. A shard that an object
 store did not give travels the same way, and is recorded as the store's fault

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..config import config_dict
+from ..data.data_stream import Batches
 from ..data.pipeline import Loaders
 from ..runtime.dist import DistInfo, unwrap
 from ..runtime.logs import release_held_logs
@@ -200,7 +201,7 @@ class TrainingBatches:
         self.window_undo = WindowUndo()  # the rest of what the window changes
         self.window_undo.keep_norm_statistics(model)
         self.window_undo.keep_rng(device)
-        self._batches: Iterator | None = None
+        self._batches: Batches | None = None  # the pass in progress
 
     def this_epoch(self) -> Iterator[tuple[MicroStep, Any]]:
         """The rest of this epoch's batches, each with its place in its accumulation window."""
@@ -228,9 +229,8 @@ class TrainingBatches:
     def prepare_next(self) -> None:
         """Batches made on the device: queue the next one's augmentation now, so the device
         works on it while the host waits (a no-op for DataLoader workers, which run ahead anyway)."""
-        prepare = getattr(self._batches, "prepare_next", None)
-        if prepare is not None:
-            self.data_wait.call(prepare)
+        if self._batches is not None:
+            self.data_wait.call(self._batches.prepare_next)
 
     def undo_window(self) -> None:
         """Every rank: give up the window in progress (its optimizer step was not taken): its

@@ -4,14 +4,14 @@ give. The whole of what a run does about them, in eight files: ``data/image_file
 ``train/batches.py``, ``train/data_record.py`` and the two scripts on the training side
 (``train/preflight.py`` calls this module's refusal; ``data/shard_cache.py`` holds the store's side).
 
-Data side (``data/image_files.py`` makes the placeholder; ``data/pipeline.py`` wraps every kind of
-batch of image files in ``RecordingUnreadable``, which records it in ``data/unreadable.py``'s
-registry):
+Data side (``data/image_files.py`` makes the placeholder; every pass of image files calls
+``data/pipeline.py``'s ``record_unreadable`` on each batch, which records it in
+``data/unreadable.py``'s registry):
 
 * a DataLoader worker never raises on such a file (the traceback would name no file, and the
   rank would leave while its peers wait in a collective): the file comes as a black placeholder
   with target ``-1 - index`` (the device path's own decoder falls back to the same read);
-* ``RecordingUnreadable`` finds such targets on the host as each batch is handed out, records
+* ``record_unreadable`` finds such targets on the host as each batch is handed out, records
   the file with its reason in the rank's ``UnreadableFiles`` and hands on valid labels, so the
   rank finishes its micro-steps like its peers.
 
