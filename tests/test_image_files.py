@@ -442,10 +442,10 @@ def test_the_log_config_json_and_checkpoint_say_what_auto_resolved_to(jpeg_folde
                      rf"decoding on the loader \(--decode-on auto\), {workers} DataLoader worker\(s\) per rank "
                      rf"\(--workers -1: \d+ usable CPUs shared by 1 rank\(s\)\)", proc.stdout)
     record = json.loads((out / "config.json").read_text())
-    assert {k: record["config"][k] for k in ("image_size", "workers", "aug_on")} == \
-        {"image_size": 0, "workers": -1, "aug_on": "auto"}  # as asked: what a --config re-run reads
+    assert {k: record["config"][k] for k in ("image_size", "workers", "aug_on", "amp")} == \
+        {"image_size": 0, "workers": -1, "aug_on": "auto", "amp": "auto"}  # as asked: what a --config re-run reads
     assert record["resolved"] == {"image_size": 224, "workers": workers, "aug_on": "loader", "decode_on": "loader",
-                                  "order": "samples", "data_fingerprint": data_fingerprint(
+                                  "order": "samples", "amp": "none", "data_fingerprint": data_fingerprint(
                                       FolderListing.of(str(jpeg_folder / "train")), FolderListing.of(str(jpeg_folder / "val")))}
     assert load_ckpt(out / "checkpoint_last.pt")["resolved"] == record["resolved"]
     proc = in_process(train_classifier.main, ["--config", str(out / "config.json"), "--check", "--out",
