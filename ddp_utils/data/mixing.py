@@ -1,20 +1,8 @@
-"""MixUp and CutMix of a training micro-batch, on the training device, replayable from integers.
-
-The mixing itself is torchvision's ``transforms.v2.MixUp`` / ``CutMix`` (one of the two chosen by
-``RandomChoice`` when both are on): the implementation torchvision's reference recipe trains with,
-kept and tested upstream, so "MixUp" here means exactly what it means there (lambda ~ Beta(alpha,
-alpha); each image paired with its predecessor in the batch, the first with the last; CutMix's
-pasted box area sets the effective lambda; one-hot targets mixed by the same lambda). What this
-module adds is where its random numbers come from.
-
-Every random draw of those transforms (the choice, lambda, the box) is made on the CPU's default
-generator. :class:`BatchMixer` seeds that generator, inside ``torch.random.fork_rng``, from
-(``seed``, the epoch, the micro-batch's index in the epoch, the rank) before each call, and puts
-the caller's RNG back afterwards. So a micro-batch is mixed the same way whatever ran before it:
-a run resumed mid-epoch mixes as the uninterrupted one did, a window that is given up and
-replayed mixes again as before, and the global RNG's position (dropout, anything else) is not
-moved by mixing. The rank is part of the key: ranks draw their own lambdas, as torchvision's
-per-GPU collate does, and images are paired only within one rank's micro-batch.
+"""MixUp and CutMix of a training micro-batch, on the training device: torchvision's own
+``transforms.v2.MixUp`` / ``CutMix`` (``RandomChoice`` of the two when both are on), every draw made
+by :class:`BatchMixer` from a generator seeded by (seed, epoch, micro-batch, rank) inside
+``fork_rng``. So a micro-batch mixes the same whatever ran before (a resume, a replayed window) and
+no other random stream moves (docs/recipe.md, "MixUp and CutMix").
 """
 from __future__ import annotations
 

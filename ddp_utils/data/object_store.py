@@ -1,26 +1,13 @@
-"""Shards in an S3-compatible object store (``--data-dir s3://BUCKET/PREFIX``): the requests.
+"""Shards in an S3-compatible object store (``--data-dir s3://BUCKET/PREFIX``): the requests,
+through boto3, which reads the endpoint and the credentials from the standard AWS variables and
+files (nothing here stores them; messages mask them: ``runtime.logs.masked``).
 
-The bucket holds what ``write_shards.py`` wrote (``PREFIX/train/index.json``, ...), copied as it
-is (``aws s3 sync DST s3://BUCKET/PREFIX``). Access goes through boto3, the AWS SDK, which reads
-the endpoint and the credentials from the standard variables and files (``AWS_ENDPOINT_URL``,
-``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ...): nothing here stores
-them, and no message repeats one (``runtime.logs.masked``).
-
-Requests a store can serve: a shard is one GET (:func:`fetch`; the index knows its size, so no
-HEAD, and no ranged parts: several shards download at once instead, ``shard_cache.ReadAhead``),
-pinned to the version the pre-flight listed: its VersionId where the bucket keeps versions, else
-``If-Match`` on its ETag, and the answer's ETag compared with the listed one (a store may ignore
-If-Match); where the listing gave neither, the bytes are checked against the index's sha256 as
-they arrive. A transfer cut short is continued with a ranged GET of the rest. botocore's adaptive
-retry mode sends a request that met throttling (503 SlowDown) or a transient error once more and
-slows the client down on throttling; a fault that outlasts it is waited out here
-(:class:`Patience`, which logs how long), with backoff (or the store's Retry-After), until
-``--store-timeout`` seconds from the request's start, a time that also bounds a body that keeps
-trickling in. Every fault is then one line, its class naming what the user does
-(:data:`STORE_FAULTS`): :class:`StoreUnavailable` (exit 75, worth a restart); exit 2 at once for
-what no restart fixes: :class:`AccessRefused`, :class:`BucketMissing`, :class:`ShardChanged`,
-:class:`ShardMissing`, :class:`PinningRejected`, :class:`CredentialsExpired` (read again before
-every try first), and :class:`StoreError` itself for any other refusal.
+A shard is one GET (:func:`fetch`) pinned to the version the pre-flight listed (its VersionId, else
+If-Match on its ETag, else the index's sha256), continued with a ranged GET when cut short. A fault
+that outlasts botocore's retries is waited out (:class:`Patience`) until ``--store-timeout`` from
+the request's start, then raised as one line whose class (:data:`STORE_FAULTS`) names what the user
+does: :class:`StoreUnavailable` exits 75 (worth a restart), every other exits 2. Why, and store by
+store: docs/data.md, "Shards in an object store (S3)" and "What pins a shard, store by store".
 """
 from __future__ import annotations
 
@@ -545,9 +532,8 @@ def fetch(ref: ShardRef, to: str, patience: Patience, if_match: bool = True) -> 
                 raise _precondition_failed(address, bucket, key, ref.etag) from None
             if not (code in RANGE_REFUSED_CODES and rest and "IfMatch" in pin):
                 raise
-            # MinIO answers 416 to a Range with If-Match: the rest is asked for without it, the
-            # answer's ETag (compared below) pinning it as well; starting over would fetch again
-            # what came, at every cut of a far network
+            # MinIO answers 416 to a Range with If-Match: ask without it (the answer's ETag, compared
+            # below, pins it) rather than fetch again what came at every cut of a far network
             del pin["IfMatch"]
             try:
                 response = get(**rest)

@@ -1,55 +1,14 @@
-"""The order in which each rank reads its samples: training (two orders, each resumable and
-owning its state) and evaluation (each sample once).
+"""The order in which each rank reads its samples. Training: the samples order
+(:class:`ResumableDistributedSampler`, one permutation of all samples shared out as torch's
+``DistributedSampler`` does; :class:`RepeatedAugmentationSampler`, its ``--ra-reps`` variant) or the
+shards order (:class:`ShardAwareSampler`: each rank whole shards of its own, shuffled within windows
+of ``SHUFFLE_SHARDS``). Evaluation: :class:`ShardedEvalSampler`, each sample once.
 
-Training, epoch ``e`` of a job of ``W`` ranks, ``B`` samples a rank's batch (seed ``s``), one of:
-
-* **samples** (:class:`ResumableDistributedSampler`; image folders, in-memory data, and shards
-  with ``--order samples``): one permutation of all samples drawn from (s, e), shared out
-  among the ranks, as torch's DistributedSampler does. Shards on a file system read in this
-  order train bit for bit as their image folder.
-* **shards** (:class:`ShardAwareSampler`; ``--dataset shards``, on a file system or in an
-  object store): each rank reads whole shards of its own, in turn, so that it downloads (or
-  opens) each shard it needs once an epoch and no rank reads another's:
-
-  1. the epoch's sequence: the shards in an order drawn from (s, e), each shard's samples in
-     their stored order; every sample once;
-  2. rank ``r`` takes the ``r``-th of ``W`` equal contiguous pieces of it (the last
-     ``N mod W`` samples are left out this epoch), about ``N / W / samples-per-shard + 1`` shards;
-  3. it shuffles its piece within consecutive windows of ``SHUFFLE_SHARDS`` shards (drawn from
-     (s, e, r)), which it reads in batches of ``B`` (a last part batch is dropped).
-
-**Repeated augmentation** (``--ra-reps N``, N >= 2; :class:`RepeatedAugmentationSampler`; a
-variant of the samples order, as torchvision's ``RASampler``, whose ResNet-50 recipe takes N = 4):
-
-1. the epoch's permutation of all samples, the samples order's (drawn from (s, e));
-2. each index repeated N times in a row: i0 i0 .. i0, i1 i1 .. i1, ...;
-3. padded, from its start, to a multiple of W;
-4. rank ``r`` takes every W-th entry from the ``r``-th, so an image's N repetitions land on N
-   different ranks when N <= W (and a rank meets an image twice only when N > W);
-5. each rank keeps the first ``len(dataset) // W`` of them: an epoch as long as without
-   repetition, made of about ``len(dataset) / N`` distinct images, each seen N times (step 3's
-   padding is never reached). torchvision cuts to ``len // 256 * 256 / W`` instead; on a small
-   data set that rounding drops a large share of the epoch (all of it below 256 samples), so the
-   cut here is the plain per-rank share;
-6. batches of B in that order, a last part batch dropped.
-
-Each entry is keyed (epoch, index, repetition), and the augmentation is seeded from
-:func:`augmentation_index` (the index, with the repetition in its high 32 bits): each
-repetition of an image is augmented differently, while repetition 0, and every sample without
-``--ra-reps``, keeps the seed it had before repetition existed. A checkpoint part way through an
-epoch resumes it as the samples order does (the position counted in entries of the repeated
-sequence, which every rank shares in the same strided way: at another world size or batch the
-epoch continues near the saved position, exactly where the consumed entries divide evenly);
-it records N, and a run with another N cannot continue that epoch.
-
-Either order is a function of (seed, epoch, W) alone, so a resume at the same shape skips the
-batches its checkpoint consumed and sees the rest exactly. Each sampler says in its
-:meth:`state_dict` how far an epoch went, as *segments* (world size, batch size, batches per
-rank), and in :meth:`continue_from` what a run of another shape does with them: the samples
-order continues near the saved position (its samples are spread over every rank); the shards
-order knows exactly which samples the earlier segments consumed and shares out what is left of
-the epoch's sequence, in its order, among the new ranks: no sample is seen twice in an epoch or
-skipped, except the tail every epoch drops (fewer than one batch per rank, plus ``N mod W``).
+A training order is a function of (seed, epoch, world size) alone. Each sampler says in
+``state_dict`` how far an epoch went (its *segments*: world size, batch size, batches per rank) and
+decides in ``continue_from`` how a run of another shape continues it. The orders, their resume rules
+and why: docs/data.md, "The order of shards: one, wherever they are"; repeated augmentation:
+docs/recipe.md, "Repeated augmentation".
 """
 from __future__ import annotations
 
@@ -102,7 +61,7 @@ def _whole_windows(batches: int, accum_steps: int) -> int:
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """The samples order (module docstring): ``DistributedSampler``'s, able to start an epoch
+    """The samples order: ``DistributedSampler``'s, able to start an epoch
     part-way, after the samples a checkpoint already consumed, yielding (epoch, index) keys.
     ``batch_size``: a rank's batch, which a checkpoint's position counts in."""
 
@@ -146,7 +105,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 class RepeatedAugmentationSampler(ResumableDistributedSampler):
-    """Repeated augmentation (module docstring), ``reps`` >= 2 repetitions of each sample an
+    """Repeated augmentation (docs/recipe.md), ``reps`` >= 2 repetitions of each sample an
     epoch, yielding (epoch, index, repetition) keys; a rank's epoch is ``len(dataset) //
     num_replicas`` of them. Resumes as :class:`ResumableDistributedSampler`, its position
     counted in entries of the repeated sequence."""
@@ -199,7 +158,7 @@ def rank_piece(remaining: np.ndarray, shard_of: np.ndarray, world_size: int, ran
 
 
 class ShardAwareSampler(Sampler[Key]):
-    """The shards order (module docstring): this rank's training samples of an epoch as (epoch,
+    """The shards order (docs/data.md): this rank's training samples of an epoch as (epoch,
     index). ``shard_of``: each sample's shard number; ``batch_size``: a rank's batch."""
 
     kind = "shards"

@@ -1,40 +1,25 @@
-"""Shards from an object store on a node's local disk: one cache per node, shared by its ranks
-and their DataLoader workers (:class:`NodeCache`), filled ahead of the reads by each rank's
-read-ahead (:class:`ReadAhead`), which learns the order of every pass from its loader
-(:class:`ReadAheadLoader`): an epoch's order is known when it starts.
+"""Shards from an object store on a node's local disk: one cache per node, shared by its ranks and
+their DataLoader workers (:class:`NodeCache`), filled ahead of the reads by each rank's read-ahead
+(:class:`ReadAhead`, threads of the training process, the only ones that talk to the store), which
+learns each pass's order from its loader (:class:`ReadAheadLoader`). How and why: docs/data.md,
+"Shards in an object store (S3)".
 
-The cache folder (``--shard-cache-dir``, below it ``ddp-shards-RUN-nodeN/``, N the launcher's
-node identity) holds:
+The cache folder (``--shard-cache-dir``, below it ``ddp-shards-RUN-nodeN/``) holds:
 
-* ``NAME`` (the shard's address, ``/`` written ``--``): a whole downloaded shard (a download goes
-  to ``NAME.part-...-BYTES`` and is renamed once all its bytes arrived);
-* ``rankR/NAME``: a hard link to it while rank R holds it (its loaders read it now or soon);
-  ``rankR-now/THREAD-NAME``: while a thread of rank R's training process reads it outside a
-  loader's pass. A shard is deleted to make room only when no rank holds it (its link count is
-  1), the one held least recently first;
-* ``NAME.failed`` and ``rankR.failed``: a shard the store did not give (or that did not arrive in
-  time), and a rank whose read-ahead stopped on it: the fault, for the rank's workers that wait;
-* ``locks/``: a lock per shard (one process downloads it, the others of the node wait and link
-  it) and one for the room;
-* ``downloads.txt``: a line per download (address, bytes, ETag, VersionId, requests, rank,
-  seconds), what a later attempt of the run checks before it keeps the shard
+* ``NAME`` (the shard's address, ``/`` written ``--``): a whole shard, downloaded to
+  ``NAME.part-...-BYTES`` and renamed once all its bytes arrived;
+* ``rankR/NAME``: a hard link while rank R holds it; ``rankR-now/THREAD-NAME``: while a thread of
+  its training process reads it outside a loader's pass. Only a shard no rank holds (link count 1)
+  is deleted to make room, the one held least recently first;
+* ``NAME.failed``, ``rankR.failed``: a shard the store did not give (or not in time), and the rank
+  whose read-ahead stopped on it, for the rank's waiting workers;
+* ``locks/``: a lock per shard (one process downloads it) and one for the room;
+* ``downloads.txt``: a line per download, which a later attempt checks before it keeps the shard
   (:meth:`NodeCache.prepare`).
 
-The bound: the folder never holds more than ``capacity`` bytes, the downloads under way counted
-at their full size. Every byte in it is a rank's: each rank's read-ahead holds and downloads
-within its share (``quota``), the shards its workers were asked for included, and its training
-process reads one shard of its own at a time; what no rank holds is deleted to make room. A
-read opens the shard and closes it again (:meth:`NodeCache.reading`), so a deleted shard never
-stays on disk behind an open descriptor. The pre-flight makes each rank's share hold the shards
-its loaders can need at once (:func:`shards_in_use`).
-
-Who talks to the store: each rank's read-ahead threads, in its training process. A DataLoader
-worker never does: it waits for its rank's link, or for a fault, which it hands on as an
-unreadable sample (``image_files``), so the training process learns of it and every rank stops
-together at the step's agreement. A wait never outlasts ``--store-timeout`` + ``WAIT_SLACK_S``:
-a worker that gives up records the fault for its rank, and the training process, reading the
-sample again, raises it at once. A read in the training process outside a loader's pass (the
-augmentation preview, a sample checked again) fetches what it needs itself.
+Contracts: the folder never holds more than ``capacity`` bytes, downloads under way counted at their
+full size; a read opens and closes the shard (:meth:`NodeCache.reading`); a worker's wait never
+outlasts ``--store-timeout`` + ``WAIT_SLACK_S``.
 """
 from __future__ import annotations
 
@@ -83,11 +68,8 @@ HEADROOM = 1.5          # downloads kept in flight: this many times what the mea
 DEMAND_WINDOW_S = 10.0  # s: the loaders' demand is measured over this much of the recent past
 
 
-# The node caches' folders this process uses. A process forked from it (a DataLoader worker)
-# gets a copy of every descriptor open at that moment in any of its threads (a download
-# writing, a part file being made, a read), which it never closes: the file would stay on disk
-# after the cache deletes it, beyond the bound. The child points each copy into these folders
-# at /dev/null before it runs anything else (Linux's /proc; elsewhere nothing is done).
+# The node caches' folders this process uses: a forked worker points its inherited descriptors into
+# them at /dev/null first, else a deleted shard would stay on disk beyond the bound (Linux only).
 _FOLDERS: set[str] = set()
 
 
@@ -125,21 +107,12 @@ def batches_asked(workers: int, prefetch: int | None) -> int:
 
 
 def shards_in_use(asked: int, per_shard: int, window: int = 1) -> int:
-    """The most shards a rank holds at once for a pass of one loader: those of the positions
-    its workers were asked for and the training process has not received, the last batch
-    received included (``asked`` consecutive positions of the pass at most: that batch and the
-    workers' prefetch, ``(batches_asked + 1) x batch``), when every whole shard has at least
-    ``per_shard`` of the pass's samples and the pass shuffles its samples within windows of
-    ``window`` consecutive shards (the shards order's ``SHUFFLE_SHARDS``; 1: not shuffled).
-
-    A shard is held from the first of its positions to the last. Those positions touch a first
-    and a last window and, between them, only whole windows of whole shards (a rank's piece may
-    cut a shard only at its start and its end), each at least ``window x per_shard`` positions
-    long: at most ``(asked - 2) // (window x per_shard) + 2`` windows, whose shards are all the
-    rank may hold. Nor more than one shard a position, but for shards with positions on both
-    sides of them all, which only one window can hold: at most ``max(asked, window)``. An epoch
-    that continues a checkpoint saved at another world size reads shards part of which were
-    consumed: it may need more."""
+    """The most shards a rank holds at once for a pass of one loader: ``asked`` consecutive
+    positions of the pass (the workers' prefetch and the last batch received), every whole shard
+    holding at least ``per_shard`` of them, shuffled within windows of ``window`` shards (1: not
+    shuffled). Those positions touch a first and a last window and only whole windows between them
+    (a rank's piece cuts a shard only at its ends); nor more than ``max(asked, window)``
+    (docs/data.md, "The cache's bound"). An epoch continued at another world size may need more."""
     if asked < 2:
         return window
     return min(window * ((asked - 2) // (window * per_shard) + 2), max(asked, window))
@@ -458,16 +431,11 @@ def needs_of(shards: np.ndarray, refs: Sequence[ShardRef]) -> list[Need]:
 
 
 class DownloadPace:
-    """How many downloads a rank keeps in flight: enough to cover what its loaders read. By
-    Little's law the downloads in flight are the demand (bytes a second) times the time a
-    download takes per byte; the rank aims at ``HEADROOM`` times that, so that one whose loaders
-    wait (the demand measured is then what arrived) still asks for more, and at least at the
-    shards its workers were asked for and do not have yet (needed now: at a pass's start, before
-    any demand is measured). The number grows by one for each download that arrives while it is
-    below the aim (doubling each download's time, as TCP's slow start), never beyond
-    ``ceiling``; a fault (a request sent again after the store failed to answer) starts it again
-    from ``START_DOWNLOADS``, so a recovering store is not stormed; a run's first start begins at
-    the ceiling (:meth:`fresh_start`). Its owner keeps it under a lock."""
+    """How many downloads a rank keeps in flight: ``HEADROOM`` times what covers its loaders' demand
+    (Little's law), at least the shards its workers wait for; one more for each arrival while below
+    that, up to ``ceiling``; back to ``START_DOWNLOADS`` after a fault; the ceiling at a run's first
+    start (:meth:`fresh_start`). Why: docs/data.md, "Shards in an object store (S3)", step 3. Its
+    owner keeps it under a lock."""
 
     def __init__(self, ceiling: int):
         self.ceiling = ceiling
@@ -520,15 +488,12 @@ class DownloadPace:
 
 
 class ReadAhead:
-    """One rank's downloads ahead of its loaders' reads, on threads of its training process, at
-    most ``downloads`` at once (how many: :class:`DownloadPace`). For the pass in progress it
-    holds, in the pass's order: every shard of the samples its workers were asked for, then more
-    (``depth`` or as many as the downloads in flight, whichever is more); once the pass is
-    covered, the first shards of the next training epoch. It never starts a download beyond
-    ``quota`` bytes (its share of the node's cache), the shards its workers were asked for
-    included (the pre-flight makes those fit: :func:`shards_in_use`). A shard is let go once
-    every sample of it was received, with a batch's delay (the training process may read the
-    batch's files again). A fault stops its downloads and is recorded for the rank's workers."""
+    """One rank's downloads ahead of its loaders' reads, on threads of its training process: in the
+    pass's order, the shards of the samples its workers were asked for, then ``depth`` more (or as
+    many as in flight), then the next epoch's first; never beyond ``quota`` bytes (its share of the
+    node's cache). A shard is let go a batch after its last sample was received. A fault stops its
+    downloads and is recorded for the rank's workers (docs/data.md, "Shards in an object store (S3)",
+    step 2)."""
 
     def __init__(self, cache: NodeCache, depth: int, downloads: int, quota: int):
         self.cache, self.depth, self.quota = cache, depth, quota

@@ -1,23 +1,16 @@
 """An image folder as shards: tar files in WebDataset's layout, plus an index for reading any
-sample by its number.
+sample by its number (docs/data.md, "Shards (`write_shards.py`)"). ``DST/train/`` (and ``DST/val/``)
+holds, as ``write_shards.py`` writes it:
 
-Layout of ``DST/train/`` (and ``DST/val/``), as ``write_shards.py`` writes it:
-
-* ``shard-000000.tar``, ``shard-000001.tar``, ...: POSIX tar files written by the ``webdataset``
-  library, in its convention: each sample is three members sharing a key (the sample's index in
-  the folder's listing, ``000000042``): ``KEY.EXT`` (the file's original bytes, never re-encoded;
-  EXT is the file's own extension, lower case), ``KEY.cls`` (its class index, as text) and
-  ``KEY.json`` (``{"path": ..., "class": ..., "index": ...}``: the path below the split folder,
-  the class folder's name, the index). Any tar reader, and WebDataset's own pipeline, reads them.
-* ``index.json``: the split's classes, the shards (name, bytes, sha256, samples) and the files
-  left out (``write_shards.py --skip-unreadable``).
-* ``records.npz`` (numpy's own format): one row per sample, in the folder's order: its shard,
-  the byte offset and size of its image inside that tar, its class and its index in the folder's
-  listing; its image's width and height and whether the device decoder takes it (what start-up
-  needs to bound the workers' memory, so that nothing is read for it); and the paths,
-  NUL-separated. It is what makes sample ``i`` one ``pread`` of a shard already open, so a
-  training run keeps its own order (the project's sampler) and opens each shard once per
-  process, not a file per image.
+* ``shard-000000.tar``, ...: POSIX tars in the ``webdataset`` convention, each sample three members
+  under its index in the folder's listing (``000000042``): ``KEY.EXT`` (the file's original bytes,
+  EXT its own extension, lower case), ``KEY.cls`` (its class index, as text) and ``KEY.json``
+  (``{"path": ..., "class": ..., "index": ...}``, the path below the split folder);
+* ``index.json``: the split's classes, the shards (name, bytes, sha256, samples) and the files left
+  out (``--skip-unreadable``);
+* ``records.npz`` (numpy's format): per sample, in the folder's order, its shard, the byte offset
+  and size of its image in that tar, its class, its index, its width and height and whether the
+  device decoder takes it; and the paths, NUL-separated. Sample ``i`` is one ``pread``.
 """
 from __future__ import annotations
 
@@ -204,7 +197,7 @@ class ShardReader:
     (:class:`shard_cache.NodeCache`; None: a temporary one of this process, room for a shard per
     CPU it may use and one more, deleted when the process ends), each opened for one read and
     closed after it, so that a shard the cache deletes never stays on its disk behind a
-    descriptor (an open and a close, a few microseconds, against the milliseconds of decoding)."""
+    descriptor."""
 
     SPARE_DESCRIPTORS = 256  # of the process's limit, left for everything else (a DataLoader's pipes, ...)
 

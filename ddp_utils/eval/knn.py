@@ -1,18 +1,13 @@
-"""Weighted k-nearest-neighbour accuracy of frozen features: MoCo's training monitor.
+"""Weighted k-nearest-neighbour accuracy of frozen features: MoCo's training monitor. Each
+validation image votes with its k most similar entries of a bank of the un-augmented training
+split's features, weighted by exp(cosine / T) (Wu et al. 2018; the MoCo authors' demo: k=200, T=0.1).
 
-The memory bank is the un-augmented training split's features; each validation image votes with
-its k most similar bank entries, weighted by exp(cosine / T) (Wu et al. 2018; the MoCo authors'
-CIFAR-10 demo: k=200, T=0.1).
-
-The bank stays sharded: each rank keeps only the rows it extracted (M/W x D; bf16 on CUDA). The
-validation features go round in steps of ``queries_per_step``: one all_gather hands every rank
-all ranks' queries of the step, each rank takes its own top-k against its shard, and one
-all_to_all returns each list to the query's owner, which merges the W lists and votes. The
-collectives per pass do not grow with the bank, and no rank ever holds all of it.
-
-With an fp32 bank the predictions are those of a search over the whole gathered bank (tested
-against ``tests/knn_reference.py``). Ties go to the lower bank position in gathered order (rank
-0's rows first), whatever the step and block sizes; ``torch.topk`` leaves them unspecified.
+The bank stays sharded (each rank its own rows, M/W x D; bf16 on CUDA). Per step of
+``queries_per_step`` validation features, one all_gather gives every rank all queries, each rank
+takes its top-k against its shard, and one all_to_all returns the lists to each query's owner, which
+merges them and votes: the collectives do not grow with the bank. With an fp32 bank the predictions
+are those of a search over the whole gathered bank; ties go to the lower gathered position (rank 0's
+rows first), whatever the step and block sizes. The monitor's settings: docs/moco.md.
 """
 from __future__ import annotations
 
@@ -31,9 +26,8 @@ from ..runtime.precision import autocast
 
 _TWO32 = 1 << 32
 _NO_NEIGHBOUR = -(1 << 63)  # the smallest int64: a list slot a rank with fewer than k rows cannot fill
-# BLAS libraries hand very thin matrices to other kernels, which round dot products differently
-# (MKL: under 4 rows or 12 columns). Every similarity matmul here has at least this many query
-# and bank rows (zero-padded), so equal features get equal similarities whatever the sharding.
+# Rows (zero-padded) of every similarity matmul: BLAS rounds very thin ones differently (MKL: under 4
+# rows or 12 columns), and equal features must get equal similarities whatever the sharding.
 _MIN_MATMUL = 16
 
 

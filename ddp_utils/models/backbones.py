@@ -21,9 +21,8 @@ WITHOUT_AUX_LOGITS = ("googlenet", "inception_v3")
 # ResNets get the CIFAR stem (3x3 stride-1 conv, no max-pool) at or below this input size: the
 # ImageNet stem would shrink a 32 px image to 8 px before the first residual block.
 CIFAR_STEM_MAX_SIZE = 64
-# Smallest input side (px): LeNet's two 5x5 convolutions and pools need 16; below these sizes the
-# last stage of the others would see less than 2x2 pixels (small_cnn halves twice, a CIFAR-stem
-# ResNet three times; above 64 px the ImageNet stem is used, far above its limit).
+# Smallest input side (px): LeNet's 5x5 convolutions and pools need 16; below the others' the last
+# stage sees under 2x2 pixels (small_cnn halves twice, a CIFAR-stem ResNet three times).
 MIN_IMAGE_SIZE = {"lenet": 16, "small_cnn": 8}
 RESNET_MIN_IMAGE_SIZE = 16
 # The backbones whose classifier is one linear layer named fc, for a line that names them.

@@ -81,10 +81,8 @@ class MoCo(nn.Module):
         """Run the key encoder through ``torch.compile``; its parameters stay encoder_k's own."""
         object.__setattr__(self, "compiled_key_encoder", torch.compile(self.encoder_k))
 
-    # The window's undo (train.run.WindowUndo; ForwardState is its interface): a training
-    # forward advances the shuffle count, so a window given up must put it back, or the next
-    # shuffles would differ from a run that never met that window. train_moco.setup registers
-    # MoCo (run.batches.window_undo.register(moco)); a module that is not registered is not undone.
+    # ForwardState, for the window's undo (train.run.WindowUndo, registered by train_moco.setup): a
+    # given-up window puts the shuffle count back, so later shuffles are those of a run that never met it.
     def forward_state(self) -> int:
         """What a training forward advances besides BatchNorm statistics: the number of key
         batches shuffled so far."""

@@ -92,20 +92,10 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def cleanup_distributed() -> None:
-    """Leave the process group together. Call it once no DistributedDataParallel model is
-    referenced any more.
-
-    Why no model: a DDP model's reducer holds the group too, and when it is the group's last
-    holder it destroys the group while holding the GIL; gloo's destructor then joins its worker
-    threads, one of which may be waiting for the GIL to free a finished collective's tensors: a
-    rank that never exits (pytorch/pytorch#56297). Released here first (``gc.collect()`` frees
-    a model caught in a reference cycle), the group's last holders are its Python handles, which
-    let go of the GIL while it is destroyed.
-
-    Why a barrier: a gloo rank that closes its connections while a peer is still tearing its own
-    down can abort that peer ("terminate called without an active exception", exit -6); the
-    ranks first meet in a barrier, bounded so that a peer already gone delays the exit by 30 s
-    at most."""
+    """Leave the process group together (on gloo, a bounded barrier first). Call it once
+    no DistributedDataParallel model is referenced any more (a DDP reducer that is the group's last
+    holder can deadlock its destruction: pytorch/pytorch#56297). Why both: docs/running.md,
+    "Leaving the process group"."""
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         if dist.get_backend() == "gloo":

@@ -1,16 +1,8 @@
 """Gradient accumulation under DDP: the window plan, ``no_sync``, and the pieces of the optimizer
-step that the training scripts write out.
-
-A window of ``A`` micro-batches makes one optimizer step. Each micro-batch runs forward and
-backward at once on its loss divided by the window's real length (an epoch's last window may be
-shorter), so no graph outlives its micro-step and no backward sees weights an optimizer step
-changed. Micro-steps 1..n-1 run under DDP's ``no_sync()``; the n-th all-reduces the summed
-gradients, so they cross the network once per optimizer step. The training scripts show this
-loop and the step that ends each window (unscale, clip and :func:`fp16_overflow`, the ranks' agreement,
-:func:`set_lr`, step or skip, the scaler's update, ``zero_grad``).
-
-Mixed precision, the forward's autocast and fp16's loss scaler from ``--amp``, is in
-``runtime.precision``: the kNN monitor's forward takes it too.
+step that the training scripts write out (:func:`fp16_overflow`, :func:`set_lr`). Each micro-batch
+runs backward at once on its loss divided by its window's real length; only a window's last
+micro-step all-reduces. Why, and the loop itself: docs/accumulation.md. Mixed precision is in
+``runtime.precision``.
 """
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
-"""Whether a run continues on the data it read: the one check a later attempt (a torchrun
-restart, a requeue, ``--resume``) passes before it reads anything, in the pre-flight and in
-``--check`` alike.
-
-* Image files: the checkpoint's data fingerprint against this run's (both splits' listings, or
-  their shards' indexes).
-* Shards in an object store, pinned across attempts: every start records in the run folder what
-  the store's listing gave for each object the run reads (:data:`LISTED`: each split's
-  ``index.json``, ``records.npz`` and shards, with their bytes, ETag and VersionId); a later
-  attempt compares its own listing with the record of the checkpoint's run folder, so a shard
-  rewritten between two attempts is named, not read.
-* What the run itself named (``train.unreadable_files``: image files it could not decode, shards
-  the store did not give as listed) is not other data once the user did what its stop line said:
-  an image file removed (the fingerprint is compared with it put back) or fixed in place, a shard
-  put back or copied again (read pinned by its content: the index's sha256, checked as it
-  downloads).
-
-Anything else that changed is refused in one line, unless ``--allow-changes``; what changed and
-was accepted goes into the log and config.json (``ResolvedSettings.data_changes``).
+"""Whether a run continues on the data it read: the one check a later attempt (a torchrun restart, a
+requeue, ``--resume``) passes before it reads anything, in the pre-flight and in ``--check`` alike.
+It compares the checkpoint's data fingerprint with this run's and, from an object store, this
+attempt's listing with the record its run folder holds (:data:`LISTED`); what the run itself named
+unreadable, removed, fixed or put back, is the same data. Anything else that changed is refused in
+one line, unless ``--allow-changes``, which records it (``ResolvedSettings.data_changes``). The
+rules, case by case: docs/data.md, "The data a run read, pinned across attempts".
 """
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
-"""An exponential moving average of the weights (train_classifier.py's ``--model-ema``), with
-torchvision's semantics (references/classification: ``utils.ExponentialMovingAverage`` and its use
-in ``train.py``), counted in optimizer steps.
-
-- It is a ``torch.optim.swa_utils.AveragedModel`` over parameters and buffers (``use_buffers=True``:
-  BatchNorm statistics are averaged too), its update torchvision's
-  ``ema = decay * ema + (1 - decay) * weights``; the first update after a reset copies the weights.
-- The decay per update is adjusted as torchvision's is (after pycls), so that it does not depend on
-  how many updates a run makes: ``alpha = min(1, (1 - --model-ema-decay) * global_batch *
-  --model-ema-steps / --epochs)``, ``decay = 1 - alpha``. torchvision's ``world_size * batch_size``
-  is the images of one optimizer step over all ranks; here that is the global batch, world size x
-  --accum-steps x --batch-size, so A micro-steps on W ranks give the decay of W x A GPUs.
-- It is updated after every --model-ema-steps-th optimizer step of an epoch (the epoch's steps
-  counted from 0: torchvision's ``i % model_ema_steps == 0`` over its iterations, one per optimizer
-  step), never on micro-steps; while the LR warms up (epochs before --lr-warmup-epochs, steps before
-  --warmup-steps) each update copies the weights (torchvision: ``n_averaged.fill_(0)`` during its
-  warm-up epochs). A step skipped for a NaN/Inf loss leaves it alone (that window's forward may
-  have left non-finite BatchNorm statistics); one skipped for an fp16 overflow does not (as in
-  torchvision, where GradScaler skips the step and the EMA still updates).
-- Every rank keeps one and updates it from its own replica, which DDP keeps identical; the
-  BatchNorm statistics of each rank's last forward are its own, so after each update the average's
-  buffers are rank 0's (one broadcast per dtype), and the EMA is the same on every rank, bit for bit.
+"""An exponential moving average of the weights (train_classifier.py's ``--model-ema``) with
+torchvision's semantics (``utils.ExponentialMovingAverage``: an ``AveragedModel`` over parameters and
+buffers, its decay adjustment and warm-up reset), counted in optimizer steps, the decay adjusted by
+the global batch; after each update its buffers are rank 0's, so it is the same on every rank, bit
+for bit. The rules and how they map to torchvision's: docs/recipe.md, "The EMA of the weights".
 """
 from __future__ import annotations
 

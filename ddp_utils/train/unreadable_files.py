@@ -1,40 +1,7 @@
-"""Data a run cannot read: image files that cannot be decoded, and shards an object store did not
-give. The whole of what a run does about them, in eight files: ``data/image_files.py``,
-``data/pipeline.py`` and ``data/unreadable.py`` on the data side, this module,
-``train/batches.py``, ``train/data_record.py`` and the two scripts on the training side
-(``train/preflight.py`` calls this module's refusal; ``data/shard_cache.py`` holds the store's side).
-
-Data side (``data/image_files.py`` makes the placeholder; every pass of image files calls
-``data/pipeline.py``'s ``record_unreadable`` on each batch, which records it in
-``data/unreadable.py``'s registry):
-
-* a DataLoader worker never raises on such a file (the traceback would name no file, and the
-  rank would leave while its peers wait in a collective): the file comes as a black placeholder
-  with target ``-1 - index`` (the device path's own decoder falls back to the same read);
-* ``record_unreadable`` finds such targets on the host as each batch is handed out, records
-  the file with its reason in the rank's ``UnreadableFiles`` and hands on valid labels, so the
-  rank finishes its micro-steps like its peers.
-
-Training side (here, ``train/batches.py`` and the two scripts' ``train_one_epoch``):
-
-1. the ranks' one agreement per optimizer step carries a "give up this window" flag; a rank
-   that met such a file raises it, and on every rank the training loop zeroes the gradients,
-   undoes the window (``TrainingBatches.undo_window``: its batches count as unseen, BatchNorm
-   statistics and RNG streams as the last step left them) and calls
-   :func:`stop_if_files_unreadable`, as evaluation and the kNN monitor do after their pass;
-2. that gathers every rank's files (one all_gather_object), checkpoints the last completed
-   step, lists the files in the run folder (:func:`mark_unreadable`) and stops every rank with
-   exit code 2, naming them;
-3. the pre-flight of a resume, or of a restarted attempt, refuses to start while a listed file
-   still fails to decode (:func:`refuse_unfixed_files`); once every one decodes or is gone (the
-   data check, ``train/data_record.py``, takes exactly these removed or fixed as the same data),
-   the list goes (:func:`forget_unreadable`) and the run continues where the undone window began.
-
-A shard the object store did not give (``object_store.StoreError``: it did not answer for
-``--store-timeout`` seconds, or the shard changed) takes the same way, but stops the run as the
-store's fault (:func:`stop_for_store`): exit 75 (the session writes ``STORE_UNAVAILABLE`` in the run
-folder; the launchers start the job again, which waits for the store and resumes), or exit 2 for a
-shard that changed under the run, listed like a file, so that the data check lets it be put back.
+"""Data a run cannot read (image files that cannot be decoded, shards the object store did not
+give): every rank stops after a checkpoint of the last completed step, the files are listed in the
+run folder, and a resume starts only once they decode or are gone. The whole story, and the other
+files that hold it: docs/data.md, "Files that cannot be decoded".
 """
 from __future__ import annotations
 
