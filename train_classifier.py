@@ -63,6 +63,7 @@ from ddp_utils.config import (
 from ddp_utils.data.host_memory import size_text
 from ddp_utils.data.mixing import BatchMixer
 from ddp_utils.data.object_store import is_object_store
+from ddp_utils.data.order import order_for
 from ddp_utils.data.pipeline import Loaders, build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import (
@@ -71,7 +72,7 @@ from ddp_utils.data.recipes import (
     classifier_recipe,
     evaluation_resize,
 )
-from ddp_utils.data.sets import IMAGE_FILES, NORMALIZATION, check_data_dir, num_classes_of
+from ddp_utils.data.sets import IMAGE_FILES, NORMALIZATION, check_data_dir, image_size_for, num_classes_of
 from ddp_utils.data.unreadable import describe_unreadable, fix_hint
 from ddp_utils.models.backbones import (
     CIFAR_STEM_MAX_SIZE,
@@ -336,7 +337,7 @@ class ClassifierConfig(TrainConfig):
             raise UsageError("--probe-bn only applies with --linear-probe")
         self.check_recipe_flags()
         self.check_augmentation_flags()
-        if self.ra_reps > 1 and self.resolved_order() == "shards":
+        if self.ra_reps > 1 and order_for(self.dataset, self.order) == "shards":
             fix = "drop --ra-reps (an object store's shards are read in the shards order only)" \
                 if is_object_store(self.data_dir) else "add --order samples, or drop --ra-reps"
             raise UsageError(f"--ra-reps {self.ra_reps} repeats samples of the samples order, but the shards order "
@@ -382,7 +383,7 @@ class ClassifierConfig(TrainConfig):
         if per_sample and self.aug_on == "device":
             raise UsageError(f"{per_sample[0]} runs per sample in the DataLoader workers, not on the device: give "
                              f"--aug-on loader (or auto)")
-        size, train = self.resolved_image_size(), self.train_crop_size
+        size, train = image_size_for(self.dataset, self.image_size), self.train_crop_size
         if self.val_resize_size and self.val_resize_size < size:
             raise UsageError(f"--val-resize-size {self.val_resize_size} is smaller than the evaluation crop "
                              f"--image-size {size}: give at least {size}")
@@ -478,9 +479,11 @@ class ClassifierRun(TrainRun):
 
 
 # ----------------------------------------------------------------------------- building
-def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn.Module:
+def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int, image_size: int) -> nn.Module:
+    """The network for ``num_classes`` at ``image_size`` px (the run's plan), from --pretrained or
+    --weights, as a linear probe with --linear-probe, on this rank's device."""
     torch.manual_seed(cfg.seed)  # identical initial weights whatever the world size
-    model = build_model(cfg.arch, num_classes, cfg.resolved_image_size())
+    model = build_model(cfg.arch, num_classes, image_size)
     trained_size = None
     if cfg.pretrained:
         path = pretrained_file(cfg.pretrained)
@@ -488,7 +491,7 @@ def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int) -> nn
         if info.is_main:
             log.info("backbone initialised from %s", path)
     if info.is_main:
-        for remark in run_remarks(cfg, trained_size):
+        for remark in run_remarks(cfg, image_size, trained_size):
             log.warning("%s", remark)
     if cfg.weights:
         state, published = read_weights(cfg.weights, cfg.arch)
@@ -569,10 +572,10 @@ def recipe_summary(cfg: ClassifierConfig) -> str:
     return "; " + ", ".join(parts)
 
 
-def run_remarks(cfg: ClassifierConfig, trained: int | None) -> list[str]:
+def run_remarks(cfg: ClassifierConfig, image_size: int, trained: int | None) -> list[str]:
     """What a user should know before the run starts (said once at start, and by --check): a
     flag accepted that does nothing, the backbone a probe starts from; ``trained``: the image side
-    --pretrained was trained at, if known."""
+    --pretrained was trained at, if known, against this run's ``image_size``."""
     remarks = []
     if cfg.auto_augment == "ta_wide" and cfg.ra_magnitude != 9:
         remarks.append(f"--ra-magnitude/--policy-magnitude {cfg.ra_magnitude} does nothing with --auto-augment "
@@ -581,20 +584,20 @@ def run_remarks(cfg: ClassifierConfig, trained: int | None) -> list[str]:
     if cfg.linear_probe and not cfg.pretrained:
         remarks.append("--linear-probe without --pretrained: probing a randomly initialised backbone (a baseline "
                        "to compare a pretrained one with)")
-    if trained and trained != cfg.resolved_image_size():
+    if trained and trained != image_size:
         remarks.append(f"--pretrained {cfg.pretrained} was trained at {trained} px, this run sees "
-                       f"{cfg.resolved_image_size()} px: its features may not transfer (drop --image-size to use "
+                       f"{image_size} px: its features may not transfer (drop --image-size to use "
                        f"{trained})")
     return remarks
 
 
-def memory_at_the_batch(cfg: ClassifierConfig, num_classes: int, parameters: int) -> str:
+def memory_at_the_batch(cfg: ClassifierConfig, num_classes: int, parameters: int, image_size: int) -> str:
     """--check's estimate of one rank's training memory on its device: fp32 weights, their
     gradients, the optimizer's state and the EMA, and the activations one micro-batch keeps for
     the backward (``activation_bytes``; the allocator's slack and the kernels' workspaces left out)."""
     copies = 2 + state_copies(cfg.optimizer, cfg.momentum) + bool(cfg.model_ema)
     held = 4 * parameters * copies
-    train = cfg.train_crop_size or cfg.resolved_image_size()
+    train = cfg.train_crop_size or image_size
     kept = activation_bytes(cfg.arch, num_classes, train, cfg.batch_size) if not cfg.linear_probe else None
     said = (f"activations kept for the backward of {cfg.batch_size} images at {train} px {size_text(kept)} (fp32; "
             f"about half under bf16/fp16 autocast)" if kept is not None else
@@ -603,23 +606,24 @@ def memory_at_the_batch(cfg: ClassifierConfig, num_classes: int, parameters: int
             f"{cfg.optimizer}'s state{' and the EMA' if cfg.model_ema else ''} {size_text(held)} (fp32), {said}")
 
 
-def check_classifier(cfg: ClassifierConfig, train: Dataset, lines: list[str]) -> tuple[dict, list[str]]:
+def check_classifier(cfg: ClassifierConfig, train: Dataset, image_size: int,
+                     lines: list[str]) -> tuple[dict, list[str]]:
     """--check's share of setup: the class count a resume must match, --pretrained fitting --arch,
-    the network's size (after ``lines``)."""
+    the network's size at ``image_size`` (after ``lines``)."""
     num_classes = num_classes_of(train)
-    trained_size = load_pretrained_backbone(build_model(cfg.arch, num_classes, cfg.resolved_image_size()),
+    trained_size = load_pretrained_backbone(build_model(cfg.arch, num_classes, image_size),
                                             pretrained_file(cfg.pretrained), cfg.arch) if cfg.pretrained else None
     if cfg.weights:  # read and fitted as the run will
         state, published = read_weights(cfg.weights, cfg.arch)
-        put_weights(build_model(cfg.arch, num_classes, cfg.resolved_image_size()), state, cfg.weights,
+        put_weights(build_model(cfg.arch, num_classes, image_size), state, cfg.weights,
                     exact=cfg.test_only, published=published)
         lines = [*lines, f"{'test only: evaluates' if cfg.test_only else 'fine-tunes'} --weights {cfg.weights}" +
                  (f" at its evaluation view (resize {cfg.val_resize_size} px, centre crop {cfg.image_size} px, "
                   f"{cfg.interpolation})" if cfg.test_only and published else "")]
-    parameters = parameter_count(cfg.arch, num_classes, cfg.resolved_image_size())
+    parameters = parameter_count(cfg.arch, num_classes, image_size)
     return {"num_classes": num_classes}, [*lines, f"network: {cfg.arch} for {num_classes} classes, {parameters:,} parameters",
-                                          memory_at_the_batch(cfg, num_classes, parameters),
-                                          *(f"warning: {remark}" for remark in run_remarks(cfg, trained_size))]
+                                          memory_at_the_batch(cfg, num_classes, parameters, image_size),
+                                          *(f"warning: {remark}" for remark in run_remarks(cfg, image_size, trained_size))]
 
 
 def build_loaders(cfg: ClassifierConfig, session: RunSession, resolved: ResolvedSettings, listings: tuple | None,
@@ -640,7 +644,7 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
     with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
         loaders = build_loaders(cfg, session, resolved, listings, fresh=resume is None)
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
-        model = build_network(cfg, info, loaders.num_classes)
+        model = build_network(cfg, info, loaders.num_classes, resolved.image_size)
         ema = build_ema(cfg, model, info) if cfg.model_ema else None
         if info.is_main and (cfg.mixup_alpha or cfg.cutmix_alpha):
             log.info("%s of each training micro-batch on each rank: soft targets, train/loss against them",
@@ -816,7 +820,7 @@ def evaluate_weights(cfg: ClassifierConfig, session: RunSession) -> dict[str, fl
     resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
     with all_ranks_agree():
         loaders = build_loaders(cfg, session, resolved, listings, fresh=False)
-        model = build_network(cfg, info, loaders.num_classes)
+        model = build_network(cfg, info, loaders.num_classes, resolved.image_size)
     release_held_logs(show=True)
     metrics = evaluate(model, loaders.val, info, cfg.amp)
     files, faults = loaders.unreadable.on_every_rank()
@@ -836,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
             (f", from {cfg.pretrained}" if cfg.pretrained else "") + recipe_summary(cfg)
         defaults = ["defaults: torchvision's train.py's for every flag not given (--data-path brings them; "
                     "docs/recipe.md)"] if flag_defaults(ClassifierConfig, sys.argv[1:] if argv is None else argv) else []
-        return check_only(cfg, SCRIPT, model, lambda train: check_classifier(cfg, train, defaults), script_data(cfg))
+        return check_only(cfg, SCRIPT, model, lambda train, image_size: check_classifier(cfg, train, image_size, defaults), script_data(cfg))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
         if cfg.test_only:
             evaluate_weights(cfg, session)

@@ -216,9 +216,11 @@ class MocoRun(TrainRun):
 
 
 # ----------------------------------------------------------------------------- building
-def build_moco(cfg: MocoConfig, info: DistInfo, num_classes: int) -> MoCo:
+def build_moco(cfg: MocoConfig, info: DistInfo, num_classes: int, image_size: int) -> MoCo:
+    """Both encoders on a --arch backbone built for ``image_size`` px (the run's plan) and the
+    queue, the same on every rank, on this rank's device."""
     torch.manual_seed(cfg.seed)  # same encoders and queue on every rank, whatever the world size
-    backbone = build_model(cfg.arch, num_classes, cfg.resolved_image_size())
+    backbone = build_model(cfg.arch, num_classes, image_size)
     head, width = without_head(backbone, num_classes)
     if info.is_main:
         log.info("backbone %s: its classifier %s replaced by the projection head (%d features in)", cfg.arch, head,
@@ -275,7 +277,7 @@ def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
         if info.is_main:
             for remark in queue_remarks(cfg, len(loaders.train_set)):
                 log.warning("%s", remark)
-        moco = build_moco(cfg, info, loaders.num_classes)
+        moco = build_moco(cfg, info, loaders.num_classes, resolved.image_size)
         torch.manual_seed(cfg.seed + 1000 * info.rank)  # per-rank stream for anything random later
         optimizer, lr_schedule, scaler, total_steps = build_optimization(
             cfg, moco.encoder_q.parameters(), loaders.batches_per_epoch, info.device)  # never encoder_k
@@ -427,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.check or cfg.check_data:  # every check of setup, in this one process; launch/ runs it first
         model = (f"MoCo {cfg.preset} {cfg.arch}, K {cfg.moco_k}, m {cfg.moco_m:g}, T {cfg.moco_t:g}, "
                  f"{'MLP' if cfg.mlp else 'linear'} head, {cfg.aug} augmentation")
-        return check_only(cfg, SCRIPT, model, lambda train: ({}, [
+        return check_only(cfg, SCRIPT, model, lambda train, image_size: ({}, [
             f"backbone: {cfg.arch}, its classifier {head_of(cfg.arch)} replaced by the projection head",
             *(f"warning: {remark}" for remark in queue_remarks(cfg, len(train)))]), script_data(cfg))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up

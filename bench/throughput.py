@@ -194,7 +194,7 @@ def augmentation_fns(args: argparse.Namespace, run):
     """(loader side, device side, samples per call of each) on the first samples of the split."""
     cfg, device = run.cfg, run.info.device
     raw = run.loaders.train_set
-    size = cfg.resolved_image_size()
+    size = run.resolved.image_size
     n = min(args.aug_samples or cfg.batch_size, len(raw))
     if args.script == "classifier":
         recipe, views = classifier_recipe(cfg.dataset, size, cfg.augment, cfg.normalization), 1
@@ -250,7 +250,8 @@ def measure_run(args: argparse.Namespace, script, run) -> dict:
         best["device"] = min(best["device"], time_repeats(device_aug, args.aug_repeats, device))
     images_per_step = cfg.batch_size * cfg.accum_steps
     return dict(
-        cfg=cfg, device=device, on_device=run.loaders.plan.aug_on_device, aug_samples=aug_n,
+        cfg=cfg, device=device, image_size=run.resolved.image_size, on_device=run.loaders.plan.aug_on_device,
+        aug_samples=aug_n,
         step_s=best["step"] / args.steps, floor_s=best["floor"] / args.steps,
         step_rate=images_per_step * args.steps / best["step"],
         loader_rate=aug_n / best["loader"], device_rate=aug_n * args.aug_repeats / best["device"],
@@ -274,7 +275,7 @@ def describe_run(args: argparse.Namespace, cfg) -> str:
 def row(args: argparse.Namespace, r: dict) -> str:
     cfg, device = r["cfg"], r["device"]
     precision = resolve_amp(cfg.amp, r["device"]).replace("none", "fp32") + (" compiled" if cfg.compile else "")
-    cells = [describe_run(args, cfg), f"{cfg.dataset} {cfg.resolved_image_size()} px", str(cfg.batch_size),
+    cells = [describe_run(args, cfg), f"{cfg.dataset} {r['image_size']} px", str(cfg.batch_size),
              device.type, precision, "device" if r["on_device"] else "loader",
              f"{r['step_s'] * 1e3:.1f}", f"{r['step_rate']:,.0f}", f"{r['floor_s'] * 1e3:.1f}",
              f"{r['step_s'] / r['floor_s']:.2f}", f"{r['loader_rate']:,.0f}", f"{r['device_rate']:,.0f}",
@@ -287,7 +288,7 @@ def brief_row(args: argparse.Namespace, r: dict) -> str:
     """One row of bench/gpu_check.sh's table: | part | what ran | figure | detail |."""
     cfg = r["cfg"]
     precision = resolve_amp(cfg.amp, r["device"]).replace("none", "fp32") + (" compiled" if cfg.compile else "")
-    what = (f"{describe_run(args, cfg)}, {cfg.dataset} {cfg.resolved_image_size()} px, batch {cfg.batch_size}, "
+    what = (f"{describe_run(args, cfg)}, {cfg.dataset} {r['image_size']} px, batch {cfg.batch_size}, "
             f"{precision}, aug on {'device' if r['on_device'] else 'loader'}")
     detail = (f"step {r['step_s'] * 1e3:.1f} ms = {r['step_s'] / r['floor_s']:.2f} x floor; device aug "
               f"{r['device_rate']:,.0f}/s vs loader {r['loader_rate']:,.0f}/s"

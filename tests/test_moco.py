@@ -360,7 +360,7 @@ def test_exported_backbone_loads_into_torchvision_resnet(tmp_path):
     torchvision's layout: only fc is missing."""
     cfg = train_moco.MocoConfig(arch="resnet18", device="cpu", moco_k=64, out=str(tmp_path / "r"))
     info = DistInfo(0, 0, 1, 1, torch.device("cpu"), None, "single")
-    moco = train_moco.build_moco(cfg, info, num_classes=10)
+    moco = train_moco.build_moco(cfg, info, num_classes=10, image_size=32)
     state = torch.load(export_backbone(moco.encoder_q.backbone, tmp_path / "backbone.pt"), weights_only=True)
     model = torchvision.models.resnet18(num_classes=10)
     model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)  # the CIFAR stem used for 32 px inputs

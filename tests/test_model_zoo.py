@@ -240,7 +240,7 @@ def test_sync_bn_converts_on_cuda_ranks_only():
     cpu = torch.device("cpu")
     for world, kind in ((1, torch.nn.BatchNorm2d), (2, torch.nn.SyncBatchNorm)):
         info = DistInfo(0, 0, world, world, cpu, None, "single")
-        norms = [m for m in train_classifier.build_network(cfg, info, 10).modules()
+        norms = [m for m in train_classifier.build_network(cfg, info, 10, 32).modules()
                  if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         assert norms and all(type(m) is kind for m in norms)
 

@@ -266,8 +266,8 @@ def run_project(tmp_path, monkeypatch, capsys, extra: list[str], unmixed: list |
                                                                       for g in run.optimizer.param_groups]},
                                        **({"model_ema": _copy(run.ema.state_dict())} if run.ema is not None else {})}
 
-    def recording_network(cfg, info, num_classes):
-        model = build(cfg, info, num_classes)
+    def recording_network(cfg, info, num_classes, image_size):
+        model = build(cfg, info, num_classes, image_size)
         model.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach().clone())
                                         if module.training else None)
         return model

@@ -40,12 +40,12 @@ from .resume import check_resume_fits
 from .run import describe_position
 from .train_config import RESUME_IF_RESTARTED, ScriptData, TrainConfig, data_plan
 
-ScriptCheck = Callable[[Dataset], tuple[dict[str, Any], list[str]]]
+ScriptCheck = Callable[[Dataset, int], tuple[dict[str, Any], list[str]]]
 
 
 def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck, data: ScriptData) -> int:
     """Run every check of a launch; print the run (rank 0) or the one-line problem; return the exit
-    code. ``script_check(train_split)`` returns the script's facts that a resume must match (e.g.
+    code. ``script_check(train_split, image_size)`` returns the script's facts that a resume must match (e.g.
     the class count) and lines to add at the end (a warning's begins "warning: "), or raises UsageError;
     ``data``: what the script adds to the data settings."""
     launch = detect_launch()
@@ -82,7 +82,7 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         listings, changes = check_same_data(resume, listings, named_by(resume), cfg.allow_changes)
         plan = data_plan(cfg, resolved, AugmentRecipe(), data, listings)  # the augmentation plays no part in the checks
         train, val = raw_splits(plan)
-        facts, extra = script_check(train)
+        facts, extra = script_check(train, resolved.image_size)
         samples_per_rank = training_order(plan, train, world_size, 0).num_samples
         capacity = check_cache_room(cfg, resolved, (image_files_of(train).index, image_files_of(val).index),
                                     launch.local_world_size, launch.node, data) if cfg.dataset == "shards" else None

@@ -12,9 +12,10 @@ import torch
 
 from ..config import UsageError, dataset_values, flag_name, named_files, per_sample_flags
 from ..data.image_files import FolderListing, data_fingerprint
+from ..data.order import order_for
 from ..data.pipeline import default_workers, rank_shards_in_use, usable_cpus, worker_start_hazard
 from ..data.recipes import AugmentRecipe, augment_on_device
-from ..data.sets import IMAGE_FILES, check_data_dir, download_cifar10, list_image_files
+from ..data.sets import IMAGE_FILES, check_data_dir, download_cifar10, image_size_for, list_image_files
 from ..data.shard_cache import NodeCache
 from ..data.shards import ShardIndex, largest_shard
 from ..runtime.collectives import all_gather_object, all_ranks_agree, broadcast_object
@@ -200,11 +201,11 @@ def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int,
     own = {name: value for name, value in dataset_values(type(cfg), cfg.dataset).items()
            if getattr(cfg, name) == value}
     on_device = augment_on_device(cfg.aug_on, cfg.dataset, device, bool(per_sample_flags(cfg)))
-    return ResolvedSettings(image_size=cfg.resolved_image_size(),
+    return ResolvedSettings(image_size=image_size_for(cfg.dataset, cfg.image_size),
                             workers=cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing),
                             aug_on="device" if on_device else "loader",
                             decode_on="device" if cfg.decode_on == "device" else "loader",
-                            order=cfg.resolved_order(), amp=resolve_amp(cfg.amp, device), dataset_defaults=own)
+                            order=order_for(cfg.dataset, cfg.order), amp=resolve_amp(cfg.amp, device), dataset_defaults=own)
 
 
 def describe_settings(cfg: TrainConfig, resolved: ResolvedSettings, launcher: str, local_world_size: int,

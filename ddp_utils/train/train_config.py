@@ -30,7 +30,7 @@ from ..data.object_store import is_object_store
 from ..data.order import ORDERS
 from ..data.pipeline import DataPlan, StoreCache
 from ..data.recipes import AUG_ON, AugmentRecipe, augment_on_device
-from ..data.sets import DATASETS, IMAGE_FILES, NATIVE_SIZE, NORMALIZATIONS
+from ..data.sets import DATASETS, IMAGE_FILES, NORMALIZATIONS, image_size_for
 from ..data.shard_cache import START_DOWNLOADS, WAIT_SLACK_S
 from ..models.backbones import HEADED_BACKBONES, SMALL_NETS, input_refusal, min_image_size
 from ..runtime.device import check_device, device_type, visible_cuda_devices
@@ -290,7 +290,7 @@ class TrainConfig:
             raise UsageError("--overwrite starts over and --resume continues: give only one of them")
         if self.allow_changes and not self.resume:
             raise UsageError("--allow-changes only applies with --resume")
-        size, smallest = self.resolved_image_size(), min_image_size(self.arch)
+        size, smallest = image_size_for(self.dataset, self.image_size), min_image_size(self.arch)
         if smallest and size < smallest:
             raise UsageError(f"--image-size {size} is too small for --arch {self.arch}: give at least "
                              f"{smallest} px")
@@ -338,7 +338,7 @@ class TrainConfig:
         smallest size instead (``min_image_size``)."""
         if self.arch in SMALL_NETS:
             return
-        refusal = input_refusal(self.arch, self.resolved_image_size(), sizes)
+        refusal = input_refusal(self.arch, image_size_for(self.dataset, self.image_size), sizes)
         if refusal:
             raise UsageError(f"--arch {self.arch} cannot take {refusal[0]} px images ({refusal[1]}); give a "
                              f"{sizes[refusal[0]]} it takes (torchvision trains most models at 224, Inception v3 at "
@@ -387,15 +387,6 @@ class TrainConfig:
 
     def milestone_steps(self, steps_per_epoch: int) -> list[int]:
         return [epoch * steps_per_epoch for epoch in parse_milestones(self.lr_milestones, self.epochs)]
-
-    def resolved_image_size(self) -> int:
-        return self.image_size or NATIVE_SIZE[self.dataset]
-
-    def resolved_order(self) -> str:
-        """``--order auto``: the shards order for shards, the samples order for anything else."""
-        if self.order != "auto":
-            return self.order
-        return "shards" if self.dataset == "shards" else "samples"
 
     def store_cache(self) -> StoreCache | None:
         """How each node keeps shards read from an object store (None for data on a file system)."""
