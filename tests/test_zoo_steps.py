@@ -151,9 +151,8 @@ def test_the_step_holds_for_a_vit_a_convnext_and_an_efficientnet(tmp_path, arch,
     resumed with --resume auto to STEPS. Each run: the step's promises on each rank (_assert_the_step;
     the host reads of the stopped and the resumed run, which hold the STEPS steps between them: the
     probe doubles a run's time) and its weights and EMA identical on both ranks (the script's own
-    end-of-run check). The resumed
-    run mixes its micro-batches as the uninterrupted one did and ends with the same weights, buffers,
-    momentum and EMA, bit for bit."""
+    end-of-run check). The resumed run mixes its micro-batches as the uninterrupted one did and ends
+    with the same weights, buffers, momentum and EMA, bit for bit."""
     full, part = tmp_path / "full", tmp_path / "part"
     base = recipe(arch, size)
     runs = {"full": _run(tmp_path, "full", ["--no-host-reads", *base, "--max-steps", str(STEPS), "--out", str(full)]),
