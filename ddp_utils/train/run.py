@@ -1,9 +1,10 @@
 """One training run: what it is made of and where it stands (:class:`TrainRun`,
-:class:`RunState`), its batches in accumulation windows (:class:`TrainingBatches`) with the
-clock of the loop's wait for them (:class:`WaitClock`) and the window's undo (:class:`WindowUndo`: what a window changes besides the gradients, kept as it
-begins so that a window given up leaves the run as the last completed step left it), its start
-(:func:`start_training`), what follows an optimizer step (:func:`ends_the_run`,
-:func:`skip_or_stop_nonfinite`, :func:`stop_for_signal`) and its checkpoint
+:class:`RunState`); its batches in accumulation windows (:class:`TrainingBatches`), with the
+clock of the loop's wait for them (:class:`WaitClock`) and the window's undo
+(:class:`WindowUndo`: what a window changes besides the gradients, kept as it begins, so that a
+window given up leaves the run as the last completed step left it); its start
+(:func:`start_training`); what follows an optimizer step (:func:`ends_the_run`,
+:func:`skip_or_stop_nonfinite`, :func:`stop_for_signal`); and its checkpoint
 (:func:`save_checkpoint`)."""
 from __future__ import annotations
 
