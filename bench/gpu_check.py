@@ -6,8 +6,9 @@
     bash bench/gpu_check.sh --cpu-smoke         # the same commands, tiny, on the CPU
 
 :data:`PARTS` is the check: each part one command under its own time limit, in the table's order,
-the deciding parts first. The pre-flight (``bench/gpu_preflight.py``) comes before them: when it
-fails (no GPU, no torch, a torch the driver cannot run) one line says why and the exit code is 2.
+the deciding parts first; one after another on a GPU, two side by side in --cpu-smoke. The
+pre-flight (``bench/gpu_preflight.py``) comes before them: when it fails (no GPU, no torch, a
+torch the driver cannot run) one line says why and the exit code is 2.
 Each part counts at its limit + KILL_AFTER (the time between the timeout's TERM and its KILL),
 and MARGIN seconds are kept for the runner. The pre-flight and the decisive parts are always
 planned, and a budget smaller than they need is refused (one line, exit 2); the others are
@@ -16,8 +17,8 @@ left when their turn comes covers their limit, else their row says "not run".
 
 Every line goes to the console and to the log (``$OUT/gpu_check.log``, else
 ``runs/gpu_check/<UTC time>.log``), named first and last: the plan, a line as each part starts
-and ends, its rows as it ends, then the last lines of what failed and the whole markdown table
-again, so that a console that keeps only its last lines still holds it. Exit code 0 when every
+and ends, its rows as it ends (side by side, a part's lines wait for those of the parts before
+it), then the last lines of what failed and the whole markdown table again, so that a console that keeps only its last lines still holds it. Exit code 0 when every
 part that ran passed, 1 when one failed or timed out (its row says FAILED; the others still run),
 2 when the machine cannot run the check. docs/performance.md describes each row.
 
@@ -52,7 +53,9 @@ class Part:
     :data:`GPU` or :data:`CPU_SMOKE` (a word that is one ``{name}`` of a list: that list's words).
     ``row``: the table's first cell of its rows. ``read``: its rows from its output when it passed
     (default: the output's lines starting ``| <row>``). ``needs``: the key of the part that writes
-    what it reads; when that part did not pass, this one is not run."""
+    what it reads; when that part did not pass, this one is not run. ``fits``: its ``read`` sets
+    sizes in ``s`` that the parts after it use; where parts run side by side, those start once it
+    has ended."""
 
     key: str
     row: str
@@ -62,6 +65,7 @@ class Part:
     decisive: bool = False
     needs: str = ""
     read: Callable[[str, dict], list[str]] | None = None
+    fits: bool = False
 
 
 def field(text: str, pattern: str) -> str:
@@ -155,14 +159,14 @@ PARTS = [
     Part("independence", "batch independence", "device_finish.py independence: views in a batch against alone",
          "bench/device_finish.py independence " + FINISH + " --batch-size {jpeg_batch}", (30, 45), True, "jpeg_folder"),
     Part("hazards", "hazard", "gpu_hazards.py: what a CPU cannot show, a row each",
-         "bench/gpu_hazards.py " + FINISH + " --batch-size {jpeg_batch}", (60, 90), True, "jpeg_folder"),
+         "bench/gpu_hazards.py " + FINISH + " --batch-size {jpeg_batch} {hazards}", (60, 90), True, "jpeg_folder"),
     Part("capture", "graph capture", "augment_capture.py: the augmentation captured against eager",
          "bench/augment_capture.py --device {device}", (60, 90), True, read=capture_row),
     # the loader: its workers and batch fitted to /dev/shm, so that the project's own check lets them through
     Part("shm", "/dev/shm", "gpu_preflight.py --shm: workers and batch fitted to /dev/shm",
          "bench/gpu_preflight.py --shm --jpeg-dir {jpeg} --batch {jpeg_batch} --image-size {size50} "
          "--workers {loader_workers} -1 {breakdown_workers} --smoke-batch {smoke_batch} --smoke-workers {smoke_workers}",
-         (20, 45), needs="jpeg_folder", read=fitted),
+         (20, 45), needs="jpeg_folder", read=fitted, fits=True),
     Part("loader", "loader", "device_finish.py loader: FinishOnDevice batches alone",
          "bench/device_finish.py loader " + FINISH + " --batch-size {shm_batch} --workers {loader_fit} {loader_batches}",
          (75, 75), needs="jpeg_folder"),
@@ -216,19 +220,20 @@ GPU = dict(device="cuda", arch18="resnet18", batch18=512, arch50="resnet50", siz
            recipe_size=[], compile=["--compile"], smoke_arch="resnet18", smoke_batch=256,
            classifier_smoke=["--image-size", "32", "--batch-size", "256", "--synthetic-samples", "4096"],
            smoke_warmup=10, smoke_steps=40, jpeg_per_class=256, jpeg_batch=128, jpeg_steps=18, jpeg_log=9,
-           df_files=512, race=["--iterations", "50", "--arch", "resnet50"],
+           df_files=512, hazards=[], race=["--iterations", "50", "--arch", "resnet50"],
            race_control=["--iterations", "20", "--arch", "resnet50"], loader_workers=[8, -1], breakdown_workers=4,
            smoke_workers=4, loader_batches=["--warmup-batches", "4", "--batches", "16"],
            breakdown=["--warmup-batches", "2", "--batches", "5"])
 # Tiny sizes on the CPU, to check the commands before GPU time is spent: JPEG rows 5 steps an epoch,
-# steps 3-4 parsed; the classifier's smoke run small, as fp16 convolutions are slow on a CPU.
+# steps 3-4 parsed; the classifier's smoke run one optimizer step, as fp16 convolutions are slow on a CPU.
 CPU_SMOKE = {**GPU, **dict(
     device="cpu", arch18="small_cnn", batch18=32, arch50="small_cnn", size50=64, batch50=8,
-    steps=["--steps", "2", "--warmup", "1", "--rounds", "1"], cifar_train=512, cifar_test=128,
+    steps=["--steps", "2", "--warmup", "1", "--rounds", "1"], cifar_train=256, cifar_test=64,
     recipe_size=["--arch", "small_cnn", "--batch-size", "128", "--bn-splits", "2"], compile=[], smoke_arch="small_cnn",
-    smoke_batch=32, classifier_smoke=["--image-size", "16", "--batch-size", "8", "--synthetic-samples", "32"],
+    smoke_batch=32, classifier_smoke=["--image-size", "16", "--batch-size", "8", "--synthetic-samples", "16"],
     smoke_warmup=2, smoke_steps=6, jpeg_per_class=4, jpeg_batch=8, jpeg_steps=4, jpeg_log=2, df_files=0,
-    race=["--iterations", "2", "--arch", "resnet18"], race_control=["--iterations", "2", "--arch", "resnet18"],
+    hazards=["--repeats", "2"], race=["--iterations", "2", "--arch", "resnet18"],
+    race_control=["--iterations", "2", "--arch", "resnet18"],
     loader_workers=[1], breakdown_workers=1, smoke_workers=2, loader_batches=["--warmup-batches", "1", "--batches", "4"],
     breakdown=["--warmup-batches", "1", "--batches", "2"])}
 
@@ -285,26 +290,36 @@ def plan_lines(parts: list[Part], p: Plan) -> list[str]:
     return lines
 
 
+def start_limited(command: list[str], out: Path, env: dict) -> subprocess.Popen:
+    """``command`` started with its output to ``out``, in a process group of its own (its
+    DataLoader workers in it too), so that :func:`stop_group` ends all of it."""
+    with open(out, "w") as file:
+        return subprocess.Popen(command, stdout=file, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+
+
 def run_limited(command: list[str], limit: float, out: Path, env: dict) -> int | None:
     """``command`` with its output to ``out``; its exit code, or None when it ran past ``limit``
-    seconds: then its whole process group (its DataLoader workers too) gets TERM, and KILL_AFTER
-    seconds later KILL."""
-    with open(out, "w") as file:
-        proc = subprocess.Popen(command, stdout=file, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                start_new_session=True)
+    seconds (then :func:`stop_group`)."""
+    proc = start_limited(command, out, env)
     try:
         return proc.wait(limit)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(KILL_AFTER)
-        except subprocess.TimeoutExpired:
-            pass
-        kill_group(proc)
+        stop_group(proc)
         return None
     except BaseException:  # the runner interrupted: its part goes with it
         kill_group(proc)
         raise
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """TERM to the whole process group, KILL_AFTER seconds later KILL."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(KILL_AFTER)
+    except subprocess.TimeoutExpired:
+        pass
+    kill_group(proc)
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -315,50 +330,95 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_parts(parts: list[Part], p: Plan, s: dict, say: Callable[[str], None],
-              start: float) -> tuple[list[str], list[tuple[str, Path]], list[str]]:
-    """Runs the plan: a planned part under its limit (less when the budget runs low), the others
-    only when the time left covers their limit + KILL_AFTER; says a line as each starts and ends,
-    then its rows. Returns the table's rows, the failed parts (what, output file) and those left
-    out for the budget."""
+def run_parts(parts: list[Part], p: Plan, s: dict, say: Callable[[str], None], start: float,
+              at_once: int = 1) -> tuple[list[str], list[tuple[str, Path]], list[str]]:
+    """Runs the plan, ``at_once`` parts side by side, each started in the table's order once the
+    part it ``needs`` and every part before it that ``fits`` sizes have ended: a planned part under
+    its limit (less when the budget runs low), the others only when the time left covers their
+    limit + KILL_AFTER. Says a line as each starts and ends, then its rows, in the table's order: a
+    part's lines wait for those of the parts before it. Returns the table's rows, the failed parts
+    (what, output file) and those left out for the budget."""
     python = os.environ.get("PYTHON") or sys.executable
     # the noise CIFAR-10 folder's md5 bypass first (tests/fake_cifar.py: CIFAR-10's files only)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [s["site"], str(REPO), os.environ.get("PYTHONPATH")]))}
-    passed, table, failed, not_run = set(), [], [], []
-    for i, (part, limit, planned) in enumerate(zip(parts, p.limits, p.planned), 1):
-        tag, elapsed = f"{i}/{len(parts)} {part.what}", time.monotonic() - start
+    if at_once > 1:  # side by side: a thread each rather than every part's torch on every core
+        env.setdefault("OMP_NUM_THREADS", "1")
+    n, index = len(parts), {part.key: i for i, part in enumerate(parts)}
+    lines: list[list[str]] = [[] for _ in parts]  # each part's lines not yet said
+    rows: list[list[str] | None] = [None] * n      # each part's rows, once it has ended
+    failed: dict[int, tuple[str, Path]] = {}
+    running: dict[int, tuple[subprocess.Popen, float, int, Path]] = {}  # proc, began, its limit, its output
+    passed, not_run, started, said = set(), [], 0, 0
+
+    def tag(i: int) -> str:
+        return f"[{time.monotonic() - start:4.0f} s] {i + 1}/{n} {parts[i].what}"
+
+    def finish(i: int, code: int | None, began: float, clamped: int, out: Path, spent: bool = False) -> None:
+        part = parts[i]
+        text = out.read_text(errors="replace") if out.exists() else ""
+        if code == 0:
+            passed.add(part.key)
+            state, rows[i] = "passed", (part.read or own_rows(part.row))(text, s)
+        else:
+            why = ("not run: the budget is spent" if spent else f"timed out after {clamped} s" if code is None
+                   else f"exit code {code}")
+            state = f"FAILED ({why})"
+            rows[i] = own_rows(part.row)(text, s) + [f"| {part.row} | {part.what} | FAILED | {why} |"]
+            failed[i] = (part.what, out)
+        lines[i] += [f"{tag(i)}: {state} in {time.monotonic() - began:.0f} s", *rows[i]]
+
+    def begin(i: int) -> None:
+        part, limit, planned = parts[i], p.limits[i], p.planned[i]
+        elapsed = time.monotonic() - start
         left = int(p.budget - elapsed - MARGIN)
-        needed = next((other for other in parts if other.key == part.needs), None)
         if not planned and left < limit + KILL_AFTER:
-            rows = [f"| {part.row} | {part.what} | not run | left out for the budget: not in the plan for {p.budget} s, "
-                    f"and the {left} s left were fewer than its limit + {KILL_AFTER} |"]
+            rows[i] = [f"| {part.row} | {part.what} | not run | left out for the budget: not in the plan for {p.budget} s, "
+                       f"and the {left} s left were fewer than its limit + {KILL_AFTER} |"]
             not_run.append(part.what)
-            say(f"[{elapsed:4.0f} s] {tag}: not run (left out for the budget: {left} s left, its limit {limit} s)")
-        elif needed is not None and needed.key not in passed:
-            rows = [f"| {part.row} | {part.what} | FAILED | not run: {needed.what} did not pass |"]
-            say(f"[{elapsed:4.0f} s] {tag}: not run (its input is missing)")
+            lines[i] += [f"{tag(i)}: not run (left out for the budget: {left} s left, its limit {limit} s)", *rows[i]]
+        elif part.needs in index and part.needs not in passed:
+            rows[i] = [f"| {part.row} | {part.what} | FAILED | not run: {parts[index[part.needs]].what} did not pass |"]
+            lines[i] += [f"{tag(i)}: not run (its input is missing)", *rows[i]]
         else:
             clamped = min(limit, int(p.budget - elapsed - KILL_AFTER))
             out = Path(s["tmp"]) / f"{part.key}.log"
-            say(f"[{elapsed:4.0f} s] {tag}: starts, limit {clamped} s")
-            began = time.monotonic()
-            spent = clamped < min(limit, 5)  # the budget left it under 5 s: not worth starting
-            code = 125 if spent else run_limited([python, *argv(part.command, s)], clamped, out, env)
-            text = out.read_text(errors="replace") if out.exists() else ""
-            if code == 0:
-                passed.add(part.key)
-                state, rows = "passed", (part.read or own_rows(part.row))(text, s)
+            lines[i].append(f"{tag(i)}: starts, limit {clamped} s")
+            if clamped < min(limit, 5):  # the budget left it under 5 s: not worth starting
+                finish(i, 125, time.monotonic(), clamped, out, spent=True)
             else:
-                why = ("not run: the budget is spent" if spent else f"timed out after {clamped} s" if code is None
-                       else f"exit code {code}")
-                state = f"FAILED ({why})"
-                rows = own_rows(part.row)(text, s) + [f"| {part.row} | {part.what} | FAILED | {why} |"]
-                failed.append((part.what, out))
-            say(f"[{time.monotonic() - start:4.0f} s] {tag}: {state} in {time.monotonic() - began:.0f} s")
-        for row in rows:
-            say(row)
-        table += rows
-    return table, failed, not_run
+                running[i] = (start_limited([python, *argv(part.command, s)], out, env), time.monotonic(), clamped, out)
+
+    def may_start(i: int) -> bool:
+        waits = [index.get(parts[i].needs, n)] + [j for j in range(i) if parts[j].fits]
+        return len(running) < at_once and all(j >= i or rows[j] is not None for j in waits)
+
+    try:
+        while said < n:
+            while started < n and may_start(started):
+                begin(started)
+                started += 1
+            for i, (proc, began, clamped, out) in list(running.items()):
+                timed_out = proc.poll() is None and time.monotonic() - began >= clamped
+                if proc.returncode is None and not timed_out:
+                    continue
+                if timed_out:
+                    stop_group(proc)
+                del running[i]
+                finish(i, None if timed_out else proc.returncode, began, clamped, out)
+            while said < n:
+                for line in lines[said]:
+                    say(line)
+                lines[said].clear()
+                if rows[said] is None:
+                    break
+                said += 1
+            if running:
+                time.sleep(0.05)
+    except BaseException:  # the runner interrupted: its parts go with it
+        for proc, *_ in running.values():
+            kill_group(proc)
+        raise
+    return [row for part_rows in rows for row in part_rows], [failed[i] for i in sorted(failed)], not_run
 
 
 def open_log() -> Path:
@@ -436,7 +496,7 @@ def main(args: list[str], parts: list[Part] = PARTS) -> int:
             # without the /dev/shm fit, the parts that hand batches over through it run without workers
             s.update(shm_batch=s["jpeg_batch"], loader_fit=[0], all_fit=0, breakdown_fit=0, smoke_fit=0,
                      shm_said=" (no /dev/shm fit: no workers)")
-            table, failed, not_run = run_parts(parts, p, s, say, start)
+            table, failed, not_run = run_parts(parts, p, s, say, start, at_once=2 if smoke else 1)
             for what, output in failed:
                 lines = output.read_text(errors="replace").splitlines()[-15:] if output.exists() else []
                 for line in ["", f"FAILED: {what}; the last lines of its output:", "```", *lines, "```"]:

@@ -5,7 +5,8 @@ within the budget, the figures the docs state, a budget too small for the decisi
 in one line. Its runner, on stand-in parts: the table's order, each part's rows then the whole
 table last in a log that is the console's lines, a failed part's FAILED row and the parts that
 read what it writes not run, the parts left out for the budget named, a part past its limit
-killed with its children. The workers and batch it fits to a /dev/shm of a given size pass the
+killed with its children, --cpu-smoke's two parts side by side said in the table's order, the part
+after a size fit started once the fit has ended. The workers and batch it fits to a /dev/shm of a given size pass the
 project's own check. Its parts on the CPU: bench/device_finish.py's decode comparison, race
 probe, loader and profile rows on a small ImageNet-like folder (their figures real, their checks
 able to fail), the JPEG rows' interval inside the first epoch, and (slow) the whole --cpu-smoke
@@ -190,6 +191,28 @@ def test_a_part_past_its_limit_is_killed_with_its_children(tmp_path, monkeypatch
         time.sleep(0.1)
     else:
         raise AssertionError(f"the part's child {child} outlived it")
+
+
+def test_in_cpu_smoke_two_parts_run_side_by_side_and_are_said_in_the_tables_order(tmp_path, monkeypatch, capsys):
+    """--cpu-smoke runs two parts at a time: the first waits for a file that the second writes (one
+    after another it would time out), yet its lines and rows come first; the part after one that
+    ``fits`` sizes starts once that one has ended, and its command has the size it set."""
+    flag = tmp_path / "flag"
+    monkeypatch.setitem(gpu_check.CPU_SMOKE, "fitted", 0)
+
+    def fit(text: str, s: dict) -> list[str]:
+        s["fitted"] = 7
+        return [f"| fit | {text.strip()} |"]
+
+    parts = [stand_in("waits", f"import os, time\nwhile not os.path.exists('{flag}'): time.sleep(0.05)\nprint('| waits |')"),
+             stand_in("writes", f"open('{flag}', 'w'); print('| writes |')"),
+             stand_in("fit", "import time; time.sleep(1); print('fitted')", read=fit, fits=True),
+             stand_in("uses", "import sys; print('| uses |', sys.argv[1:], '|')")]
+    parts[3] = Part("uses", "uses", "uses: a stand-in", parts[3].command + " {fitted}", (5, 5))
+    code, out, rows = run_stand_ins(parts, 200, tmp_path, monkeypatch, capsys)
+    assert code == 0 and rows == ["| waits |", "| writes |", "| fit | fitted |", "| uses | ['7'] |"]
+    progress = re.findall(r"^\[ *\d+ s\] (\d)/4 \w+: a stand-in: (starts|passed)", out, re.M)
+    assert progress == [(str(i), state) for i in range(1, 5) for state in ("starts", "passed")]
 
 
 # ----------------------------------------------------------------------------- /dev/shm
