@@ -187,18 +187,11 @@ PARTS = [
     Part("tp_v2", "throughput", "throughput.py: ResNet-50 224 px MoCo v2, full v2 recipe",
          THROUGHPUT + " --script moco --preset v2 --dataset cifar10 --data-dir {cifar} --arch {arch50} "
          "--image-size {size50} --batch-size {batch50} --bn-splits 1", (60, 90), needs="cifar_folder"),
-    Part("jpeg_moco_loader", "JPEG path", "JPEG path: ResNet-50 MoCo v2, --decode-on loader",
-         JPEG_MOCO + " --decode-on loader --out {tmp}/jpeg_moco_loader", (60, 75), needs="jpeg_folder",
-         read=jpeg_row("{arch50} MoCo v2, --decode-on loader")),
-    Part("jpeg_probe_loader", "JPEG path", "JPEG path: ResNet-50 linear probe, --decode-on loader",
-         JPEG_PROBE + " --decode-on loader --out {tmp}/jpeg_probe_loader", (60, 75), needs="jpeg_folder",
-         read=jpeg_row("{arch50} linear probe, --decode-on loader")),
-    Part("jpeg_moco_device", "JPEG path", "JPEG path: ResNet-50 MoCo v2, --decode-on device",
-         JPEG_MOCO + " --decode-on device --out {tmp}/jpeg_moco_device", (60, 75), needs="jpeg_folder",
-         read=jpeg_row("{arch50} MoCo v2, --decode-on device")),
-    Part("jpeg_probe_device", "JPEG path", "JPEG path: ResNet-50 linear probe, --decode-on device",
-         JPEG_PROBE + " --decode-on device --out {tmp}/jpeg_probe_device", (60, 75), needs="jpeg_folder",
-         read=jpeg_row("{arch50} linear probe, --decode-on device")),
+    *(Part(f"jpeg_{kind}_{on}", "JPEG path", f"JPEG path: ResNet-50 {what}, --decode-on {on}",
+           f"{command} --decode-on {on} --out {{tmp}}/jpeg_{kind}_{on}", (60, 75), needs="jpeg_folder",
+           read=jpeg_row(f"{{arch50}} {what}, --decode-on {on}"))
+      for on in ("loader", "device")
+      for kind, what, command in (("moco", "MoCo v2", JPEG_MOCO), ("probe", "linear probe", JPEG_PROBE))),
     Part("recipe", "CIFAR-10 demo recipe", "the CIFAR-10 demo recipe: 2 epochs, one kNN pass",
          "bench/cuda_syncs.py --warmup-steps 10 train_moco.py --config recipes/moco_cifar10_demo.json --data-dir {cifar} "
          "--device {device} --amp bf16 --tf32 --epochs 2 {recipe_size} --log-every 1000 --out {tmp}/recipe",
