@@ -62,7 +62,8 @@ class AppliesTo:
 def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group: str | None = None,
         on_resume: str = "experiment", from_file: bool = True, at_least: float | None = None,
         above: float | None = None, below: float | None = None, at_most: float | None = None,
-        applies_to: AppliesTo | None = None, spellings: tuple[str, ...] = (), bare: Any = None,
+        applies_to: AppliesTo | None = None, value_applies: dict[Any, AppliesTo] | None = None,
+        spellings: tuple[str, ...] = (), bare: Any = None,
         switch: tuple[str, Any] | None = None, per_sample: bool = False,
         names_file: bool | Callable[[Any], bool] = False) -> Any:
     """A config field: its default, help text (unit and meaning) and allowed values; the --help
@@ -70,7 +71,8 @@ def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group:
     with it (``on_resume``, one of ON_RESUME); whether ``--config FILE`` may set it; the bounds of
     a number (``at_least``/``above`` below it, ``below``/``at_most`` above it), which
     :func:`check_bounds` enforces whatever set the value; where it does something
-    (``applies_to``), which :func:`check_applies` enforces; ``spellings``: other flags that set
+    (``applies_to``) and where each value that applies only somewhere does (``value_applies``:
+    {value: AppliesTo}), which :func:`check_applies` enforces; ``spellings``: other flags that set
     it (another project's name for it, as ``--model`` for ``--arch``), also keys of a config file;
     ``bare``: the value of the flag given without one (torchvision's ``--amp``); ``switch``:
     (FLAG, VALUE), a flag without a value that sets the field to VALUE where it is still at its
@@ -86,6 +88,7 @@ def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group:
     return dataclasses.field(default=default, metadata={
         "help": help, "choices": choices, "group": group, "on_resume": on_resume, "from_file": from_file,
         "bounds": {k: v for k, v in bounds.items() if v is not None}, "applies_to": applies_to,
+        "value_applies": value_applies or {},
         "spellings": spellings, "bare": bare, "switch": switch, "per_sample": per_sample, "names_file": names_file})
 
 
@@ -130,12 +133,16 @@ def check_bounds(cfg: Any) -> None:
 
 
 def check_applies(cfg: Any) -> None:
-    """Raise UsageError (its ``applies_to``'s refusal) for the first field of ``cfg`` given a
-    value other than its default where it does nothing."""
+    """Raise UsageError (the rule's refusal) for the first field of ``cfg`` given a value other
+    than its default where it does nothing (``applies_to``), or a value where that value does not
+    apply (``value_applies``)."""
     for f in dataclasses.fields(cfg):
-        applies_to = f.metadata.get("applies_to")
-        if applies_to is not None and getattr(cfg, f.name) != f.default and not applies_to.holds(cfg):
+        value, applies_to = getattr(cfg, f.name), f.metadata.get("applies_to")
+        if applies_to is not None and value != f.default and not applies_to.holds(cfg):
             raise UsageError(applies_to.refusal(flag_name(f.name), cfg))
+        rule = f.metadata.get("value_applies", {}).get(value)
+        if rule is not None and not rule.holds(cfg):
+            raise UsageError(rule.refusal(flag_name(f.name), cfg))
 
 
 def per_sample_flags(cfg: Any) -> list[str]:

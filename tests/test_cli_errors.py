@@ -555,6 +555,28 @@ def test_the_flags_that_apply_to_some_runs_only_are_these():
         "imagefolder and shards"
 
 
+def test_a_value_that_applies_somewhere_only_is_refused_elsewhere_by_its_fields_rule():
+    """opt(value_applies=...): each such value (listed by hand, so that empty metadata cannot
+    pass) refused by check_applies where it does not apply, in the rule's one line, and taken
+    where it does; the other values of its flag are not refused."""
+    from ddp_utils.config import check_applies, parse_config
+
+    rules = {(script, f.name, value) for script, cls in CONFIGS.items() for f in dataclasses.fields(cls)
+             for value in f.metadata.get("value_applies", {})}
+    assert rules == {(s, name, value) for s in ("moco", "classifier")
+                     for name, value in (("order", "shards"), ("order", "samples"), ("normalization", "cifar10-demo"))}
+    where = {("order", "shards"): (["--dataset", "digits"], ["--dataset", "shards", "--data-dir", "/tmp/x"]),
+             ("order", "samples"): (["--dataset", "shards", "--data-dir", "s3://bucket/x"], ["--dataset", "shards"]),
+             ("normalization", "cifar10-demo"): (["--dataset", "digits"], ["--dataset", "cifar10"])}
+    for cls in CONFIGS.values():
+        for (name, value), (elsewhere, applying) in where.items():
+            flag = "--" + name
+            with pytest.raises(UsageError, match=rf"^{flag} {value} [^\n]*$"):
+                check_applies(parse_config(cls, [*elsewhere, flag, value]))
+            check_applies(parse_config(cls, [*applying, flag, value]))
+        check_applies(parse_config(cls, ["--dataset", "digits", "--order", "samples", "--normalization", "auto"]))
+
+
 def test_a_bound_is_enforced_on_a_config_files_value_too(tmp_path, capsys):
     recipe = tmp_path / "recipe.json"
     recipe.write_text('{"momentum": 1.5, "device": "cpu"}')

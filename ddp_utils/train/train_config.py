@@ -110,7 +110,15 @@ class TrainConfig:
                      "shards shuffled at a time (shards on a file system train as from a bucket, bit for bit); "
                      "samples = one permutation of all samples shared out among the ranks (shards on a file system "
                      "train as their image folder, bit for bit); auto = shards for --dataset shards, else samples",
-                     choices=("auto", *ORDERS), group=DATA)
+                     choices=("auto", *ORDERS), group=DATA, value_applies={
+                         "shards": AppliesTo("--dataset shards", lambda cfg: cfg.dataset == "shards",
+                                             lambda flag, cfg: f"{flag} shards reads whole shards; --dataset "
+                                             f"{cfg.dataset} has none (drop --order, or train on shards: --dataset "
+                                             f"shards)"),
+                         "samples": AppliesTo("data on a file system", lambda cfg: not is_object_store(cfg.data_dir),
+                                              lambda flag, cfg: f"{flag} samples would read every shard of "
+                                              f"{cfg.data_dir} in every batch; from an object store the order is the "
+                                              f"shards' (drop --order)")})
     shard_cache_dir: str = opt("", "the node-local folder that holds the node's cache of the shards "
                                "(shared by its ranks; emptied at a run's start, an attempt that resumes keeping "
                                "the shards it lists; deleted when the run ends unless --keep-shard-cache, kept "
@@ -154,7 +162,10 @@ class TrainConfig:
                         "(train_moco.py refuses it: its two views must differ)", group=DATA)
     normalization: str = opt("auto", "input mean/std: auto = the data set's own; cifar10-demo = the MoCo "
                              "authors' CIFAR-10 demo's (std 0.2023, 0.1994, 0.2010 instead of 0.2470, 0.2435, "
-                             "0.2616)", choices=NORMALIZATIONS, group=DATA)
+                             "0.2616)", choices=NORMALIZATIONS, group=DATA, value_applies={
+                                 "cifar10-demo": AppliesTo("--dataset cifar10", lambda cfg: cfg.dataset == "cifar10",
+                                                           lambda flag, cfg: f"{flag} cifar10-demo is CIFAR-10's; "
+                                                           f"--dataset {cfg.dataset} takes {flag} auto")})
     aug_on: str = opt("auto", "where training images are augmented: device = whole batches on the training device "
                       "(in-memory data entirely; ImageFolder: workers decode, the device crops and does the rest, "
                       "evaluation's view too); loader = per sample in DataLoader workers (torchvision, the "
@@ -305,23 +316,14 @@ class TrainConfig:
         if self.lr_schedule != "step" and milestones:
             raise UsageError(f"--lr-milestones {self.lr_milestones} applies to --lr-schedule step only, not "
                              f"{self.lr_schedule}; drop it (a preset's: --lr-milestones '')")
-        check_applies(self)  # each flag where it does something (opt(applies_to=...))
+        check_applies(self)  # each flag, and each value, where it does something (opt(applies_to=..., value_applies=...))
         if self.lr_min >= self.lr:
             raise UsageError(f"--lr-min {self.lr_min:g} is the LR the cosine decays to: give it below --lr {self.lr:g}")
         self.check_warmup_flags()
-        if self.order == "shards" and self.dataset != "shards":
-            raise UsageError(f"--order shards reads whole shards; --dataset {self.dataset} has none (drop --order, "
-                             f"or train on shards: --dataset shards)")
-        if self.order == "samples" and is_object_store(self.data_dir):
-            raise UsageError(f"--order samples would read every shard of {self.data_dir} in every batch; from an "
-                             f"object store the order is the shards' (drop --order)")
         if is_object_store(self.data_dir) and self.store_timeout > self.dist_timeout - STORE_MARGIN_S:
             raise UsageError(f"--store-timeout {self.store_timeout:g} leaves a rank waiting for the store longer than its "
                              f"peers wait in a collective (--dist-timeout {self.dist_timeout:g}, less {STORE_MARGIN_S:g} "
                              f"s); lower it, or raise --dist-timeout to {self.store_timeout + STORE_MARGIN_S:g}")
-        if self.normalization == "cifar10-demo" and self.dataset != "cifar10":
-            raise UsageError(f"--normalization cifar10-demo is CIFAR-10's; --dataset {self.dataset} takes "
-                             f"--normalization auto")
         if self.debug and launch.world_size > 1:
             raise UsageError("--debug runs one process; start it with plain `python`, not torchrun/srun")
         check_device(self.device, launch, cuda_devices)
