@@ -39,7 +39,7 @@ def recipe(arch: str, size: int) -> list[str]:
 def main(argv: list[str]) -> int:
     """``RECORD [--no-host-reads] ARGS...``: train_classifier.main(ARGS) on this rank, counted;
     RECORD/rank<R>.pt gets ``host_reads`` (host_sync_probe's result; None with ``--no-host-reads``,
-    which runs without the probe's dispatch mode, at half the time), ``comm`` (all-reduce calls and
+    which runs without the probe's dispatch mode), ``comm`` (all-reduce calls and
     bytes so far after each backward), ``grad_bytes`` (the trainable parameters' gradient bytes)
     and ``mixed`` ({(epoch, micro-batch of the epoch): the soft targets the mixer made})."""
     from host_sync_probe import count_per_micro_step
