@@ -449,7 +449,6 @@ def describe_views(cfg: ClassifierConfig, image_size: int) -> str:
             f"crop {image_size} px")
 
 
-
 def script_data(cfg: ClassifierConfig) -> ScriptData:
     """What this script adds to the shared data settings: repeated augmentation, the FixRes sizes,
     its views in words."""
@@ -840,7 +839,8 @@ def main(argv: list[str] | None = None) -> int:
             (f", from {cfg.pretrained}" if cfg.pretrained else "") + recipe_summary(cfg)
         defaults = ["defaults: torchvision's train.py's for every flag not given (--data-path brings them; "
                     "docs/recipe.md)"] if flag_defaults(ClassifierConfig, sys.argv[1:] if argv is None else argv) else []
-        return check_only(cfg, SCRIPT, model, lambda train, image_size: check_classifier(cfg, train, image_size, defaults), script_data(cfg))
+        return check_only(cfg, SCRIPT, model,
+                          lambda train, image_size: check_classifier(cfg, train, image_size, defaults), script_data(cfg))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
         if cfg.test_only:
             evaluate_weights(cfg, session)

@@ -209,7 +209,6 @@ class MocoConfig(TrainConfig):
         return self.shuffle_bn and not self.sync_bn and world_size == 1 and self.bn_splits > 1
 
 
-
 @dataclass(kw_only=True)
 class MocoRun(TrainRun):
     moco: MoCo  # both encoders and the queue; ``network`` is encoder_q, DDP-wrapped when distributed
@@ -262,14 +261,16 @@ def script_data(cfg: MocoConfig) -> ScriptData:
     ``--knn-bank-samples`` of the training split (0: all), none without the monitor."""
     return ScriptData(plan_fields=dict(bank_samples=cfg.knn_bank_samples if cfg.knn_every else None))
 
+
 def setup(cfg: MocoConfig, session: RunSession) -> MocoRun:
     info = session.info
-    resume, resolved, listings = preflight(cfg, session, script_data(cfg))  # every rank checked; "auto" resolved; files listed once
+    data = script_data(cfg)
+    resume, resolved, listings = preflight(cfg, session, data)  # every rank checked; "auto" resolved; files listed once
     with all_ranks_agree():  # every check that can fail, before the first collective
         # Two views per training sample; the kNN monitor's bank: the un-augmented train split (or
         # --knn-bank-samples of it).
         recipe = moco_recipe(cfg.dataset, resolved.image_size, cfg.aug, cfg.crop_min, cfg.normalization)
-        plan = data_plan(cfg, resolved, recipe, script_data(cfg), listings)
+        plan = data_plan(cfg, resolved, recipe, data, listings)
         loaders = session.close_loaders_at_exit(build_data(plan, rank=info.rank, world_size=info.world_size,
                                                            device=info.device, ranks_on_node=info.local_world_size,
                                                            node=info.node, fresh=resume is None))

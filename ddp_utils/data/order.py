@@ -24,6 +24,10 @@ from ..config import UsageError
 SHUFFLE_SHARDS = 4  # a rank shuffles its samples within windows of this many consecutive shards
 ORDERS = ("samples", "shards")
 
+# (epoch, sample index) or, repeated augmentation's, (epoch, sample index, repetition): what a training sampler yields
+Key = tuple[int, ...]
+Segment = list[int]    # [world size, batch size, batches per rank] of one part of an epoch
+
 
 def order_for(dataset: str, asked: str) -> str:
     """The training order: ``--order`` as asked, auto = the shards order for shards, the samples
@@ -31,9 +35,6 @@ def order_for(dataset: str, asked: str) -> str:
     if asked != "auto":
         return asked
     return "shards" if dataset == "shards" else "samples"
-# (epoch, sample index) or, repeated augmentation's, (epoch, sample index, repetition): what a training sampler yields
-Key = tuple[int, ...]
-Segment = list[int]    # [world size, batch size, batches per rank] of one part of an epoch
 
 
 def _position(epoch: int, segments: Sequence[Segment]) -> dict[str, Any]:

@@ -154,7 +154,6 @@ class DataPlan:
     # An image folder's train and val listings, made once for the job (train.preflight); None: listed here
     listings: tuple[FolderListing, FolderListing] | None = field(default=None, repr=False, compare=False)
 
-
     @property
     def train_image_size(self) -> int:
         """px of the training views' side."""
@@ -222,7 +221,6 @@ class Loaders:
         """Reshuffle for ``epoch`` (augmentation follows: the epoch travels with each index);
         skip the batches a checkpoint consumed."""
         self.train_sampler.set_epoch(epoch, skip=skip_batches * self.train.batch_size)
-
 
 
 def _as_list(views) -> list[torch.Tensor]:

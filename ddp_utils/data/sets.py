@@ -28,11 +28,6 @@ from .shards import ShardIndex
 DATASETS = ("digits", "cifar10", "imagefolder", "shards", "synthetic")
 IMAGE_FILES = ("imagefolder", "shards")  # read as image files: an ImageFolder, or its shards (write_shards.py)
 NATIVE_SIZE = {"digits": 32, "cifar10": 32, "imagefolder": 224, "shards": 224, "synthetic": 32}
-
-
-def image_size_for(dataset: str, asked: int) -> int:
-    """px of the evaluation views' side: ``--image-size`` as asked, 0 = the data set's native size."""
-    return asked or NATIVE_SIZE[dataset]
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # load_digits pixels are 0..16 on a black background; measured on the 32 px train split.
@@ -46,6 +41,11 @@ NORMALIZATIONS = ("auto", "cifar10-demo")  # looked up by recipes.eval_recipe
 DIGITS_SPLIT_SEED = 20240  # the train/val split never moves with --seed
 DIGITS_VAL_FRACTION = 0.2
 DEBUG_TRAIN_SAMPLES, DEBUG_VAL_SAMPLES = 256, 128
+
+
+def image_size_for(dataset: str, asked: int) -> int:
+    """px of the evaluation views' side: ``--image-size`` as asked, 0 = the data set's native size."""
+    return asked or NATIVE_SIZE[dataset]
 
 
 # ----------------------------------------------------------------------------- data sets

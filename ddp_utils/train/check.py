@@ -45,9 +45,9 @@ ScriptCheck = Callable[[Dataset, int], tuple[dict[str, Any], list[str]]]
 
 def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck, data: ScriptData) -> int:
     """Run every check of a launch; print the run (rank 0) or the one-line problem; return the exit
-    code. ``script_check(train_split, image_size)`` returns the script's facts that a resume must match (e.g.
-    the class count) and lines to add at the end (a warning's begins "warning: "), or raises UsageError;
-    ``data``: what the script adds to the data settings."""
+    code. ``script_check(train_split, image_size)`` returns the script's facts that a resume must
+    match (e.g. the class count) and lines to add at the end (a warning's begins "warning: "), or
+    raises UsageError; ``data``: what the script adds to the data settings."""
     launch = detect_launch()
     says = launch.rank == 0  # a requeued job's check speaks too: its log is where a user looks
     try:
@@ -67,7 +67,8 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
     resume, _ = checks_before_start(cfg, restarted=restart_count() > 0, announce=False)  # the pre-flight's own
     device, world_size = torch.device(device_type(cfg.device)), launch.world_size
     resolved = resolved_settings(cfg, launch.launcher, launch.local_world_size, device)
-    settings = describe_settings(cfg, resolved, launch.launcher, launch.local_world_size, data.views(resolved.image_size))
+    settings = describe_settings(cfg, resolved, launch.launcher, launch.local_world_size,
+                                 data.views(resolved.image_size))
     global_batch = world_size * cfg.accum_steps * cfg.batch_size
     lines = [f"launch: world size {world_size}, {device}, precision {precision_name(cfg.amp, device)}"]
     hazard = worker_start_hazard(resolved.workers)

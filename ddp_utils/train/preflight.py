@@ -195,8 +195,8 @@ def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int,
     """What the flags left to this machine resolve to: the precision (``--amp auto``), the image
     side (``--image-size 0``), DataLoader workers per rank (``--workers -1``), where augmentation
     runs (``--aug-on auto``), where image files are decoded and their order; and the settings at
-    the data set's own defaults (``DATASET_DEFAULTS``), however they came. The start-up log, ``--check``,
-    config.json and checkpoints give them beside the flags as asked."""
+    the data set's own defaults (``DATASET_DEFAULTS``), however they came. The start-up log,
+    ``--check``, config.json and checkpoints give them beside the flags as asked."""
     sharing = ranks_sharing_cpus(launcher, local_world_size)
     own = {name: value for name, value in dataset_values(type(cfg), cfg.dataset).items()
            if getattr(cfg, name) == value}
@@ -205,7 +205,8 @@ def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int,
                             workers=cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing),
                             aug_on="device" if on_device else "loader",
                             decode_on="device" if cfg.decode_on == "device" else "loader",
-                            order=order_for(cfg.dataset, cfg.order), amp=resolve_amp(cfg.amp, device), dataset_defaults=own)
+                            order=order_for(cfg.dataset, cfg.order), amp=resolve_amp(cfg.amp, device),
+                            dataset_defaults=own)
 
 
 def describe_settings(cfg: TrainConfig, resolved: ResolvedSettings, launcher: str, local_world_size: int,
@@ -217,9 +218,10 @@ def describe_settings(cfg: TrainConfig, resolved: ResolvedSettings, launcher: st
     sharing = ranks_sharing_cpus(launcher, local_world_size)
     why_workers = "in-memory data needs none" if resolved.workers == 0 else \
         f"{usable_cpus()} usable CPUs shared by {sharing} rank(s)"
+    per_sample = per_sample_flags(cfg)
     auto = {"image_size": cfg.image_size == 0 and "--image-size 0",
             "aug_on": cfg.aug_on == "auto" and "--aug-on auto" + (
-                f": {', '.join(per_sample_flags(cfg))} run per sample" if per_sample_flags(cfg) else ""),
+                f": {', '.join(per_sample)} run per sample" if per_sample else ""),
             "decode_on": cfg.decode_on == "auto" and "--decode-on auto",
             "workers": cfg.workers < 0 and f"--workers -1: {why_workers}",
             "order": cfg.order == "auto" and "--order auto"}

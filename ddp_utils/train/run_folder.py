@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from .session import RunSession
 
 log = logging.getLogger("train")
+
+
 def check_out_dir(out: str) -> None:
     """``--out`` must be a folder (or not exist yet) somewhere this process can write."""
     path = Path(out)

@@ -443,7 +443,7 @@ class ResolvedSettings:
 @dataclass(frozen=True)
 class ScriptData:
     """What a script adds to the data settings both scripts share, handed to the pre-flight and
-    ``--check`` as an argument (train/ calls nothing a script overrides)."""
+    ``--check`` as an argument, in place of methods of its config that train/ would call."""
 
     # DataPlan fields of the script's own (the classifier's ra_reps, train_size, val_resize;
     # MoCo's bank_samples)
