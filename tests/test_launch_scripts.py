@@ -66,7 +66,8 @@ def _kill_tree(pid: int) -> None:
 
 def _lose_a_node_and_bring_it_back(nodes: dict, node, port: int, classifier_reference, out: Path) -> None:
     deadline = time.time() + 120
-    while not any(re.search(r"step 1\d/44", log.read_text()) for _, log in nodes.values()):
+    # The step-10 checkpoint is on disk once its line is logged (a step's own line comes before it).
+    while not any(re.search(r"saved checkpoint .*\(step 10\b", log.read_text()) for _, log in nodes.values()):
         assert time.time() < deadline, [log.read_text()[-2000:] for _, log in nodes.values()]
         time.sleep(0.1)
     listening = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True).stdout
