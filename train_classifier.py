@@ -223,10 +223,11 @@ class ClassifierConfig(TrainConfig):
     linear_probe: bool = opt(False, "freeze the backbone (kept in eval mode) and train only a new linear "
                              "classifier; without --pretrained the backbone is randomly initialised (a "
                              "baseline)", group=PRETRAINED, on_resume="fixed")
-    probe_bn: bool = opt(False, "with --linear-probe: normalise the frozen features with a "
-                         "parameter-free BatchNorm before the classifier (MAE's probe; LRs near 0.1 "
-                         "then work); off = MoCo's protocol (LR about 30)",
-                         group=PRETRAINED, on_resume="fixed")
+    probe_bn: bool = opt(False, "normalise the frozen features with a parameter-free BatchNorm before the "
+                         "classifier (MAE's probe; LRs near 0.1 then work); off = MoCo's protocol (LR about 30)",
+                         group=PRETRAINED, on_resume="fixed",
+                         applies_to=AppliesTo("--linear-probe", lambda cfg: cfg.linear_probe,
+                                              lambda flag, cfg: f"{flag} only applies with --linear-probe"))
     label_smoothing: float = opt(0.0, "label smoothing S of the training loss (nn.CrossEntropyLoss(label_smoothing=S)): "
                                  "each target is 1 - S on its class plus S spread evenly over all classes; train/loss "
                                  "includes it, the validation loss (val/loss) stays plain cross-entropy, comparable "
@@ -333,8 +334,6 @@ class ClassifierConfig(TrainConfig):
             flag = "--linear-probe" if self.linear_probe else "--pretrained"
             raise UsageError(f"{flag} puts a new fc on the backbone, and --arch {self.arch}'s classifier is not "
                              f"one named fc: give {FC_BACKBONES}")
-        if self.probe_bn and not self.linear_probe:
-            raise UsageError("--probe-bn only applies with --linear-probe")
         self.check_recipe_flags()
         self.check_augmentation_flags()
         if self.ra_reps > 1 and order_for(self.dataset, self.order) == "shards":

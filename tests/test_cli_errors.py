@@ -354,7 +354,7 @@ NEEDS = {"lr_warmup_decay": ["--lr-schedule", "cosineannealinglr", "--lr-warmup-
          "ra_magnitude": ["--dataset", "cifar10", "--auto-augment", "ra"],
          "augmix_severity": ["--dataset", "cifar10", "--auto-augment", "augmix"],
          "train_crop_size": ["--dataset", "imagefolder"], "val_resize_size": ["--dataset", "imagefolder"],
-         "interpolation": ["--dataset", "imagefolder"], "lr_step_size": ["--lr-schedule", "steplr"],
+         "interpolation": ["--dataset", "imagefolder"], "probe_bn": ["--linear-probe"], "lr_step_size": ["--lr-schedule", "steplr"],
          "lr_gamma": ["--lr-schedule", "exponentiallr"], "lr_min": ["--lr-schedule", "cosineannealinglr"]}
 
 
@@ -547,7 +547,7 @@ def test_the_flags_that_apply_to_some_runs_only_are_these():
               "lr_warmup_method", "lr_warmup_decay", "check_data"]
     assert [f.name for s, _, f in APPLYING if s == "moco"] == shared
     assert [f.name for s, _, f in APPLYING if s == "classifier"] == [
-        *shared, "model_ema_steps", "model_ema_decay", "ra_magnitude", "augmix_severity", "train_crop_size",
+        *shared, "probe_bn", "model_ema_steps", "model_ema_decay", "ra_magnitude", "augmix_severity", "train_crop_size",
         "val_resize_size", "interpolation"]
     wheres = {f.name: f.metadata["applies_to"].where for _, _, f in APPLYING}
     assert wheres["data_dir"] == "cifar10, imagefolder and shards" and wheres["download"] == "cifar10"

@@ -40,7 +40,7 @@ from ddp_utils.data.image_files import (
     decode_rgb,
 )
 from ddp_utils.data.order import ResumableDistributedSampler
-from ddp_utils.data.pipeline import LoaderBatches, SeededTransform, build_data, record_unreadable
+from ddp_utils.data.pipeline import LoaderBatches, SeededTransform, build_data
 from ddp_utils.data.preview import augmentation_grid
 from ddp_utils.data.recipes import moco_recipe
 from ddp_utils.data.unreadable import UnreadableFiles
@@ -121,7 +121,7 @@ def test_a_damaged_file_comes_as_a_placeholder_that_the_batches_record_on_the_ho
     seeded = SeededTransform(files, T.Compose([T.ToImage(), T.Resize((8, 8)), T.ToPureTensor()]), seed=0)
     unreadable = UnreadableFiles()
     loader = LoaderBatches(torch.utils.data.DataLoader(seeded, batch_size=13, num_workers=1),
-                           functools.partial(record_unreadable, files=files, unreadable=unreadable))
+                           functools.partial(unreadable.record, files=files))
     targets = torch.cat([t for _, t in loader])
     assert len(targets) == len(files) and (targets >= 0).all()  # every batch with valid labels
     assert [e.path for e in unreadable.found] == [files.samples[bad][0]]  # recorded once, by name
@@ -327,7 +327,7 @@ ONE_BATCH_FILES = {
     "worker": {"data/pipeline.py", "data/image_files.py", "data/files_on_device.py"},
     "training process": {
         "data/order.py", "data/image_files.py", "data/pipeline.py", "data/files_on_device.py",
-        "data/data_stream.py", "data/batch_augment.py", "hashing.py",  # the batch
+        "data/data_stream.py", "data/batch_augment.py", "data/unreadable.py", "hashing.py",  # the batch
         "train/run.py", "train/accumulation.py",  # handed to the loop
         "runtime/device.py", "runtime/precision.py", "runtime/dist.py", "models/moco.py", "models/shuffle_bn.py",
         "models/backbones.py", "runtime/collectives.py",  # the forward and the loss
@@ -336,7 +336,7 @@ ONE_BATCH_FILES = {
 # The data's own part (steps 1 to 4 of the walk), from the sampler's keys to the loop's hand-out;
 # train/accumulation.py places the batch in its window but is counted with the step.
 DATA_PART = {"data/order.py", "data/pipeline.py", "data/image_files.py", "data/files_on_device.py",
-             "data/data_stream.py", "data/batch_augment.py", "hashing.py", "train/run.py"}
+             "data/data_stream.py", "data/batch_augment.py", "data/unreadable.py", "hashing.py", "train/run.py"}
 
 
 def files_one_batch_enters(monkeypatch, args: list[str]) -> dict[str, dict[str, set[str]]]:

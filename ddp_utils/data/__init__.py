@@ -9,8 +9,7 @@
    samples order, or for shards the one in which each rank reads whole shards, each resumable
    with its own state; sharded evaluation), per-sample seeding, the DataLoader (written once)
    and its batches (``LoaderBatches``), the in-memory path's batches on the device
-   (``DeviceBatches``), and ``record_unreadable``, which every pass of image files calls on each
-   batch it hands out (the files a batch could not decode).
+   (``DeviceBatches``).
 3. ``sets``: the raw splits (digits, CIFAR-10, synthetic noise, ImageFolder), the ``--debug``
    and kNN-bank subsets, in-memory splits as tensors.
 4. ``image_files``: image files as samples, listed, read and decoded on the CPU: ImageFolder's
@@ -18,7 +17,7 @@
    ``train.preflight`` and sent to every rank), each file read as PIL, decoded pixels
    (torchvision's JPEG decoder, PIL) or encoded bytes (the JPEG marker test says what the
    device's decoder is given); ``unreadable``: files that cannot be decoded (the rank's registry
-   of them, which ``pipeline.record_unreadable`` fills as batches are handed out, their
+   of them, whose ``record`` every pass of image files calls on each batch it hands out, their
    reasons, ``--check-data``'s pass). ``ShardFiles`` reads
    the same files from an image folder's shards (``shards``: the layout ``write_shards.py``
    writes, its index, any sample by number), on a file system or in an S3 bucket

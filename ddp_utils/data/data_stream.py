@@ -156,7 +156,7 @@ class Batches(Protocol):
     path's batches gives. ``next()`` hands out the next batch, in order, ready for the calling
     thread's current stream (:meth:`Made.hand_over`); a pass of image files records the files a
     batch could not decode as it hands the batch out, valid labels in their placeholders' place
-    (``pipeline.record_unreadable``). ``prepare_next()`` makes the next batch now where the loop's
+    (``UnreadableFiles.record``). ``prepare_next()`` makes the next batch now where the loop's
     thread makes it on the device, its kernels queued while the host waits; elsewhere (a
     loader's workers, a thread of its own: both run ahead already), or asked again, it does
     nothing. ``close()`` ends the pass: batches made and not handed out are dropped, a thread

@@ -363,7 +363,7 @@ class FinishOnDevice:
     normalised as a batch by ``augment`` (the evaluation view with an evaluation recipe, which
     has no crop). An image the device cannot decode is read as the loader path reads it, from
     ``decoded`` (the loader's raw data set, read as "decoded"), target included, and counted in
-    ``fallbacks``; ``record``: called on each batch handed out (``pipeline.record_unreadable``).
+    ``fallbacks``; ``record``: called on each batch handed out (``UnreadableFiles.record``).
 
     Iterated, a thread of its own (:class:`ThreadBatches`) takes each batch from the loader,
     copies it to the device or decodes it there, and augments it while the training loop
@@ -456,7 +456,7 @@ class DecodeFallbacks:
     """Images the device's decoder refused (``--decode-on device``), which the training process
     then decoded on the CPU, counted on this rank: a WARNING when the first comes, the count in
     each epoch's line (``train.run``). A file the CPU cannot decode either is not one of them: it
-    is the run's unreadable file (``pipeline.record_unreadable``), named there."""
+    is the run's unreadable file (``UnreadableFiles.record``), named there."""
 
     def __init__(self):
         self.count = 0

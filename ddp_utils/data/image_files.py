@@ -16,7 +16,7 @@ device's decoder (nvJPEG, ``files_on_device.decode_on``); it is here, where that
 
 A file that cannot be decoded raises :class:`UnreadableImage` when decoded directly and comes as
 a black placeholder with target ``-1 - index`` as a sample (``unreadable``: why;
-``pipeline.record_unreadable`` records it).
+``unreadable.UnreadableFiles.record`` records it).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ Each ``iter()`` of a path's batches is a pass, ``data_stream.Batches``: on the l
 for in-memory data ``data_stream.LoopBatches``, for image files on the device
 ``files_on_device.ThreadBatches``. Passes of image files record the files a batch could not
 decode in the rank's ``unreadable.UnreadableFiles`` as they hand each batch out
-(:func:`record_unreadable`).
+(``UnreadableFiles.record``).
 """
 from __future__ import annotations
 
@@ -53,8 +53,7 @@ from .host_memory import (
     loader_memory,
     mean_image_pixels,
 )
-from .image_files import FolderListing, ImageFiles, image_files_of, read_as
-from .object_store import StoreError
+from .image_files import FolderListing, image_files_of, read_as
 from .order import (
     SHUFFLE_SHARDS,
     Key,
@@ -76,7 +75,7 @@ from .shard_cache import (
     shards_in_use,
 )
 from .shards import largest_shard
-from .unreadable import UnreadableFiles, why_unreadable
+from .unreadable import UnreadableFiles
 
 if TYPE_CHECKING:
     from .files_on_device import DecodeFallbacks, FinishOnDevice
@@ -279,7 +278,7 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
 
     def batches(raw: Dataset, sampler, kind: _Kind) -> Passes:
         files = image_files_of(raw)  # image files: the placeholders of those a batch could not decode recorded
-        record = None if files is None else functools.partial(record_unreadable, files=files, unreadable=unreadable)
+        record = None if files is None else functools.partial(unreadable.record, files=files)
         return _batches(raw, sampler, kind, plan=plan, device=device, held=held, read_ahead=read_ahead,
                         fallbacks=fallbacks, record=record)
 
@@ -491,7 +490,7 @@ def describe_plan_device_memory(plan: DataPlan, train_raw: Dataset, device: torc
 # ----------------------------------------------------------------------------- the loader path
 class LoaderBatches:
     """The loader path's batches: ``loader``'s, each pass a :class:`~data_stream.LoopBatches`
-    whose batches pass through ``record`` (image files: :func:`record_unreadable`) as they are
+    whose batches pass through ``record`` (image files: ``UnreadableFiles.record``) as they are
     handed out."""
 
     def __init__(self, loader: DataLoader, record: Callable[[list], list] | None = None):
@@ -503,22 +502,6 @@ class LoaderBatches:
 
     def __iter__(self) -> LoopBatches:
         return LoopBatches(iter(self.loader), record=self.record)
-
-
-# ----------------------------------------------------------------------------- image files that cannot be decoded, recorded
-def record_unreadable(batch: list | tuple, files: ImageFiles, unreadable: UnreadableFiles) -> list | tuple:
-    """``batch`` (of ``files``, its targets on the host) with each placeholder's target replaced by
-    a valid label, its file recorded in ``unreadable`` (or the store's fault that kept it from
-    being read): what a pass of image files calls on each batch it hands out."""
-    targets = batch[1]
-    if not (targets < 0).any():  # a host tensor: no device is read
-        return batch
-    for code in targets[targets < 0].tolist():
-        try:
-            unreadable.found.append(why_unreadable(files, -1 - code))
-        except StoreError as fault:
-            unreadable.store_faults.append(fault)
-    return [batch[0], targets.clamp(min=0), *batch[2:]]
 
 
 # ----------------------------------------------------------------------------- samples and their order

@@ -1,6 +1,6 @@
 """Image files that cannot be decoded, on the data side: the rank's registry of them
-(:class:`UnreadableFiles`, which each pass of image files fills as it hands its batches out,
-``pipeline.record_unreadable``), their reason found by decoding them once more, how they are
+(:class:`UnreadableFiles`, whose ``record`` each pass of image files calls on the batches it hands
+out), their reason found by decoding them once more, how they are
 named to a user, and ``--check-data``'s pass that decodes whole splits. What a run then does (stop, list them, refuse
 to resume until they decode) is ``train/unreadable_files.py``.
 
@@ -81,6 +81,20 @@ class UnreadableFiles:
 
     def __bool__(self) -> bool:
         return bool(self.found or self.store_faults)
+
+    def record(self, batch: list | tuple, files: ImageFiles) -> list | tuple:
+        """``batch`` (of ``files``, its targets on the host) with each placeholder's target replaced
+        by a valid label, its file recorded here (or the store's fault that kept it from being
+        read): what a pass of image files calls on each batch it hands out."""
+        targets = batch[1]
+        if not (targets < 0).any():  # a host tensor: no device is read
+            return batch
+        for code in targets[targets < 0].tolist():
+            try:
+                self.found.append(why_unreadable(files, -1 - code))
+            except StoreError as fault:
+                self.store_faults.append(fault)
+        return [batch[0], targets.clamp(min=0), *batch[2:]]
 
     def on_every_rank(self) -> tuple[list[UnreadableImage], list[StoreError]]:
         """Every rank's files and store faults, each once (every rank must call: one all_gather_object)."""
