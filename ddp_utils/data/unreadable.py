@@ -1,7 +1,7 @@
 """Image files that cannot be decoded, on the data side: the rank's registry of them
 (:class:`UnreadableFiles`, whose ``record`` each pass of image files calls on the batches it hands
-out), their reason found by decoding them once more, how they are
-named to a user, and ``--check-data``'s pass that decodes whole splits. What a run then does (stop, list them, refuse
+out), their reason found by decoding them once more, how they are named to a user, and
+``--check-data``'s pass that decodes whole splits. What a run then does (stop, list them, refuse
 to resume until they decode) is ``train/unreadable_files.py``.
 
 A file that cannot be decoded never raises inside a DataLoader worker: the traceback would name no
