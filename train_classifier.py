@@ -137,6 +137,7 @@ from ddp_utils.train.train_config import (
     check_sync_bn,
     data_plan,
     needs_flag,
+    only_with,
     parse_args,
 )
 from ddp_utils.train.unreadable_files import stop_if_files_unreadable
@@ -225,9 +226,7 @@ class ClassifierConfig(TrainConfig):
                              "baseline)", group=PRETRAINED, on_resume="fixed")
     probe_bn: bool = opt(False, "normalise the frozen features with a parameter-free BatchNorm before the "
                          "classifier (MAE's probe; LRs near 0.1 then work); off = MoCo's protocol (LR about 30)",
-                         group=PRETRAINED, on_resume="fixed",
-                         applies_to=AppliesTo("--linear-probe", lambda cfg: cfg.linear_probe,
-                                              lambda flag, cfg: f"{flag} only applies with --linear-probe"))
+                         group=PRETRAINED, on_resume="fixed", applies_to=only_with("linear_probe"))
     label_smoothing: float = opt(0.0, "label smoothing S of the training loss (nn.CrossEntropyLoss(label_smoothing=S)): "
                                  "each target is 1 - S on its class plus S spread evenly over all classes; train/loss "
                                  "includes it, the validation loss (val/loss) stays plain cross-entropy, comparable "

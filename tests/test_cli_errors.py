@@ -354,7 +354,8 @@ NEEDS = {"lr_warmup_decay": ["--lr-schedule", "cosineannealinglr", "--lr-warmup-
          "ra_magnitude": ["--dataset", "cifar10", "--auto-augment", "ra"],
          "augmix_severity": ["--dataset", "cifar10", "--auto-augment", "augmix"],
          "train_crop_size": ["--dataset", "imagefolder"], "val_resize_size": ["--dataset", "imagefolder"],
-         "interpolation": ["--dataset", "imagefolder"], "probe_bn": ["--linear-probe"], "lr_step_size": ["--lr-schedule", "steplr"],
+         "interpolation": ["--dataset", "imagefolder"], "probe_bn": ["--linear-probe"],
+         "allow_changes": ["--resume", "auto"], "lr_step_size": ["--lr-schedule", "steplr"],
          "lr_gamma": ["--lr-schedule", "exponentiallr"], "lr_min": ["--lr-schedule", "cosineannealinglr"]}
 
 
@@ -544,7 +545,7 @@ def test_the_flags_that_apply_to_some_runs_only_are_these():
     store = ["shard_cache_dir", "shard_cache_gb", "shard_read_ahead", "shard_downloads", "store_timeout",
              "store_if_match", "keep_shard_cache"]
     shared = ["data_dir", *store, "download", "synthetic_samples", "decode_on", "lr_step_size", "lr_gamma", "lr_min",
-              "lr_warmup_method", "lr_warmup_decay", "check_data"]
+              "lr_warmup_method", "lr_warmup_decay", "allow_changes", "check_data"]
     assert [f.name for s, _, f in APPLYING if s == "moco"] == shared
     assert [f.name for s, _, f in APPLYING if s == "classifier"] == [
         *shared, "probe_bn", "model_ema_steps", "model_ema_decay", "ra_magnitude", "augmix_severity", "train_crop_size",

@@ -66,6 +66,13 @@ def needs_flag(name: str) -> AppliesTo:
                      lambda flag, cfg: f"{flag} does nothing without {other}; add it, or drop {flag}")
 
 
+def only_with(name: str) -> AppliesTo:
+    """A flag that means something only beside field ``name``'s (``--allow-changes`` beside
+    ``--resume``): refused without it, in the words "FLAG only applies with OTHER"."""
+    other = flag_name(name)
+    return AppliesTo(other, lambda cfg: bool(getattr(cfg, name)), lambda flag, cfg: f"{flag} only applies with {other}")
+
+
 def schedules(*kinds: str) -> AppliesTo:
     """A setting of the LR schedules ``kinds`` alone."""
     where = "--lr-schedule " + " or ".join(kinds)
@@ -265,10 +272,10 @@ class TrainConfig:
     overwrite: bool = opt(False, "start over in an OUT that holds a run: its checkpoints, TensorBoard "
                           "events and config are deleted first",
                           group=RUN_FOLDER, on_resume="invocation", from_file=False)
-    allow_changes: bool = opt(False, "with --resume: continue although the checkpoint's run had other "
-                              "settings that make it another experiment (data set, LR, batch, ...); the "
-                              "changes are recorded in OUT/config.json's history",
-                              group=RUN_FOLDER, on_resume="invocation", from_file=False)
+    allow_changes: bool = opt(False, "continue although the checkpoint's run had other settings that make it "
+                              "another experiment (data set, LR, batch, ...); the changes are recorded in "
+                              "OUT/config.json's history",
+                              group=RUN_FOLDER, on_resume="invocation", from_file=False, applies_to=only_with("resume"))
     check: bool = opt(False, "check only: flags, paths, data and the checkpoint to resume; print the run "
                       "that would start and exit 0 (or 2, naming the problem); no process group, nothing "
                       "written (launch/ scripts run it before starting the workers)",
@@ -299,8 +306,6 @@ class TrainConfig:
         check_bounds(self)  # each number within its field's bounds (opt(above=..., ...))
         if self.overwrite and self.resume and self.resume != RESUME_IF_RESTARTED:
             raise UsageError("--overwrite starts over and --resume continues: give only one of them")
-        if self.allow_changes and not self.resume:
-            raise UsageError("--allow-changes only applies with --resume")
         size, smallest = image_size_for(self.dataset, self.image_size), min_image_size(self.arch)
         if smallest and size < smallest:
             raise UsageError(f"--image-size {size} is too small for --arch {self.arch}: give at least "
