@@ -52,7 +52,7 @@ from ddp_utils.data.transforms import TwoCrops, view_transform  # noqa: E402
 from ddp_utils.models.moco import contrastive_loss  # noqa: E402
 from ddp_utils.runtime.device import memory_format, to_device  # noqa: E402
 from ddp_utils.runtime.launch import detect_launch  # noqa: E402
-from ddp_utils.runtime.precision import autocast, resolve_amp  # noqa: E402
+from ddp_utils.runtime.precision import autocast  # noqa: E402
 from ddp_utils.runtime.stopping import RunStopped  # noqa: E402
 from ddp_utils.train.run import start_training  # noqa: E402
 from ddp_utils.train.session import RunSession  # noqa: E402
@@ -251,7 +251,7 @@ def measure_run(args: argparse.Namespace, script, run) -> dict:
     images_per_step = cfg.batch_size * cfg.accum_steps
     return dict(
         cfg=cfg, device=device, image_size=run.resolved.image_size, on_device=run.loaders.plan.aug_on_device,
-        aug_samples=aug_n,
+        precision=run.resolved.amp.replace("none", "fp32") + (" compiled" if cfg.compile else ""), aug_samples=aug_n,
         step_s=best["step"] / args.steps, floor_s=best["floor"] / args.steps,
         step_rate=images_per_step * args.steps / best["step"],
         loader_rate=aug_n / best["loader"], device_rate=aug_n * args.aug_repeats / best["device"],
@@ -274,9 +274,8 @@ def describe_run(args: argparse.Namespace, cfg) -> str:
 
 def row(args: argparse.Namespace, r: dict) -> str:
     cfg, device = r["cfg"], r["device"]
-    precision = resolve_amp(cfg.amp, r["device"]).replace("none", "fp32") + (" compiled" if cfg.compile else "")
     cells = [describe_run(args, cfg), f"{cfg.dataset} {r['image_size']} px", str(cfg.batch_size),
-             device.type, precision, "device" if r["on_device"] else "loader",
+             device.type, r["precision"], "device" if r["on_device"] else "loader",
              f"{r['step_s'] * 1e3:.1f}", f"{r['step_rate']:,.0f}", f"{r['floor_s'] * 1e3:.1f}",
              f"{r['step_s'] / r['floor_s']:.2f}", f"{r['loader_rate']:,.0f}", f"{r['device_rate']:,.0f}",
              f"{r['device_rate'] / r['loader_rate']:.1f}x",
@@ -287,9 +286,8 @@ def row(args: argparse.Namespace, r: dict) -> str:
 def brief_row(args: argparse.Namespace, r: dict) -> str:
     """One row of bench/gpu_check.sh's table: | part | what ran | figure | detail |."""
     cfg = r["cfg"]
-    precision = resolve_amp(cfg.amp, r["device"]).replace("none", "fp32") + (" compiled" if cfg.compile else "")
     what = (f"{describe_run(args, cfg)}, {cfg.dataset} {r['image_size']} px, batch {cfg.batch_size}, "
-            f"{precision}, aug on {'device' if r['on_device'] else 'loader'}")
+            f"{r['precision']}, aug on {'device' if r['on_device'] else 'loader'}")
     detail = (f"step {r['step_s'] * 1e3:.1f} ms = {r['step_s'] / r['floor_s']:.2f} x floor; device aug "
               f"{r['device_rate']:,.0f}/s vs loader {r['loader_rate']:,.0f}/s"
               + ("" if r["peak_gib"] is None else f"; peak {r['peak_gib']:.1f} GiB"))
