@@ -18,9 +18,10 @@ left when their turn comes covers their limit, else their row says "not run".
 Every line goes to the console and to the log (``$OUT/gpu_check.log``, else
 ``runs/gpu_check/<UTC time>.log``), named first and last: the plan, a line as each part starts
 and ends, its rows as it ends (side by side, a part's lines wait for those of the parts before
-it), then the last lines of what failed and the whole markdown table again, so that a console that keeps only its last lines still holds it. Exit code 0 when every
-part that ran passed, 1 when one failed or timed out (its row says FAILED; the others still run),
-2 when the machine cannot run the check. docs/performance.md describes each row.
+it), then the last lines of what failed and the whole markdown table again, so that a console
+that keeps only its last lines still holds it. Exit code 0 when every part that ran passed, 1
+when one failed or timed out (its row says FAILED; the others still run), 2 when the machine
+cannot run the check. docs/performance.md describes each row.
 
 Only the standard library is imported here: the pre-flight reports a missing torch.
 """

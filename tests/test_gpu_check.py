@@ -6,8 +6,8 @@ in one line. Its runner, on stand-in parts: the table's order, each part's rows 
 table last in a log that is the console's lines, a failed part's FAILED row and the parts that
 read what it writes not run, the parts left out for the budget named, a part past its limit
 killed with its children, --cpu-smoke's two parts side by side said in the table's order, the part
-after a size fit started once the fit has ended. The workers and batch it fits to a /dev/shm of a given size pass the
-project's own check. Its parts on the CPU: bench/device_finish.py's decode comparison, race
+after a size fit started once the fit has ended. The workers and batch it fits to a /dev/shm of a
+given size pass the project's own check. Its parts on the CPU: bench/device_finish.py's decode comparison, race
 probe, loader and profile rows on a small ImageNet-like folder (their figures real, their checks
 able to fail), the JPEG rows' interval inside the first epoch, and (slow) the whole --cpu-smoke
 run: every part passes and its rows appear in the table's order."""

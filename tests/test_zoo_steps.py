@@ -97,12 +97,13 @@ def main(argv: list[str]) -> int:
     train_classifier.wrap_network, train_classifier.batch_mixer = counted_network, recording_mixer
     if host_reads:
         _augment.one_hot = one_hot_apart
-        result = count_per_micro_step(counted_main, args, setattr)
+        reads = count_per_micro_step(counted_main, args, setattr)
+        code = reads["code"]
     else:
-        result = {"code": counted_main(args)}
-    torch.save({"host_reads": result if host_reads else None, "comm": comm, "grad_bytes": grad_bytes[0], "mixed": mixed,
+        reads, code = None, counted_main(args)
+    torch.save({"host_reads": reads, "comm": comm, "grad_bytes": grad_bytes[0], "mixed": mixed,
                 "one_hot_reads": one_hot_reads}, record / f"rank{os.environ.get('RANK', '0')}.pt")
-    return result["code"]
+    return code
 
 
 # ----------------------------------------------------------------------------- the test
