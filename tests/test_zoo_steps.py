@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_ok, assert_same_state, load_ckpt, run_ranks
+from helpers import assert_ok, assert_same_state, load_ckpt, resume_folder, run_ranks
 
 import train_classifier
 
@@ -37,19 +37,16 @@ def recipe(arch: str, size: int) -> list[str]:
 
 # ----------------------------------------------------------------------------- the ranks' program
 def main(argv: list[str]) -> int:
-    """``RECORD [--no-host-reads] ARGS...``: train_classifier.main(ARGS) on this rank, counted;
-    RECORD/rank<R>.pt gets ``host_reads`` (host_sync_probe's result; None with ``--no-host-reads``,
-    which runs without the probe's dispatch mode), ``comm`` (all-reduce calls and
-    bytes so far after each backward), ``grad_bytes`` (the trainable parameters' gradient bytes)
-    and ``mixed`` ({(epoch, micro-batch of the epoch): the soft targets the mixer made})."""
+    """``RECORD ARGS...``: train_classifier.main(ARGS) on this rank, counted; RECORD/rank<R>.pt
+    gets ``host_reads`` (host_sync_probe's result), ``comm`` (all-reduce calls and bytes so far
+    after each backward), ``grad_bytes`` (the trainable parameters' gradient bytes) and ``mixed``
+    ({(epoch, micro-batch of the epoch): the soft targets the mixer made})."""
     from host_sync_probe import count_per_micro_step
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.utils._python_dispatch import _get_current_dispatch_mode
     from torchvision.transforms.v2 import _augment
 
     record, args = Path(argv[0]), argv[1:]
-    host_reads = args[:1] != ["--no-host-reads"]
-    args = args if host_reads else args[1:]
     calls, comm, mixed, grad_bytes, one_hot_reads = [0, 0], [], {}, [], []
     wrap, mixer, one_hot = train_classifier.wrap_network, train_classifier.batch_mixer, _augment.one_hot
 
@@ -95,15 +92,11 @@ def main(argv: list[str]) -> int:
         return train_classifier.main(args)
 
     train_classifier.wrap_network, train_classifier.batch_mixer = counted_network, recording_mixer
-    if host_reads:
-        _augment.one_hot = one_hot_apart
-        reads = count_per_micro_step(counted_main, args, setattr)
-        code = reads["code"]
-    else:
-        reads, code = None, counted_main(args)
+    _augment.one_hot = one_hot_apart
+    reads = count_per_micro_step(counted_main, args, setattr)
     torch.save({"host_reads": reads, "comm": comm, "grad_bytes": grad_bytes[0], "mixed": mixed,
                 "one_hot_reads": one_hot_reads}, record / f"rank{os.environ.get('RANK', '0')}.pt")
-    return code
+    return reads["code"]
 
 
 # ----------------------------------------------------------------------------- the test
@@ -115,15 +108,16 @@ def _run(tmp_path: Path, name: str, args: list[str]) -> tuple[str, list[dict]]:
     return proc.stdout, [torch.load(record / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
-def _assert_the_step(ranks: list[dict], steps: int) -> None:
+def _assert_the_step(ranks: list[dict], steps: int, checkpoints: int) -> None:
     """Each rank: after each micro-step's backward, no all-reduce in a window's first micro-step
     (``no_sync``), every gradient byte once in its last; one device read per optimizer step (the
-    ranks' agreement) and none in between; each micro-batch mixed on its own (soft targets of
-    BATCH images). Two reads the probe sees that a GPU would not wait for, told apart: the two
-    class checks of each micro-batch's one_hot (:func:`main`), and one copy in the run's first
-    all-reduce, DDP's first bucket fill through the counting comm hook (without the hook the
-    probe sees none: a one-time event, as tests/test_host_syncs.py allows DDP's bucket rebuild).
-    A run without the probe (``--no-host-reads``): all but the reads."""
+    ranks' agreement) and none in between, but one more after the step a checkpoint follows (its
+    weights' finite check across ranks, checkpoint.py) for each of the ``checkpoints`` steps that
+    end a window of STOP steps; each micro-batch mixed on its own (soft targets of BATCH images).
+    Two reads the probe sees that a GPU would not wait for, told apart: the two class checks of
+    each micro-batch's one_hot (:func:`main`), and one copy in the run's first all-reduce, DDP's
+    first bucket fill through the counting comm hook (without the hook the probe sees none: a
+    one-time event, as tests/test_host_syncs.py allows DDP's bucket rebuild)."""
     for rank in ranks:
         counts = [(0, 0), *rank["comm"]]
         per_micro = [(c - c0, b - b0) for (c0, b0), (c, b) in zip(counts, counts[1:])]
@@ -132,13 +126,14 @@ def _assert_the_step(ranks: list[dict], steps: int) -> None:
         assert all(calls >= 1 and sent == rank["grad_bytes"] for calls, sent in per_micro[ACCUM - 1::ACCUM]), \
             (per_micro, rank["grad_bytes"])
         assert all(soft.shape == (BATCH, 10) and soft.dtype == torch.float32 for soft in rank["mixed"].values())
-        if rank["host_reads"] is None:
-            continue
         reads, expected = rank["host_reads"], ([0] * (ACCUM - 1) + [1]) * (steps - 1) + [0] * (ACCUM - 1)
+        for step in range(STOP, STOP * checkpoints + 1, STOP):
+            expected[step * ACCUM - 1] += 1
         events = Counter(map(tuple, reads["events"]))
         first_fill = events.pop(("read", "aten.copy_"), 0)  # 1 on torch 2.14.1
         assert first_fill <= 1 and reads["per_micro_step"] == [expected[0] + first_fill, *expected[1:]], events
-        assert events == {("read", "Tensor.tolist"): steps - 1}  # the agreement, once per optimizer step
+        assert events == {("read", "Tensor.tolist"): steps - 1,  # the agreement, once per optimizer step
+                          **({("read", "aten._local_scalar_dense.default"): checkpoints} if checkpoints else {})}
         assert len(rank["one_hot_reads"]) == steps * ACCUM  # one one_hot per micro-batch: each mixed on its own
         assert all(len(seen) <= 2 and set(seen) <= {("read", "aten._local_scalar_dense.default")}
                    for seen in rank["one_hot_reads"]), rank["one_hot_reads"]  # 2 each on torch 2.14.1
@@ -148,20 +143,20 @@ def _assert_the_step(ranks: list[dict], steps: int) -> None:
 @pytest.mark.parametrize("arch, size", ZOO)
 def test_the_step_holds_for_a_vit_a_convnext_and_an_efficientnet(tmp_path, arch, size):
     """``--model ARCH`` on 2 gloo ranks, 2 micro-batches of 4 per step, the EMA after every step,
-    MixUp and CutMix: a run of STEPS steps; one stopped at step STOP (mid-epoch, its checkpoint) and
-    resumed with --resume auto to STEPS. Each run: the step's promises on each rank (_assert_the_step;
-    the host reads of the stopped and the resumed run, which hold the STEPS steps between them: the
-    probe doubles a run's time) and its weights and EMA identical on both ranks (the script's own
-    end-of-run check). The resumed run mixes its micro-batches as the uninterrupted one did and ends
-    with the same weights, buffers, momentum and EMA, bit for bit."""
-    full, part = tmp_path / "full", tmp_path / "part"
+    MixUp and CutMix: a run of STEPS steps that keeps its checkpoint of step STOP (mid-epoch), and
+    that checkpoint resumed with --resume auto to STEPS. Each run: the step's promises on each rank
+    (_assert_the_step) and its weights and EMA identical on both ranks (the script's own end-of-run
+    check). The resumed run mixes its micro-batches as the uninterrupted one did and ends with the
+    same weights, buffers, momentum and EMA, bit for bit."""
+    full = tmp_path / "full"
     base = recipe(arch, size)
-    runs = {"full": _run(tmp_path, "full", ["--no-host-reads", *base, "--max-steps", str(STEPS), "--out", str(full)]),
-            "stopped": _run(tmp_path, "stopped", [*base, "--max-steps", str(STOP), "--out", str(part)]),
-            "resumed": _run(tmp_path, "resumed", [*base, "--max-steps", str(STEPS), "--resume", "auto",
-                                                  "--out", str(part)])}
+    runs = {"full": _run(tmp_path, "full", [*base, "--max-steps", str(STEPS), "--ckpt-every", str(STOP),
+                                            "--out", str(full)])}
+    part = resume_folder(next(p for p in full.glob("checkpoint_*.pt") if load_ckpt(p)["step"] == STOP),
+                         tmp_path / "part")
+    runs["resumed"] = _run(tmp_path, "resumed", [*base, "--max-steps", str(STEPS), "--resume", "auto", "--out", str(part)])
     for name, (stdout, ranks) in runs.items():
-        _assert_the_step(ranks, STOP if name == "stopped" else STEPS - STOP if name == "resumed" else STEPS)
+        _assert_the_step(ranks, *((STEPS - STOP, 0) if name == "resumed" else (STEPS, 1)))
         assert "weights identical on all 2 ranks" in stdout and "EMA of the weights identical on all 2 ranks" in stdout
     assert f"step {STOP}, in epoch 1, {STOP * ACCUM} batches into the epoch" in runs["resumed"][0]
     for rank, (whole, resumed) in enumerate(zip(runs["full"][1], runs["resumed"][1])):

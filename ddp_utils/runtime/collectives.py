@@ -116,7 +116,7 @@ def state_digest(tensors: dict[str, torch.Tensor]) -> str:
     for name, tensor in tensors.items():
         digest.update(name.encode())
         digest.update(str(tensor.dtype).encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy: its buffer
     return digest.hexdigest()
 
 
