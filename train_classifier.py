@@ -165,6 +165,9 @@ def image_files_only(hint: str = "") -> AppliesTo:
 
 # the FixRes sizes: the crops of image files; the other data sets' views are --image-size itself
 IMAGE_FILE_SIZES = image_files_only(" (--image-size sets the side)")
+# --nesterov: applies at the default optimizer, so its generated test refuses it with another
+SGD_ONLY = AppliesTo("SGD", lambda cfg: cfg.optimizer in ("sgd", "sgd_nesterov"),
+                     lambda flag, cfg: f"{flag} is SGD's; --optimizer {cfg.optimizer} has no such option (drop it)")
 
 
 def magnitude_applies() -> AppliesTo:
@@ -236,7 +239,8 @@ class ClassifierConfig(TrainConfig):
                          "--nesterov), adamw (PyTorch's defaults: betas 0.9, 0.999, eps 1e-8; --weight-decay "
                          "decoupled) or rmsprop (torchvision's: alpha 0.9, eps 0.0316, --momentum)",
                          choices=OPTIMIZERS, group=RECIPE, on_resume="fixed", spellings=("--opt",))
-    nesterov: bool = opt(False, "--optimizer sgd: Nesterov momentum (torchvision's --opt sgd_nesterov)", group=RECIPE)
+    nesterov: bool = opt(False, "Nesterov momentum (torchvision's --opt sgd_nesterov)", group=RECIPE,
+                         applies_to=SGD_ONLY)
     norm_weight_decay: float = opt(UNSET, "weight decay of the normalisation layers' parameters (BatchNorm, "
                                    "GroupNorm, LayerNorm, InstanceNorm, LocalResponseNorm; their biases too unless "
                                    "--bias-weight-decay is set), a parameter group of their own; -1 = unset: "
@@ -342,15 +346,14 @@ class ClassifierConfig(TrainConfig):
                              f"reads whole shards per rank; {fix}")
 
     def check_recipe_flags(self) -> None:
-        """The optimizer's flags that it would ignore, and a weight decay below 0 other than -1
-        (unset), are refused (the EMA's settings without --model-ema: ``opt(applies_to=...)``)."""
+        """--momentum where AdamW would ignore it, Nesterov without momentum, and a weight decay
+        below 0 other than -1 (unset) are refused (--nesterov with another optimizer and the EMA's
+        settings without --model-ema: ``opt(applies_to=...)``)."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in ("norm_weight_decay", "bias_weight_decay", "transformer_embedding_decay"):
             value = getattr(self, name)
             if value < 0 and value != UNSET:
                 raise UsageError(f"{flag_name(name)} {value:g}: give a weight decay >= 0, or -1 to leave it unset")
-        if self.nesterov and self.optimizer not in ("sgd", "sgd_nesterov"):
-            raise UsageError(f"--nesterov is SGD's; --optimizer {self.optimizer} has no such option (drop it)")
         if (self.nesterov or self.optimizer == "sgd_nesterov") and self.momentum == 0:
             raise UsageError("Nesterov momentum needs momentum: give --momentum above 0")
         if self.optimizer == "adamw" and self.momentum != defaults["momentum"]:

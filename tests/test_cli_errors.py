@@ -359,6 +359,10 @@ NEEDS = {"lr_warmup_decay": ["--lr-schedule", "cosineannealinglr", "--lr-warmup-
          "lr_gamma": ["--lr-schedule", "exponentiallr"], "lr_min": ["--lr-schedule", "cosineannealinglr"]}
 
 
+# The flags that apply at the defaults, and where they do not (the others: on the defaults)
+NOT_APPLYING = {"nesterov": ["--optimizer", "adamw"]}
+
+
 def applying(name: str) -> list[str]:
     """The flags a field's own flag needs to apply at all (the object store's: a bucket; a
     warm-up's start factor: the warm-up; the EMA's settings: the EMA)."""
@@ -520,14 +524,15 @@ def flag_name_of(f: dataclasses.Field, negated: bool = False) -> str:
 
 @pytest.mark.parametrize("script, cls, f", APPLYING, ids=[f"{s} {f.name}" for s, _, f in APPLYING])
 def test_a_flag_where_it_does_nothing_is_one_line_that_says_where_it_applies(monkeypatch, script, cls, f):
-    """Every flag with opt(applies_to=...), given on the defaults (digits, no bucket, no warm-up in
-    epochs, no EMA, no automatic augmentation), where none applies: one line naming the flag and
-    where it applies, which its --help says too; where it applies (``applying``), no such line."""
+    """Every flag with opt(applies_to=...), given where it does nothing (the defaults: digits, no
+    bucket, no warm-up in epochs, no EMA, no automatic augmentation; NOT_APPLYING for those that
+    apply there): one line naming the flag and where it applies, which its --help says too; where
+    it applies (``applying``, or the defaults), no such line."""
     from ddp_utils.config import build_parser, check_applies, flag_name, help_text, parse_config
     from ddp_utils.runtime.launch import LaunchEnv
 
     flag, where = flag_name(f.name), f.metadata["applies_to"].where
-    cfg = parse_config(cls, _another_value(f))
+    cfg = parse_config(cls, [*NOT_APPLYING.get(f.name, []), *_another_value(f)])
     with pytest.raises(UsageError) as refused:
         cfg.validate(LaunchEnv("single", 0, 0, 1, 1), cuda_devices=0)
     said = str(refused.value)
@@ -536,7 +541,7 @@ def test_a_flag_where_it_does_nothing_is_one_line_that_says_where_it_applies(mon
     monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps help at hyphens: one line per flag
     assert f"applies to: {where}" in build_parser(cls).format_help()
     check_applies(parse_config(cls, []))  # the default is never refused
-    if applying(f.name):  # a bucket, the warm-up, the EMA, a policy, image files: it applies
+    if applying(f.name) or f.name in NOT_APPLYING:  # a bucket, the warm-up, the EMA, a policy, image files, sgd
         check_applies(parse_config(cls, [*applying(f.name), *_another_value(f)]))
 
 
@@ -548,7 +553,7 @@ def test_the_flags_that_apply_to_some_runs_only_are_these():
               "lr_warmup_method", "lr_warmup_decay", "allow_changes", "check_data"]
     assert [f.name for s, _, f in APPLYING if s == "moco"] == shared
     assert [f.name for s, _, f in APPLYING if s == "classifier"] == [
-        *shared, "probe_bn", "model_ema_steps", "model_ema_decay", "ra_magnitude", "augmix_severity", "train_crop_size",
+        *shared, "probe_bn", "nesterov", "model_ema_steps", "model_ema_decay", "ra_magnitude", "augmix_severity", "train_crop_size",
         "val_resize_size", "interpolation"]
     wheres = {f.name: f.metadata["applies_to"].where for _, _, f in APPLYING}
     assert wheres["data_dir"] == "cifar10, imagefolder and shards" and wheres["download"] == "cifar10"
