@@ -506,10 +506,9 @@ def build_network(cfg: ClassifierConfig, info: DistInfo, num_classes: int, image
     return place_model(model, info.device)
 
 
-def build_ema(cfg: ClassifierConfig, model: nn.Module, info: DistInfo) -> WeightsEMA:
-    """--model-ema: the EMA of ``model``'s weights, its decay adjusted as torchvision does
-    (``ddp_utils/train/ema.py``)."""
-    global_batch = info.world_size * cfg.accum_steps * cfg.batch_size
+def build_ema(cfg: ClassifierConfig, model: nn.Module, info: DistInfo, global_batch: int) -> WeightsEMA:
+    """--model-ema: the EMA of ``model``'s weights, its decay adjusted as torchvision does for
+    ``global_batch`` (``ddp_utils/train/ema.py``)."""
     decay = ema_decay(cfg.model_ema_decay, global_batch, cfg.model_ema_steps, cfg.epochs)
     if info.is_main:
         log.info("EMA of the weights: decay %.6g per update after every %d optimizer step(s) (--model-ema-decay %g for "
@@ -645,7 +644,7 @@ def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
         loaders = build_loaders(cfg, session, resolved, listings, fresh=resume is None)
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         model = build_network(cfg, info, loaders.num_classes, resolved.image_size)
-        ema = build_ema(cfg, model, info) if cfg.model_ema else None
+        ema = build_ema(cfg, model, info, resolved.global_batch) if cfg.model_ema else None
         if info.is_main and (cfg.mixup_alpha or cfg.cutmix_alpha):
             log.info("%s of each training micro-batch on each rank: soft targets, train/loss against them",
                      " or ".join(f"{name} alpha {alpha:g}" for name, alpha in
@@ -817,7 +816,7 @@ def evaluate_weights(cfg: ClassifierConfig, session: RunSession) -> dict[str, fl
         if problem:
             raise UsageError(problem)
     listings, _ = list_image_files_once(cfg, info)
-    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
+    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device, world_size=info.world_size)
     with all_ranks_agree():
         loaders = build_loaders(cfg, session, resolved, listings, fresh=False)
         model = build_network(cfg, info, loaders.num_classes, resolved.image_size)

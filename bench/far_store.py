@@ -134,7 +134,7 @@ def node_cache_gb(bucket: str, shards: Path, args: argparse.Namespace, work: Pat
 
     cfg = MocoConfig(dataset="shards", data_dir=bucket, workers=2, batch_size=args.batch_size, knn_every=0,
                      image_size=args.image_size, shard_cache_dir=str(work / "sizing"))
-    resolved = resolved_settings(cfg, "torchrun", 2, torch.device("cpu"))
+    resolved = resolved_settings(cfg, "torchrun", 2, torch.device("cpu"), world_size=2)
     indexes = tuple(ShardIndex.read(str(shards / split)) for split in ("train", "val"))
     return math.ceil(check_cache_room(cfg, resolved, indexes, ranks_on_node=2, node="0", script=script_data(cfg)) / 1e3) / 1e6
 

@@ -182,7 +182,7 @@ def _listing_worker(info, data_dir: str, empty_class_dir: str):
     cfg = ClassifierConfig(dataset="imagefolder", data_dir=data_dir, device="cpu")
     listings, _ = list_image_files_once(cfg, info)
     resolved = ResolvedSettings(image_size=32, workers=0, aug_on="loader", decode_on="loader", order="samples",
-                                amp="none")
+                                amp="none", global_batch=64)
     train, val = raw_splits(data_plan(cfg, resolved, AugmentRecipe(), listings=listings))
     results = {"scans": [str(Path(path).relative_to(data_dir)) for path in scans],
                "samples": (train.samples, val.samples), "classes": (train.classes, val.classes)}
@@ -457,9 +457,9 @@ def test_auto_workers_count_the_cpus_this_process_may_use(tmp_path, monkeypatch,
     monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: set(range(16)))
     cfg = train_classifier.ClassifierConfig(dataset="imagefolder", workers=-1)
     for launcher, per_rank in (("torchrun", 7), ("slurm", 15)):  # torchrun's 2 workers share the CPUs
-        resolved = resolved_settings(cfg, launcher, 2, torch.device("cpu"))
+        resolved = resolved_settings(cfg, launcher, 2, torch.device("cpu"), world_size=2)
         assert resolved.workers == per_rank
-    assert describe_settings(cfg, resolved_settings(cfg, "torchrun", 2, torch.device("cpu")), "torchrun", 2).endswith(
+    assert describe_settings(cfg, resolved_settings(cfg, "torchrun", 2, torch.device("cpu"), world_size=2), "torchrun", 2).endswith(
         "7 DataLoader worker(s) per rank (--workers -1: 16 usable CPUs shared by 2 rank(s))")
 
 

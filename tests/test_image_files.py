@@ -134,7 +134,7 @@ def test_cmyk_grayscale_and_png_named_jpeg_are_rgb_on_every_path(jpeg_folder, au
     the odd files among them, and none taken for a damaged file."""
     cfg = train_moco.MocoConfig(dataset="imagefolder", data_dir=str(jpeg_folder), image_size=32, batch_size=13,
                                 workers=0, aug_on=aug_on, decode_on=decode_on, device="cpu", moco_k=64)
-    resolved = resolved_settings(cfg, "single", 1, CPU.device)
+    resolved = resolved_settings(cfg, "single", 1, CPU.device, world_size=1)
     recipe = moco_recipe(cfg.dataset, resolved.image_size, cfg.aug, cfg.crop_min, cfg.normalization)
     loaders = build_data(data_plan(cfg, resolved, recipe, train_moco.script_data(cfg)),
                          rank=0, world_size=1,
@@ -389,7 +389,7 @@ def test_one_moco_batch_on_the_cuda_default_path_enters_the_files_the_architectu
     """The CPU stand-in of the CUDA default path: the flags as on CUDA, where auto resolves to
     device augmentation and decoding in the workers. The documented list, file for file, and
     docs/architecture.md names each; the loader path (the control) enters other files."""
-    cuda = resolved_settings(train_moco.MocoConfig(dataset="imagefolder"), "single", 1, torch.device("cuda"))
+    cuda = resolved_settings(train_moco.MocoConfig(dataset="imagefolder"), "single", 1, torch.device("cuda"), world_size=1)
     assert (cuda.aug_on, cuda.decode_on) == ("device", "loader")
     args = ["--dataset", "imagefolder", "--data-dir", str(jpeg_folder), "--device", "cpu", "--workers", "0",
             "--image-size", "32", "--batch-size", "8", "--moco-k", "64", "--max-steps", "1", "--knn-every", "0",
@@ -437,7 +437,7 @@ def test_the_log_config_json_and_checkpoint_say_what_auto_resolved_to(jpeg_folde
                                               "--out", str(out)], capsys)
     assert_ok(proc)
     workers = resolved_settings(train_classifier.ClassifierConfig(dataset="imagefolder"), "single", 1,
-                                CPU.device).workers
+                                CPU.device, world_size=1).workers
     assert re.search(rf"INFO resolved: 224 px \(--image-size 0\), augmentation on the loader \(--aug-on auto\), "
                      rf"decoding on the loader \(--decode-on auto\), {workers} DataLoader worker\(s\) per rank "
                      rf"\(--workers -1: \d+ usable CPUs shared by 1 rank\(s\)\)", proc.stdout)
@@ -445,7 +445,7 @@ def test_the_log_config_json_and_checkpoint_say_what_auto_resolved_to(jpeg_folde
     assert {k: record["config"][k] for k in ("image_size", "workers", "aug_on", "amp")} == \
         {"image_size": 0, "workers": -1, "aug_on": "auto", "amp": "auto"}  # as asked: what a --config re-run reads
     assert record["resolved"] == {"image_size": 224, "workers": workers, "aug_on": "loader", "decode_on": "loader",
-                                  "order": "samples", "amp": "none", "data_fingerprint": data_fingerprint(
+                                  "order": "samples", "amp": "none", "global_batch": 4, "data_fingerprint": data_fingerprint(
                                       FolderListing.of(str(jpeg_folder / "train")), FolderListing.of(str(jpeg_folder / "val")))}
     assert load_ckpt(out / "checkpoint_last.pt")["resolved"] == record["resolved"]
     proc = in_process(train_classifier.main, ["--config", str(out / "config.json"), "--check", "--out",

@@ -320,7 +320,7 @@ def test_the_caches_room_is_checked_in_one_line(bucket, written, tmp_path, monke
                  min((3 * 16 - 2) // fewest[1] + 2, 3 * 16, len(indexes[1].shards)))  # validation: 3 batches of 16
     cfg = ClassifierConfig(dataset="shards", data_dir=bucket, shard_cache_dir=str(tmp_path / "new" / "cache"),
                            batch_size=4, workers=2)
-    resolved = preflight.resolved_settings(cfg, "torchrun", 8, torch.device("cpu"))
+    resolved = preflight.resolved_settings(cfg, "torchrun", 8, torch.device("cpu"), world_size=8)
     capacity = check_cache_room(cfg, resolved, indexes, ranks_on_node=8, node="0", script=script_data(cfg))  # 0: sized; a folder made at start
     assert capacity == 8 * (in_use + 16 + 1) * largest  # and --shard-downloads 16 more, and one
     small = dataclasses.replace(cfg, shard_cache_gb=0.001)

@@ -222,7 +222,7 @@ def test_each_node_has_one_cache_folder_prepared_by_its_local_rank_0(envs, bucke
     the one its pre-flight prepares (train.preflight, LOCAL_RANK 0 of each node)."""
     indexes = (ShardIndex.read(f"{bucket}/train"), ShardIndex.read(f"{bucket}/val"))
     cfg = ClassifierConfig(dataset="shards", data_dir=bucket, shard_cache_dir=str(tmp_path), batch_size=4, workers=1)
-    plan = data_plan(cfg, preflight.resolved_settings(cfg, "slurm", 1, torch.device("cpu")), AugmentRecipe())
+    plan = data_plan(cfg, preflight.resolved_settings(cfg, "slurm", 1, torch.device("cpu"), world_size=1), AugmentRecipe())
     prepared = []
     monkeypatch.setattr(preflight.NodeCache, "prepare", lambda cache, keep=(): prepared.append((cache.folder,
                                                                                                   cache.rank)))
@@ -234,7 +234,7 @@ def test_each_node_has_one_cache_folder_prepared_by_its_local_rank_0(envs, bucke
         node_of[info.rank] = env.get("SLURM_NODEID", env.get("GROUP_RANK"))
         read[info.rank] = node_cache_of(plan, info.rank, info.node).folder
         preflight.prepare_shard_cache_once_per_node(cfg, info, preflight.resolved_settings(
-            cfg, info.launcher, info.local_world_size, info.device), indexes, None, script_data(cfg))
+            cfg, info.launcher, info.local_world_size, info.device, world_size=info.world_size), indexes, None, script_data(cfg))
     folders = {node: {read[rank] for rank in read if node_of[rank] == node} for node in set(node_of.values())}
     assert all(len(shared) == 1 for shared in folders.values())  # a node's ranks share one folder
     assert len({folder for shared in folders.values() for folder in shared}) == len(folders)  # one per node
@@ -450,7 +450,7 @@ def test_a_later_attempt_keeps_the_shards_it_listed_and_a_new_run_starts_empty(b
     monkeypatch.setattr(NodeCache, "prepare", lambda cache, keep=(): kept.append(list(keep)) or real(cache, keep))
     cfg = ClassifierConfig(dataset="shards", data_dir=bucket, shard_cache_dir=str(tmp_path / "job"), workers=1)
     info = DistInfo(0, 0, 1, 1, torch.device("cpu"), None, "single", "0")
-    resolved = preflight.resolved_settings(cfg, "single", 1, info.device)
+    resolved = preflight.resolved_settings(cfg, "single", 1, info.device, world_size=1)
     listings = (index, ShardIndex.read(f"{bucket}/val"))
     for resume in (None, Resume(tmp_path / "checkpoint_last.pt", {})):
         preflight.prepare_shard_cache_once_per_node(cfg, info, resolved, listings, resume, script_data(cfg))

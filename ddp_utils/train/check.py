@@ -66,10 +66,9 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
                  launch: LaunchEnv) -> list[str]:
     resume, _ = checks_before_start(cfg, restarted=restart_count() > 0, announce=False)  # the pre-flight's own
     device, world_size = torch.device(device_type(cfg.device)), launch.world_size
-    resolved = resolved_settings(cfg, launch.launcher, launch.local_world_size, device)
+    resolved = resolved_settings(cfg, launch.launcher, launch.local_world_size, device, world_size=world_size)
     settings = describe_settings(cfg, resolved, launch.launcher, launch.local_world_size,
                                  data.views(resolved.image_size))
-    global_batch = world_size * cfg.accum_steps * cfg.batch_size
     lines = [f"launch: world size {world_size}, {device}, precision {precision_name(cfg.amp, device)}"]
     hazard = worker_start_hazard(resolved.workers)
     if hazard:
@@ -117,7 +116,7 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
         lines.append(f"steps: {steps:,} per epoch, {steps * cfg.epochs:,} in {_count(cfg.epochs, 'epoch')}"
                      + (f" (stopping at --max-steps {cfg.max_steps})" if cfg.max_steps else ""))
     lines.append(f"model: {model}")
-    lines.append(f"optimisation: global batch {global_batch} = {_count(world_size, 'rank')} x "
+    lines.append(f"optimisation: global batch {resolved.global_batch} = {_count(world_size, 'rank')} x "
                  f"{_count(cfg.accum_steps, 'micro-step')} x {cfg.batch_size}; lr {cfg.lr:g}, {cfg.schedule_summary()}"
                  + (f", {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
                  + (f", gradient norm clipped to {cfg.clip_grad:g}" if cfg.clip_grad else ""))

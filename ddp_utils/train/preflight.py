@@ -57,7 +57,7 @@ def preflight(cfg: TrainConfig, session: RunSession,
     listings, data_changes = list_image_files_once(cfg, info, restarted, resume)
     if info.is_main:
         forget_unreadable(cfg.out)  # what a run here stopped on is fixed, or put back, or this run starts afresh
-    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device)
+    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device, world_size=info.world_size)
     prepare_shard_cache_once_per_node(cfg, info, resolved, listings, resume, script)
     if info.device.type == "cuda" and info.is_distributed:
         problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))
@@ -190,13 +190,14 @@ def ranks_sharing_cpus(launcher: str, local_world_size: int) -> int:
     return 1 if launcher == "slurm" else local_world_size
 
 
-def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int,
-                      device: torch.device) -> ResolvedSettings:
+def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, device: torch.device, *,
+                      world_size: int) -> ResolvedSettings:
     """What the flags left to this machine resolve to: the precision (``--amp auto``), the image
     side (``--image-size 0``), DataLoader workers per rank (``--workers -1``), where augmentation
-    runs (``--aug-on auto``), where image files are decoded and their order; and the settings at
-    the data set's own defaults (``DATASET_DEFAULTS``), however they came. The start-up log,
-    ``--check``, config.json and checkpoints give them beside the flags as asked."""
+    runs (``--aug-on auto``), where image files are decoded and their order; the global batch of
+    ``world_size`` ranks; and the settings at the data set's own defaults (``DATASET_DEFAULTS``),
+    however they came. The start-up log, ``--check``, config.json and checkpoints give them beside
+    the flags as asked."""
     sharing = ranks_sharing_cpus(launcher, local_world_size)
     own = {name: value for name, value in dataset_values(type(cfg), cfg.dataset).items()
            if getattr(cfg, name) == value}
@@ -206,7 +207,7 @@ def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int,
                             aug_on="device" if on_device else "loader",
                             decode_on="device" if cfg.decode_on == "device" else "loader",
                             order=order_for(cfg.dataset, cfg.order), amp=resolve_amp(cfg.amp, device),
-                            dataset_defaults=own)
+                            global_batch=world_size * cfg.accum_steps * cfg.batch_size, dataset_defaults=own)
 
 
 def describe_settings(cfg: TrainConfig, resolved: ResolvedSettings, launcher: str, local_world_size: int,

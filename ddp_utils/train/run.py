@@ -306,7 +306,7 @@ def start_training(run: TrainRun) -> StepMeter:
     return the meter of the training steps."""
     cfg, info = run.cfg, run.info
     log.info("global batch %d = %d rank(s) x %d accum steps x %d per micro-batch; %d optimizer "
-             "steps per epoch, %d in all", info.world_size * cfg.accum_steps * cfg.batch_size,
+             "steps per epoch, %d in all", run.resolved.global_batch,
              info.world_size, cfg.accum_steps, cfg.batch_size,
              steps_per_epoch(run.loaders.batches_per_epoch, cfg.accum_steps), run.total_steps)
     remark = cfg.global_batch_remark(info.world_size)

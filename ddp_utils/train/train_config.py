@@ -411,10 +411,11 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class ResolvedSettings:
-    """What the data settings left to this machine ("auto", 0, -1) came to for one run, made once
-    by ``train.preflight.resolved_settings`` (``--check`` makes the same): the data plan, the
-    start-up log, the input-bound advice, config.json and checkpoints read it. The flags as asked
-    stay in the config, which is what a ``--config`` re-run reads."""
+    """What the data settings left to this machine ("auto", 0, -1) came to for one run, and the
+    global batch its launch makes of the flags, made once by ``train.preflight.resolved_settings``
+    (``--check`` makes the same): the data plan, the start-up log, the input-bound advice, the EMA,
+    config.json and checkpoints read it. The flags as asked stay in the config, which is what a
+    ``--config`` re-run reads."""
 
     image_size: int   # px, the evaluation views' side (and the training views' by default); --image-size 0: the data set's native size
     workers: int      # DataLoader worker processes per rank; --workers -1: sized to the CPUs this rank may use
@@ -422,6 +423,7 @@ class ResolvedSettings:
     decode_on: str    # where image files are decoded: "device" or "loader" (only image folders decode)
     order: str        # the training order: "samples" or "shards" (--order auto: "shards" for shards)
     amp: str          # what the forward runs in on this device: "none" (fp32), "bf16" or "fp16" (from --amp)
+    global_batch: int  # images per optimizer step: world size x --accum-steps x --batch-size
     # {config field: value} of the settings at the data set's own defaults (the script's
     # DATASET_DEFAULTS), however they came; empty when none is
     dataset_defaults: dict[str, Any] = field(default_factory=dict)
