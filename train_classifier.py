@@ -165,7 +165,7 @@ def image_files_only(hint: str = "") -> AppliesTo:
 
 # the FixRes sizes: the crops of image files; the other data sets' views are --image-size itself
 IMAGE_FILE_SIZES = image_files_only(" (--image-size sets the side)")
-# --nesterov: applies at the default optimizer, so its generated test refuses it with another
+# --nesterov: Nesterov momentum is SGD's (sgd, and sgd_nesterov, which sets it); the other optimizers have none
 SGD_ONLY = AppliesTo("SGD", lambda cfg: cfg.optimizer in ("sgd", "sgd_nesterov"),
                      lambda flag, cfg: f"{flag} is SGD's; --optimizer {cfg.optimizer} has no such option (drop it)")
 
