@@ -120,7 +120,7 @@ def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: Script
                  f"{_count(cfg.accum_steps, 'micro-step')} x {cfg.batch_size}; lr {cfg.lr:g}, {cfg.schedule_summary()}"
                  + (f", {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
                  + (f", gradient norm clipped to {cfg.clip_grad:g}" if cfg.clip_grad else ""))
-    remark = cfg.global_batch_remark(world_size)
+    remark = cfg.global_batch_remark(world_size, resolved.global_batch)
     if remark:
         lines.append(f"warning: {remark}")
     if resume is not None:

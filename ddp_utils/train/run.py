@@ -309,7 +309,7 @@ def start_training(run: TrainRun) -> StepMeter:
              "steps per epoch, %d in all", run.resolved.global_batch,
              info.world_size, cfg.accum_steps, cfg.batch_size,
              steps_per_epoch(run.loaders.batches_per_epoch, cfg.accum_steps), run.total_steps)
-    remark = cfg.global_batch_remark(info.world_size)
+    remark = cfg.global_batch_remark(info.world_size, run.resolved.global_batch)
     if remark:
         log.warning("%s", remark)
     release_held_logs(show=True)

@@ -7,7 +7,7 @@ import hashlib
 import os
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
@@ -67,10 +67,10 @@ def needs_flag(name: str) -> AppliesTo:
 
 
 def only_with(name: str) -> AppliesTo:
-    """A flag that means something only beside field ``name``'s (``--allow-changes`` beside
-    ``--resume``): refused without it, in the words "FLAG only applies with OTHER"."""
-    other = flag_name(name)
-    return AppliesTo(other, lambda cfg: bool(getattr(cfg, name)), lambda flag, cfg: f"{flag} only applies with {other}")
+    """:func:`needs_flag`'s rule for a flag that means something only beside field ``name``'s
+    (``--allow-changes`` beside ``--resume``), refused in the words "FLAG only applies with OTHER"."""
+    needed = needs_flag(name)
+    return replace(needed, refusal=lambda flag, cfg: f"{flag} only applies with {needed.where}")
 
 
 def schedules(*kinds: str) -> AppliesTo:
@@ -367,10 +367,11 @@ class TrainConfig:
             raise UsageError(f"--lr-warmup-epochs {self.lr_warmup_epochs} must be less than --epochs {self.epochs}: "
                              f"the schedule runs after the warm-up")
 
-    def global_batch_remark(self, world_size: int) -> str:
-        """One line when this run's global batch differs from the one --lr was published for
+    def global_batch_remark(self, world_size: int, now: int) -> str:
+        """One line when this run's global batch, ``now`` on ``world_size`` ranks (the plan's
+        ``ResolvedSettings.global_batch``), differs from the one --lr was published for
         (--lr-ranks), with the launch that restores it; '' otherwise."""
-        published, now = self.lr_ranks * self.batch_size, world_size * self.accum_steps * self.batch_size
+        published = self.lr_ranks * self.batch_size
         if not self.lr_ranks or published == now:
             return ""
         fix = (f"give --accum-steps {self.lr_ranks // world_size}" if self.lr_ranks % world_size == 0 else
