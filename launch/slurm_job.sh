@@ -77,11 +77,17 @@ case "$mode" in
     torchrun)
         # torchrun's agent must survive USR1 (by default it dies of it): `trap '' USR1` makes the
         # agent ignore it; the workers install their own handler and get the signal from SLURM.
+        # Only the head node's agent hosts the rendezvous store (torchrun reads PET_RDZV_CONF as
+        # --rdzv-conf): left to match the endpoint's name against its machine's names and
+        # addresses, torchrun may find no host, or let any agent host where nodes share a machine.
         cmd=("$python_bin" -m torch.distributed.run --nnodes="$nnodes" --nproc-per-node="$nproc"
              --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" --rdzv-id="$SLURM_JOB_ID"
              --max-restarts="$max_restarts" "$script" "${args[@]}")
         say "+ srun --ntasks=$nnodes --ntasks-per-node=1 ${cpus[*]} ${cmd[*]}"
-        srun --ntasks="$nnodes" --ntasks-per-node=1 "${cpus[@]}" bash -c 'trap "" USR1; exec "$@"' torchrun "${cmd[@]}"
+        HEAD_NODE=$head_node srun --ntasks="$nnodes" --ntasks-per-node=1 "${cpus[@]}" bash -c '
+            trap "" USR1
+            if [[ $SLURMD_NODENAME == "$HEAD_NODE" ]]; then export PET_RDZV_CONF=is_host=1; else export PET_RDZV_CONF=is_host=0; fi
+            exec "$@"' torchrun "${cmd[@]}"
         ;;
     srun)
         cmd=("$python_bin" "$script" "${args[@]}")
