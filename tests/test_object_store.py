@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib.util
+import json
 import multiprocessing
 import os
 import re
@@ -503,7 +504,11 @@ def test_a_run_from_the_bucket_gets_each_shard_once_per_node_with_one_get_and_wr
                                           if p.is_file()]
     for secret in (s3_server["AWS_SECRET_ACCESS_KEY"], s3_server["AWS_ACCESS_KEY_ID"]):
         assert not any(secret in text for text in texts)
-    assert f'"data_dir": "{bucket}"' in (root / "run" / "config.json").read_text()
+    record = json.loads((root / "run" / "config.json").read_text())
+    assert record["config"]["data_dir"] == bucket
+    # the node cache's size, decided once in the pre-flight: --shard-cache-gb 1
+    assert record["resolved"]["shard_cache_bytes"] == 10**9
+    assert load_ckpt(root / "run" / "checkpoint_last.pt")["resolved"] == record["resolved"]
 
 
 def test_shards_train_the_same_from_a_bucket_as_from_a_file_system(whole_run, one_per_shard, tmp_path):

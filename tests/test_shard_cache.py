@@ -219,24 +219,27 @@ TORCHRUN = [{"RANK": str(rank), "WORLD_SIZE": "6", "LOCAL_RANK": str(rank % 3), 
 @pytest.mark.parametrize("envs", [BLOCK, CYCLIC, TORCHRUN], ids=["uneven", "cyclic", "torchrun"])
 def test_each_node_has_one_cache_folder_prepared_by_its_local_rank_0(envs, bucket, written, tmp_path, monkeypatch):
     """Each rank's launch as detect_launch reads it: the folder its loaders read (pipeline) and
-    the one its pre-flight prepares (train.preflight, LOCAL_RANK 0 of each node)."""
+    the one its pre-flight prepares (train.preflight, LOCAL_RANK 0 of each node); the cache's
+    size in each rank's plan, its node's (sized to the node's ranks)."""
     indexes = (ShardIndex.read(f"{bucket}/train"), ShardIndex.read(f"{bucket}/val"))
     cfg = ClassifierConfig(dataset="shards", data_dir=bucket, shard_cache_dir=str(tmp_path), batch_size=4, workers=1)
-    plan = data_plan(cfg, preflight.resolved_settings(cfg, "slurm", 1, torch.device("cpu"), world_size=1), AugmentRecipe())
     prepared = []
     monkeypatch.setattr(preflight.NodeCache, "prepare", lambda cache, keep=(): prepared.append((cache.folder,
                                                                                                   cache.rank)))
-    read, node_of = {}, {}
+    read, node_of, sized = {}, {}, {}
     for env in envs:
         launch = detect_launch(env)
         info = DistInfo(launch.rank, launch.local_rank, launch.world_size, launch.local_world_size,
                         torch.device("cpu"), None, launch.launcher, launch.node)
         node_of[info.rank] = env.get("SLURM_NODEID", env.get("GROUP_RANK"))
-        read[info.rank] = node_cache_of(plan, info.rank, info.node).folder
-        preflight.prepare_shard_cache_once_per_node(cfg, info, preflight.resolved_settings(
+        resolved = preflight.prepare_shard_cache_once_per_node(cfg, info, preflight.resolved_settings(
             cfg, info.launcher, info.local_world_size, info.device, world_size=info.world_size), indexes, None, script_data(cfg))
+        read[info.rank] = node_cache_of(data_plan(cfg, resolved, AugmentRecipe()), info.rank, info.node).folder
+        sized[info.rank] = (resolved.shard_cache_bytes, preflight.check_cache_room(
+            cfg, resolved, indexes, info.local_world_size, info.node, script_data(cfg)))
     folders = {node: {read[rank] for rank in read if node_of[rank] == node} for node in set(node_of.values())}
     assert all(len(shared) == 1 for shared in folders.values())  # a node's ranks share one folder
+    assert all(planned == for_the_node > 0 for planned, for_the_node in sized.values()), sized
     assert len({folder for shared in folders.values() for folder in shared}) == len(folders)  # one per node
     assert sorted(prepared) == sorted((read[rank], rank) for rank in read if int(envs[rank].get(
         "SLURM_LOCALID", envs[rank].get("LOCAL_RANK"))) == 0)  # each prepared once, by its LOCAL_RANK 0
@@ -501,7 +504,7 @@ def test_a_fresh_run_downloads_its_first_shards_while_it_sets_itself_up(one_per_
     store = StoreCache(str(tmp_path / "cache"), 1.0, read_ahead=8, downloads=6, timeout=10)
     plan = DataPlan(dataset="shards", data_dir=address, image_size=16, synthetic_samples=0, debug=False, seed=0,
                     batch_size=2, workers=0, normalization="auto", recipe=AugmentRecipe(), views=1,
-                    aug_on_device=False, order="shards", store=store)
+                    aug_on_device=False, order="shards", store=store, cache_bytes=int(store.gb * 1e9))
     NodeCache(store.node_folder("0"), 0, rank=0, patience=10).prepare()
     loaders = build_data(plan, rank=0, world_size=1, device=torch.device("cpu"), fresh=fresh)
     try:

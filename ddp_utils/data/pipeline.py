@@ -147,6 +147,7 @@ class DataPlan:
     order: str = "samples"           # the training order: "samples" or "shards" (``order``)
     ra_reps: int = 1                 # the samples order's repetitions of each sample an epoch (--ra-reps; 1: none)
     store: StoreCache | None = None  # shards from an object store: the node's cache
+    cache_bytes: int = 0             # ... and the bytes it may fill (train.preflight sizes it)
     train_size: int = 0              # px of the training views' side (FixRes); 0: image_size
     val_resize: int = 0              # image files' evaluation view: short side resized to this, then the
     #                                  centre crop of image_size; 0: round(image_size x 256/224)
@@ -245,20 +246,15 @@ def build_data(plan: DataPlan, *, rank: int, world_size: int, device: torch.devi
     evaluation (sharded, each sample once) and, with ``plan.bank_samples`` set, the kNN bank.
     Bad input when ``/dev/shm`` cannot hold the workers' batches of ``ranks_on_node`` ranks.
     Shards from an object store come through the cache of node ``node``
-    (``launch.node_identity``), shared by its ``ranks_on_node`` ranks (bad input when
-    ``--shard-cache-gb`` cannot hold what they read at once), which the caller leaves with
-    :meth:`Loaders.close`; a ``fresh`` run (no checkpoint to continue: its first epoch is known
-    now) starts downloading that epoch's first shards at once, while it sets itself up."""
+    (``launch.node_identity``), of ``plan.cache_bytes``, shared by its ``ranks_on_node`` ranks,
+    which the caller leaves with :meth:`Loaders.close`; a ``fresh`` run (no checkpoint to
+    continue: its first epoch is known now) starts downloading that epoch's first shards at
+    once, while it sets itself up."""
     cache = node_cache_of(plan, rank, node)
     train_raw, val_raw = raw_splits(plan, cache)
     read_ahead = None
     if cache is not None:
         largest = largest_shard(image_files_of(train_raw).index, image_files_of(val_raw).index)
-        in_use = rank_shards_in_use(plan, shards_of(train_raw), shards_of(val_raw))
-        problem = plan.store.too_small(largest, ranks_on_node, in_use)
-        if problem:
-            raise UsageError(problem)
-        cache.capacity = plan.store.node_bytes(largest, ranks_on_node, in_use)
         # each rank's share, less the shard its training process reads itself
         quota = cache.capacity // ranks_on_node - largest
         read_ahead = ReadAhead(cache, plan.store.read_ahead, plan.store.downloads, quota)
@@ -332,10 +328,12 @@ def training_order(plan: DataPlan, train_raw: Dataset, world_size: int, rank: in
 def node_cache_of(plan: DataPlan, rank: int, node: str) -> NodeCache | None:
     """Rank ``rank``'s view of the cache of shards from an object store of node ``node`` (the
     node's local rank 0 prepares it at start: ``train.preflight``); None for data on a file
-    system. Its capacity is set once the shards' sizes are known."""
+    system."""
     if plan.store is None:
         return None
-    return NodeCache(plan.store.node_folder(node), 0, rank, plan.store.timeout, plan.store.if_match)
+    if plan.cache_bytes <= 0:
+        raise ValueError("a plan of shards from an object store needs cache_bytes (train.preflight sizes it)")
+    return NodeCache(plan.store.node_folder(node), plan.cache_bytes, rank, plan.store.timeout, plan.store.if_match)
 
 
 def rank_shards_in_use(plan: DataPlan, train_shards: np.ndarray, val_shards: np.ndarray) -> int:

@@ -44,7 +44,8 @@ def preflight(cfg: TrainConfig, session: RunSession,
     the checkpoint to resume, GPUs not shared), agreed by all ranks so that all stop together,
     the CIFAR-10 download and an image folder's listing. Returns the checkpoint to resume (or
     None), what the "auto" data flags resolve to (:func:`resolved_settings`, logged; with image
-    files, what identifies them: ``data_fingerprint``) and the image files' train and val
+    files, what identifies them: ``data_fingerprint``; from an object store, the size of the
+    node's cache: ``shard_cache_bytes``) and the image files' train and val
     listings (:func:`list_image_files_once`; None for other data); ``script``: what the script
     adds to the data settings. Nothing is written into --out."""
     info = session.info
@@ -58,7 +59,7 @@ def preflight(cfg: TrainConfig, session: RunSession,
     if info.is_main:
         forget_unreadable(cfg.out)  # what a run here stopped on is fixed, or put back, or this run starts afresh
     resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device, world_size=info.world_size)
-    prepare_shard_cache_once_per_node(cfg, info, resolved, listings, resume, script)
+    resolved = prepare_shard_cache_once_per_node(cfg, info, resolved, listings, resume, script)
     if info.device.type == "cuda" and info.is_distributed:
         problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))
         if problem:
@@ -167,21 +168,25 @@ def check_cache_room(cfg: TrainConfig, resolved: ResolvedSettings, indexes: List
 
 
 def prepare_shard_cache_once_per_node(cfg: TrainConfig, info: DistInfo, resolved: ResolvedSettings,
-                                      indexes: Listings | None, resume: Resume | None, script: ScriptData) -> None:
-    """Shards from an object store: each node's local rank 0 (the launcher's: ``info.node``
-    names the node) checks its cache's disk and prepares the node's cache folder before any
-    rank of the node reads (every rank waits for the agreement): a run that continues a
-    checkpoint (``resume``: a restarted attempt, or a resume into the same --out) keeps the
-    shards an earlier attempt downloaded of the listing it reads (``NodeCache.prepare``); a new
-    run starts with an empty folder."""
+                                      indexes: Listings | None, resume: Resume | None,
+                                      script: ScriptData) -> ResolvedSettings:
+    """Shards from an object store: every rank sizes its node's cache and checks its disk
+    (:func:`check_cache_room`; ``info.node`` names the node); then each node's local rank 0
+    prepares the node's cache folder before any rank of the node reads (every rank waits for
+    the agreement): a run that continues a checkpoint (``resume``: a restarted attempt, or a
+    resume into the same --out) keeps the shards an earlier attempt downloaded of the listing it
+    reads (``NodeCache.prepare``); a new run starts with an empty folder. Returns ``resolved``
+    with the cache's size (other data: ``resolved`` itself)."""
     store = cfg.store_cache()
     if store is None:
-        return
+        return resolved
+    with all_ranks_agree():  # every rank done reading the folder before one empties it
+        capacity = check_cache_room(cfg, resolved, indexes, info.local_world_size, info.node, script)
     with all_ranks_agree():
         if info.local_rank == 0:
-            check_cache_room(cfg, resolved, indexes, info.local_world_size, info.node, script)
             keep = [ref for index in indexes for ref in index.refs()] if resume is not None else []
             NodeCache(store.node_folder(info.node), 0, info.rank, 0.0).prepare(keep)
+    return dataclasses.replace(resolved, shard_cache_bytes=capacity)
 
 
 def ranks_sharing_cpus(launcher: str, local_world_size: int) -> int:

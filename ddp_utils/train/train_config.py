@@ -432,6 +432,9 @@ class ResolvedSettings:
     # image files: what changed in them since the resumed checkpoint's run read them, and why it
     # was accepted (train.data_record), each in words; empty when nothing did
     data_changes: tuple[str, ...] = ()
+    # shards from an object store: bytes each node's cache may fill (--shard-cache-gb, or 0: sized
+    # to what its ranks read at once); None for other data
+    shard_cache_bytes: int | None = None
 
     def as_record(self) -> dict[str, Any]:
         """As plain data for config.json and checkpoints (``torch.load(..., weights_only=True)``
@@ -441,6 +444,8 @@ class ResolvedSettings:
             del record["dataset_defaults"]
         if self.data_fingerprint is None:
             del record["data_fingerprint"]
+        if self.shard_cache_bytes is None:
+            del record["shard_cache_bytes"]
         if self.data_changes:
             record["data_changes"] = list(self.data_changes)
         else:
@@ -472,7 +477,8 @@ def data_plan(cfg: TrainConfig, resolved: ResolvedSettings, recipe: AugmentRecip
                     batch_size=cfg.batch_size, workers=resolved.workers, normalization=cfg.normalization,
                     recipe=recipe, views=cfg.VIEWS, aug_on_device=resolved.aug_on == "device",
                     decode_on_device=resolved.decode_on == "device", order=resolved.order,
-                    store=cfg.store_cache(), listings=listings, **script.plan_fields)
+                    store=cfg.store_cache(), cache_bytes=resolved.shard_cache_bytes or 0, listings=listings,
+                    **script.plan_fields)
 
 
 def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[Any]]:
