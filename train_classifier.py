@@ -72,7 +72,14 @@ from ddp_utils.data.recipes import (
     classifier_recipe,
     evaluation_resize,
 )
-from ddp_utils.data.sets import IMAGE_FILES, NORMALIZATION, check_data_dir, image_size_for, num_classes_of
+from ddp_utils.data.sets import (
+    FROM_FILES,
+    IMAGE_FILES,
+    NORMALIZATION,
+    check_data_dir,
+    image_size_for,
+    num_classes_of,
+)
 from ddp_utils.data.unreadable import describe_unreadable, fix_hint
 from ddp_utils.models.backbones import (
     CIFAR_STEM_MAX_SIZE,
@@ -168,6 +175,24 @@ IMAGE_FILE_SIZES = image_files_only(" (--image-size sets the side)")
 # --nesterov: Nesterov momentum is SGD's (sgd, and sgd_nesterov, which sets it); the other optimizers have none
 SGD_ONLY = AppliesTo("SGD", lambda cfg: cfg.optimizer in ("sgd", "sgd_nesterov"),
                      lambda flag, cfg: f"{flag} is SGD's; --optimizer {cfg.optimizer} has no such option (drop it)")
+
+
+# --auto-augment: torchvision's policies work on 8-bit images; the other data sets are float tensors
+EIGHT_BIT = AppliesTo(f"8-bit images ({', '.join(FROM_FILES)})", lambda cfg: cfg.dataset in FROM_FILES,
+                      lambda flag, cfg: f"{flag} needs 8-bit images ({', '.join(FROM_FILES)}); --dataset "
+                                        f"{cfg.dataset}'s are float tensors: drop {flag}")
+
+
+def _ra_reps_refusal(flag: str, cfg: ClassifierConfig) -> str:
+    fix = "drop --ra-reps (an object store's shards are read in the shards order only)" \
+        if is_object_store(cfg.data_dir) else "add --order samples, or drop --ra-reps"
+    return f"{flag} {cfg.ra_reps} repeats samples of the samples order, but the shards order reads whole shards " \
+           f"per rank; {fix}"
+
+
+# --ra-reps: the samples order deals a sample's copies to the ranks in turn; the shards order deals whole shards
+SAMPLES_ORDER = AppliesTo("the samples order", lambda cfg: order_for(cfg.dataset, cfg.order) == "samples",
+                          _ra_reps_refusal)
 
 
 def magnitude_applies() -> AppliesTo:
@@ -283,9 +308,9 @@ class ClassifierConfig(TrainConfig):
     auto_augment: str = opt("", "automatic augmentation of each training image after its crop and flip, torchvision's "
                             "--auto-augment: imagenet, cifar10 or svhn = AutoAugment with that policy, ra = "
                             "RandAugment (--ra-magnitude), ta_wide = TrivialAugmentWide, augmix = AugMix "
-                            "(--augmix-severity); bilinear interpolation; on 8-bit images (cifar10, imagefolder, "
-                            "shards); per sample in the DataLoader workers (--aug-on loader); '' = none",
-                            choices=("", *AUTO_AUGMENTS), group=AUGMENTATION, per_sample=True)
+                            "(--augmix-severity); bilinear interpolation; per sample in the DataLoader workers "
+                            "(--aug-on loader); '' = none",
+                            choices=("", *AUTO_AUGMENTS), group=AUGMENTATION, per_sample=True, applies_to=EIGHT_BIT)
     ra_magnitude: int = opt(9, "the magnitude of RandAugment's operations, in its 31 bins "
                             "(0 = none, 30 = strongest)", group=AUGMENTATION, at_least=0, at_most=30,
                             applies_to=magnitude_applies(), spellings=("--policy-magnitude",))
@@ -301,7 +326,7 @@ class ClassifierConfig(TrainConfig):
                        "ranks in turn, so an image's N copies go to different ranks (when N <= world size), each "
                        "augmented differently; a rank's epoch keeps its usual length (split size // world size "
                        "samples), so it sees about 1/N of the distinct images; 1 = off (docs/recipe.md)",
-                       group=AUGMENTATION, at_least=1, switch=("--ra-sampler", 3))
+                       group=AUGMENTATION, at_least=1, switch=("--ra-sampler", 3), applies_to=SAMPLES_ORDER)
     train_crop_size: int = opt(0, "px of the training crops' side (FixRes: torchvision's v2 recipe trains at 176 "
                                "and evaluates at --image-size 224); 0 = --image-size", group=AUGMENTATION, at_least=0,
                                applies_to=IMAGE_FILE_SIZES)
@@ -339,11 +364,6 @@ class ClassifierConfig(TrainConfig):
                              f"one named fc: give {FC_BACKBONES}")
         self.check_recipe_flags()
         self.check_augmentation_flags()
-        if self.ra_reps > 1 and order_for(self.dataset, self.order) == "shards":
-            fix = "drop --ra-reps (an object store's shards are read in the shards order only)" \
-                if is_object_store(self.data_dir) else "add --order samples, or drop --ra-reps"
-            raise UsageError(f"--ra-reps {self.ra_reps} repeats samples of the samples order, but the shards order "
-                             f"reads whole shards per rank; {fix}")
 
     def check_recipe_flags(self) -> None:
         """--momentum where AdamW would ignore it, Nesterov without momentum, and a weight decay
@@ -370,17 +390,13 @@ class ClassifierConfig(TrainConfig):
                     interpolation=self.interpolation)
 
     def check_augmentation_flags(self) -> None:
-        """torchvision's augmentation and sizes where they apply: an automatic augmentation on
-        8-bit images, both per sample (not --aug-on device, nor --no-augment); the FixRes sizes
-        with a network that is the same at both sizes (on image files alone, and a policy's
-        settings with that policy: ``opt(applies_to=...)``)."""
+        """torchvision's augmentation and sizes where they apply: the per-sample steps per sample
+        (not --aug-on device, nor --no-augment); the FixRes sizes with a network that is the same
+        at both sizes (the data sets and policies each applies to: ``opt(applies_to=...)``)."""
         per_sample = per_sample_flags(self)
         if per_sample and not self.augment:
             raise UsageError(f"{per_sample[0]} augments the training images and --no-augment turns augmentation off; "
                              f"drop one of them")
-        if self.auto_augment and self.dataset in ("digits", "synthetic"):
-            raise UsageError(f"--auto-augment needs 8-bit images (cifar10, imagefolder, shards); --dataset "
-                             f"{self.dataset}'s are float tensors: drop --auto-augment")
         if per_sample and self.aug_on == "device":
             raise UsageError(f"{per_sample[0]} runs per sample in the DataLoader workers, not on the device: give "
                              f"--aug-on loader (or auto)")

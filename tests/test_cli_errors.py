@@ -351,7 +351,7 @@ IN_A_BUCKET = ["--dataset", "shards", "--data-dir", "s3://bucket/x"]  # where th
 # what the flags that refine another need to apply at all
 NEEDS = {"lr_warmup_decay": ["--lr-schedule", "cosineannealinglr", "--lr-warmup-epochs", "1"],
          "model_ema_steps": ["--model-ema"], "model_ema_decay": ["--model-ema"],
-         "ra_magnitude": ["--dataset", "cifar10", "--auto-augment", "ra"],
+         "auto_augment": ["--dataset", "cifar10"], "ra_magnitude": ["--dataset", "cifar10", "--auto-augment", "ra"],
          "augmix_severity": ["--dataset", "cifar10", "--auto-augment", "augmix"],
          "train_crop_size": ["--dataset", "imagefolder"], "val_resize_size": ["--dataset", "imagefolder"],
          "interpolation": ["--dataset", "imagefolder"], "probe_bn": ["--linear-probe"],
@@ -360,7 +360,7 @@ NEEDS = {"lr_warmup_decay": ["--lr-schedule", "cosineannealinglr", "--lr-warmup-
 
 
 # The flags that apply at the defaults, and where they do not (the others: on the defaults)
-NOT_APPLYING = {"nesterov": ["--optimizer", "adamw"]}
+NOT_APPLYING = {"nesterov": ["--optimizer", "adamw"], "ra_reps": ["--dataset", "shards", "--data-dir", "shards"]}
 
 
 def applying(name: str) -> list[str]:
@@ -541,7 +541,7 @@ def test_a_flag_where_it_does_nothing_is_one_line_that_says_where_it_applies(mon
     monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps help at hyphens: one line per flag
     assert f"applies to: {where}" in build_parser(cls).format_help()
     check_applies(parse_config(cls, []))  # the default is never refused
-    if applying(f.name) or f.name in NOT_APPLYING:  # a bucket, the warm-up, the EMA, a policy, image files, sgd
+    if applying(f.name) or f.name in NOT_APPLYING:  # a bucket, the warm-up, the EMA, a policy, image files, sgd, samples
         check_applies(parse_config(cls, [*applying(f.name), *_another_value(f)]))
 
 
@@ -553,7 +553,7 @@ def test_the_flags_that_apply_to_some_runs_only_are_these():
               "lr_warmup_method", "lr_warmup_decay", "allow_changes", "check_data"]
     assert [f.name for s, _, f in APPLYING if s == "moco"] == shared
     assert [f.name for s, _, f in APPLYING if s == "classifier"] == [
-        *shared, "probe_bn", "nesterov", "model_ema_steps", "model_ema_decay", "ra_magnitude", "augmix_severity", "train_crop_size",
+        *shared, "probe_bn", "nesterov", "model_ema_steps", "model_ema_decay", "auto_augment", "ra_magnitude", "augmix_severity", "ra_reps", "train_crop_size",
         "val_resize_size", "interpolation"]
     wheres = {f.name: f.metadata["applies_to"].where for _, _, f in APPLYING}
     assert wheres["data_dir"] == "cifar10, imagefolder and shards" and wheres["download"] == "cifar10"

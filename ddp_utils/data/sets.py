@@ -27,6 +27,7 @@ from .shards import ShardIndex
 
 DATASETS = ("digits", "cifar10", "imagefolder", "shards", "synthetic")
 IMAGE_FILES = ("imagefolder", "shards")  # read as image files: an ImageFolder, or its shards (write_shards.py)
+FROM_FILES = ("cifar10", *IMAGE_FILES)  # decoded from PIL images; the others are float tensors
 NATIVE_SIZE = {"digits": 32, "cifar10": 32, "imagefolder": 224, "shards": 224, "synthetic": 32}
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

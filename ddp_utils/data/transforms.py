@@ -21,9 +21,7 @@ import torch.nn.functional as F
 from torchvision.transforms import v2 as T
 
 from .recipes import AugmentRecipe, evaluation_resize
-from .sets import IMAGE_FILES
-
-FROM_FILES = ("cifar10", *IMAGE_FILES)  # decoded from PIL images; the others are float tensors
+from .sets import FROM_FILES, IMAGE_FILES
 
 
 def _decode(dataset: str) -> list:
