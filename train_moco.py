@@ -189,7 +189,7 @@ class MocoConfig(TrainConfig):
             raise UsageError("--no-augment: MoCo learns from two differently augmented views of each image; "
                              "identical views make its task trivial. Choose the views with --aug v1, v2 or "
                              "v2-noblur instead")
-        global_batch = launch.world_size * self.accum_steps * self.batch_size
+        global_batch = self.global_batch(launch.world_size)
         if self.symmetric and self.moco_k < 2 * global_batch:  # both crops' keys enter the queue
             raise UsageError(f"--moco-k {self.moco_k} is smaller than the keys one optimizer step enqueues "
                              f"with --symmetric (2 crops x world size {launch.world_size} x accum steps "

@@ -212,7 +212,7 @@ def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, de
                             aug_on="device" if on_device else "loader",
                             decode_on="device" if cfg.decode_on == "device" else "loader",
                             order=order_for(cfg.dataset, cfg.order), amp=resolve_amp(cfg.amp, device),
-                            global_batch=world_size * cfg.accum_steps * cfg.batch_size, dataset_defaults=own)
+                            global_batch=cfg.global_batch(world_size), dataset_defaults=own)
 
 
 def describe_settings(cfg: TrainConfig, resolved: ResolvedSettings, launcher: str, local_world_size: int,

@@ -396,6 +396,10 @@ class TrainConfig:
     def milestone_steps(self, steps_per_epoch: int) -> list[int]:
         return [epoch * steps_per_epoch for epoch in parse_milestones(self.lr_milestones, self.epochs)]
 
+    def global_batch(self, world_size: int) -> int:
+        """Images per optimizer step on ``world_size`` ranks: world size x --accum-steps x --batch-size."""
+        return world_size * self.accum_steps * self.batch_size
+
     def store_cache(self) -> StoreCache | None:
         """How each node keeps shards read from an object store (None for data on a file system)."""
         if not is_object_store(self.data_dir):
@@ -517,7 +521,7 @@ def warn_if_launch_differs(cfg: TrainConfig, launch: LaunchEnv, path: str, recor
     """``--config RUN/config.json`` repeats that run's flags, not its launch: one line on stderr
     when the world size or the global batch differ from the recorded ones."""
     then = recorded["world_size"] * recorded["config"]["accum_steps"] * recorded["config"]["batch_size"]
-    now = launch.world_size * cfg.accum_steps * cfg.batch_size
+    now = cfg.global_batch(launch.world_size)
     if recorded["world_size"] != launch.world_size or then != now:
         print(f"{Path(sys.argv[0]).name}: warning: {path} ran on {recorded['world_size']} rank(s), global batch "
               f"{then}; this launch: {launch.world_size} rank(s), global batch {now} (launch as many ranks, or "
