@@ -86,11 +86,15 @@ class SlurmCluster:
         self.pids.append(_read_pid(pid_file))
         return self.pids[-1]
 
+    def job_processes(self, job_id: str) -> dict[int, dict[str, str]]:
+        """{PID: its environment} of every process that runs for job ``job_id`` (SLURM_JOB_ID)."""
+        environs = {pid: _environ(pid) for pid in _pids()}
+        return {pid: env for pid, env in environs.items() if env.get("SLURM_JOB_ID") == job_id}
+
     def lose_node(self, name: str, job_id: str) -> list[int]:
         """Node ``name`` dies: SIGKILL to its slurmd and to the job steps it runs for ``job_id``
         (their slurmstepd and everything below it); the PIDs killed."""
-        tasks = [pid for pid in _pids() if _environ(pid).get("SLURMD_NODENAME") == name
-                 and _environ(pid).get("SLURM_JOB_ID") == job_id]
+        tasks = [pid for pid, env in self.job_processes(job_id).items() if env.get("SLURMD_NODENAME") == name]
         stepds = {_daemon_above(pid) for pid in tasks}
         victims = [int((self.base / f"run/slurmd-{name}.pid").read_text())]
         victims += [pid for stepd in stepds for pid in (stepd, *descendants(stepd))]

@@ -23,6 +23,7 @@ from helpers import (
     load_ckpt,
     read_scalars,
     run_ranks,
+    wait_until,
 )
 from slurm_cluster import descendants
 
@@ -105,6 +106,24 @@ def submit(slurm, script: str | Path, sbatch_args: list[str], train_args: list[s
                               capture_output=True, text=True, timeout=600)
     return subprocess.Popen(cmd, cwd=cwd, env={**sbatch_env(**env), **slurm.env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@contextlib.contextmanager
+def running_job(slurm, script: str, sbatch_args: list[str], train_args: list[str], log: Path, **env: str):
+    """A job submitted without waiting for it: (its ``sbatch --wait`` process, its id); cancelled
+    if still running when the block ends, so that a failed test leaves no job holding the nodes."""
+    job = submit(slurm, script, sbatch_args, train_args, log, wait=False, **env)
+    job_id = job.stdout.readline().strip()
+    try:
+        assert job_id.isdigit(), job.stderr.read() if job.poll() is not None else job_id
+        yield job, job_id
+    finally:
+        if job.poll() is None:
+            slurm.run("scancel", job_id)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                job.wait(timeout=60)  # sbatch --wait returns once the job has ended
+            job.kill()
+            wait_until(lambda: not slurm.job_processes(job_id), timeout=60)
 
 
 @pytest.mark.slow
@@ -226,12 +245,13 @@ def test_a_job_from_a_bucket_requeues_itself_for_the_store_and_for_a_preemption_
                         tmp_path, env=s3_server))
     out, log, cache_dir = tmp_path / "run", tmp_path / "job.log", tmp_path / "cache"
     proxy.set(latency_s=0.05)  # downloads spread over the steps: the cut meets those still to come
-    try:
-        job = submit(slurm, "slurm_moco.sbatch", TWO_NODES,
-                     args + ["--out", str(out), "--shard-cache-dir", str(cache_dir), "--keep-shard-cache"], log,
-                     wait=False, NPROC_PER_NODE="1", MAX_RESTARTS="0", AWS_ENDPOINT_URL=env["AWS_ENDPOINT_URL"])
-        job_id = job.stdout.readline().strip()
-        assert job_id.isdigit(), job.stderr.read() if job.poll() is not None else job_id
+    with contextlib.ExitStack() as stack:
+        stack.callback(proxy.set, latency_s=None)
+        stack.callback(proxy.end_cut)
+        job, job_id = stack.enter_context(running_job(
+            slurm, "slurm_moco.sbatch", TWO_NODES,
+            args + ["--out", str(out), "--shard-cache-dir", str(cache_dir), "--keep-shard-cache"], log,
+            NPROC_PER_NODE="1", MAX_RESTARTS="0", AWS_ENDPOINT_URL=env["AWS_ENDPOINT_URL"]))
         _wait_for(log, r"step 3/36", timeout=180)
         proxy.cut(600)
         _wait_for(log, rf"requeueing job {job_id}", timeout=180)
@@ -245,9 +265,6 @@ def test_a_job_from_a_bucket_requeues_itself_for_the_store_and_for_a_preemption_
         signal = slurm.run("scancel", "--signal=USR1", job_id)
         assert signal.returncode == 0, signal.stderr
         job.wait(timeout=400)
-    finally:
-        proxy.end_cut()
-        proxy.set(latency_s=None)
     text = log.read_text()
     assert job.returncode == 0, job.stderr.read() + text
     cut = int(_wait_for_text(text, r"ERROR step (\d+) \(not taken\): s3://ddp-test/one-per-shard/train/shard-\d+\.tar: "
@@ -274,24 +291,30 @@ def test_a_lost_node_stops_the_survivor_and_the_requeued_job_ends_as_if_never_st
     down (SlurmdTimeout) and requeues the job (--requeue), which waits for the node to come back,
     resumes from the last checkpoint and ends bit for bit as the uninterrupted job."""
     out, log = tmp_path / "run", tmp_path / "job.log"
-    job = submit(slurm, "slurm_moco.sbatch", TWO_NODES,
-                 MOCO_JOB + ["--ckpt-every", "10", "--dist-timeout", "30", "--out", str(out)], log, wait=False,
-                 NPROC_PER_NODE="1")
-    job_id = job.stdout.readline().strip()
-    assert job_id.isdigit(), job.stderr.read() if job.poll() is not None else job_id
-    _wait_for(log, r"step (2[0-9])/120", timeout=180)
-    batch_host = re.search(r"BatchHost=(\S+)", slurm.run("scontrol", "show", "job", job_id).stdout).group(1)
-    lost = next(node for node in slurm.nodes if node != batch_host)
-    slurm.lose_node(lost, job_id)
-    lost_at = time.time()
-    _wait_for(log, r"rank \d stops: lost contact with another rank", timeout=30)  # --dist-timeout
-    assert time.time() - lost_at < 30
-    # the controller's pings decide (11-29 s on a quiet machine); a suite loading both cores took longer
-    _wait_for(log, rf"JOB {job_id} ON \S+ CANCELLED AT \S+ DUE TO NODE FAILURE", timeout=300)
-    saved = load_ckpt(out / "checkpoint_last.pt")  # intact: it loads, and is a whole number of saves
-    assert saved["step"] % 10 == 0 and 10 <= saved["step"] < 120
-    slurm.start_node(lost)  # the node comes back; the requeued job runs again on both nodes
-    job.wait(timeout=400)
+    with running_job(slurm, "slurm_moco.sbatch", TWO_NODES,
+                     MOCO_JOB + ["--ckpt-every", "10", "--dist-timeout", "30", "--out", str(out)], log,
+                     NPROC_PER_NODE="1") as (job, job_id):
+        _wait_for(log, r"step (2[0-9])/120", timeout=180)
+        batch_host = re.search(r"BatchHost=(\S+)", slurm.run("scontrol", "show", "job", job_id).stdout).group(1)
+        lost = next(node for node in slurm.nodes if node != batch_host)
+        # The head node's agent alone holds the rendezvous store (slurm_job.sh: is_host), so losing the
+        # other node leaves the store to the survivor, which waits there for the node to come back.
+        processes = slurm.job_processes(job_id)
+        said = {(env["SLURMD_NODENAME"], env["PET_RDZV_CONF"]) for env in processes.values() if "PET_RDZV_CONF" in env}
+        assert said == {(batch_host, "is_host=1"), (lost, "is_host=0")}, said
+        listening = subprocess.run(["ss", "-Hltnp", f"sport = :{15000 + int(job_id) % 15000}"], capture_output=True,
+                                   text=True).stdout
+        assert {processes[int(pid)]["SLURMD_NODENAME"] for pid in re.findall(r"pid=(\d+)", listening)} == {batch_host}
+        slurm.lose_node(lost, job_id)
+        lost_at = time.time()
+        _wait_for(log, r"rank \d stops: lost contact with another rank", timeout=30)  # --dist-timeout
+        assert time.time() - lost_at < 30
+        # the controller's pings decide (11-29 s on a quiet machine); a suite loading both cores took longer
+        _wait_for(log, rf"JOB {job_id} ON \S+ CANCELLED AT \S+ DUE TO NODE FAILURE", timeout=300)
+        saved = load_ckpt(out / "checkpoint_last.pt")  # intact: it loads, and is a whole number of saves
+        assert saved["step"] % 10 == 0 and 10 <= saved["step"] < 120
+        slurm.start_node(lost)  # the node comes back; the requeued job runs again on both nodes
+        job.wait(timeout=400)
     text = log.read_text()
     assert job.returncode == 0, job.stderr.read() + text
     assert re.search(r"\(restart 1\) on 2 node\(s\)", text)
