@@ -86,7 +86,8 @@ case "$mode" in
         say "+ srun --ntasks=$nnodes --ntasks-per-node=1 ${cpus[*]} ${cmd[*]}"
         HEAD_NODE=$head_node srun --ntasks="$nnodes" --ntasks-per-node=1 "${cpus[@]}" bash -c '
             trap "" USR1
-            if [[ $SLURMD_NODENAME == "$HEAD_NODE" ]]; then export PET_RDZV_CONF=is_host=1; else export PET_RDZV_CONF=is_host=0; fi
+            is_host=0; [[ $SLURMD_NODENAME == "$HEAD_NODE" ]] && is_host=1
+            export PET_RDZV_CONF=is_host=$is_host
             exec "$@"' torchrun "${cmd[@]}"
         ;;
     srun)

@@ -348,7 +348,7 @@ NEGATIVE_OK = {"seed", "workers", "norm_weight_decay", "bias_weight_decay", "tra
 IN_A_BUCKET = ["--dataset", "shards", "--data-dir", "s3://bucket/x"]  # where the object store's flags apply
 
 
-# what the flags that refine another need to apply at all
+# what a flag that applies to some runs only needs, where the defaults are not such a run
 NEEDS = {"lr_warmup_decay": ["--lr-schedule", "cosineannealinglr", "--lr-warmup-epochs", "1"],
          "model_ema_steps": ["--model-ema"], "model_ema_decay": ["--model-ema"],
          "auto_augment": ["--dataset", "cifar10"], "ra_magnitude": ["--dataset", "cifar10", "--auto-augment", "ra"],
