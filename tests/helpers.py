@@ -2,6 +2,7 @@
 checkpoint into a new run folder, and run functions on N gloo ranks."""
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import itertools
 import multiprocessing
@@ -9,6 +10,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -198,6 +200,9 @@ def run_on_ranks(fn: Callable, tmp_path: Path, *args: Any, world_size: int = 2) 
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
+STACKS_SIGNAL = signal.SIGUSR2  # no signal the scripts handle
+
+
 def _main_entry(rank: int, world_size: int, port: int, script: str, args: list[str], env: dict[str, str],
                 out_dir: str) -> None:
     """One rank of :func:`run_ranks`: the environment torchrun gives a worker, stdout and
@@ -210,6 +215,7 @@ def _main_entry(rank: int, world_size: int, port: int, script: str, args: list[s
     for fd, name in ((1, "stdout"), (2, "stderr")):
         with open(Path(out_dir) / f"rank{rank}.{name}", "w") as f:
             os.dup2(f.fileno(), fd)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # run_ranks asks for the stacks of a rank it kills
     sys.argv = [str(REPO / script), *args]
     code = importlib.import_module(Path(script).stem).main(args)
     sys.stdout.flush()
@@ -226,7 +232,8 @@ def run_ranks(script: str, args: list[str], tmp_path: Path, nproc: int = 2, time
     promises that are not about the launcher; those use :func:`run_cli`). ``returncode``: 0 when
     every rank exited 0, else the first rank's non-zero code (all of them in ``codes``); stdout
     and stderr: every rank's, in rank order. ``watch``: called with rank 0's stdout so far about
-    ten times a second while the ranks run (to act on the network at a given step)."""
+    ten times a second while the ranks run (to act on the network at a given step). A rank still
+    running at ``timeout`` is killed, its threads' stacks written into its stderr first."""
     out = Path(tempfile.mkdtemp(dir=tmp_path, prefix="ranks-"))
     context = multiprocessing.get_context(_forkserver())
     port, child_env = free_port(), cli_env(env)
@@ -241,10 +248,13 @@ def run_ranks(script: str, args: list[str], tmp_path: Path, nproc: int = 2, time
             watch((out / "rank0.stdout").read_text())
     for rank in ranks:
         rank.join(max(0.0, deadline - time.monotonic()))
-    for rank in ranks:
-        if rank.is_alive():
-            rank.kill()
-            rank.join()
+    hung = [rank for rank in ranks if rank.is_alive()]
+    for rank in hung:  # where each one waits, into its stderr, before it goes
+        os.kill(rank.pid, STACKS_SIGNAL)
+    time.sleep(1 if hung else 0)
+    for rank in hung:
+        rank.kill()
+        rank.join()
     codes = [rank.exitcode for rank in ranks]
     read = lambda name: "".join((out / f"rank{r}.{name}").read_text() for r in range(nproc))  # noqa: E731
     proc = subprocess.CompletedProcess(args, next((c for c in codes if c), 0), read("stdout"), read("stderr"))
