@@ -424,7 +424,8 @@ def test_the_cpu_smoke_runs_every_part_in_order_into_its_log(tmp_path):
     part runs in the table's order and passes; its log is the console's lines; the whole table's
     rows, in order: each part's, the MoCo v2 throughput row on the full v2 recipe, the JPEG rows'
     in-epoch interval, the decode comparison exact and no race on the CPU, the graph capture
-    equal, the loader at the /dev/shm fit's workers."""
+    equal (torch.compile's whole graph against eager, and the claim's scope), the loader at the
+    /dev/shm fit's workers."""
     out = tmp_path / "out"
     proc = gpu_check_sh("--cpu-smoke", timeout=900, env={"OUT": str(out)})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -452,7 +453,9 @@ def test_the_cpu_smoke_runs_every_part_in_order_into_its_log(tmp_path):
                for row in by_part["JPEG path"])
     assert by_part["device decode"][0][2] == "max 0, mean 0.000"
     assert [row[2] for row in by_part["race probe"]] == ["0 of 2 differed", "0 of 2 differed"]
-    assert by_part["graph capture"][0][2] == "equal"
+    capture = by_part["graph capture"][0]  # bench/augment_capture.py's lines, its claim's scope last
+    assert capture[2] == "equal" and "ok torch.compile(fullgraph=True): max \\|compiled - eager\\|" in capture[3]
+    assert "; scope: one atlas shape and batch size" in capture[3].split("ok torch.compile", 1)[1], capture
     assert [re.search(r"(\d+) worker", row[1]).group(1) for row in by_part["loader"]] == ["1", "1"]
     assert "?" not in " ".join(" ".join(row[:3]) for row in by_part["CIFAR-10 demo recipe"] + by_part["smoke"])
 
