@@ -59,9 +59,9 @@ def test_each_family_takes_a_training_step_with_the_data_sets_classes(name, size
     take_a_training_step(name, size)
 
 
-# The largest models, whose real step is seconds of memory traffic (RegNet-Y-128GF's 13 s, ViT-H/14's
-# 7 s) that proves nothing a smaller model of the same class does not: the sweep checks their shapes
-# on the meta device, and smaller models of their classes take the real step.
+# The largest models, whose real step is seconds of memory traffic each that prove nothing a smaller
+# model of the same class does not: the sweep checks their shapes on the meta device, and smaller
+# models of their classes take the real step.
 GIANTS = ("convnext_large", "regnet_y_128gf", "vit_h_14", "vit_l_16", "vit_l_32")
 
 

@@ -29,8 +29,8 @@ import train_classifier
 # stochastic depth and dropout). 32 px: what each takes (the configuration's size probe accepts it).
 ZOO = [("vit_b_32", 32), ("convnext_tiny", 32), ("efficientnet_b0", 32)]
 # The ViT and ConvNeXt built small from their own classes (ConvNeXt-T's stochastic depth kept): the
-# step's promises do not depend on width or depth, and ViT-B/32's 88M parameters made a run's
-# checkpoints a gigabyte. Each keeps over 1 MB of parameters, so that DDP fills more than one
+# step's promises do not depend on width or depth, and ViT-B/32's 88M parameters make each of a run's
+# checkpoints about a gigabyte. Each keeps over 1 MB of parameters, so that DDP fills more than one
 # gradient bucket once it has rebuilt them (the first then holds 1 MB), as EfficientNet-B0 does.
 SMALL = {"vit_b_32": lambda classes: VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4,
                                                        hidden_dim=192, mlp_dim=768, num_classes=classes),
@@ -127,8 +127,7 @@ def _run(tmp_path: Path, name: str, args: list[str]) -> tuple[str, list[dict]]:
 def _assert_the_step(ranks: list[dict], steps: int, checkpoints: int) -> None:
     """Each rank: after each micro-step's backward, no all-reduce in a window's first micro-step
     (``no_sync``), every gradient byte once in its last (in more than one bucket from the second
-    step); one device read per optimizer step (the
-    ranks' agreement) and none in between, but one more after the step a checkpoint follows (its
+    step); one device read per optimizer step (the ranks' agreement) and none in between, but one more after the step a checkpoint follows (its
     weights' finite check across ranks, checkpoint.py) for each of the ``checkpoints`` steps that
     end a window of STOP steps; each micro-batch mixed on its own (soft targets of BATCH images).
     Two reads the probe sees that a GPU would not wait for, told apart: the two class checks of
@@ -142,7 +141,7 @@ def _assert_the_step(ranks: list[dict], steps: int, checkpoints: int) -> None:
         assert per_micro[0::ACCUM] == [(0, 0)] * steps, per_micro  # under no_sync: nothing sent
         last = per_micro[ACCUM - 1::ACCUM]
         assert all(sent == rank["grad_bytes"] for _, sent in last), (per_micro, rank["grad_bytes"])
-        # DDP's first step fills one bucket of up to 25 MB; from its second, after the buckets' rebuild, a first of 1 MB
+        # DDP's first step fills buckets of 25 MB (one here); from its second, after their rebuild, the first holds 1 MB
         assert last[0][0] >= 1 and all(calls >= 2 for calls, _ in last[1:]), per_micro
         assert all(soft.shape == (BATCH, 10) and soft.dtype == torch.float32 for soft in rank["mixed"].values())
         reads, expected = rank["host_reads"], ([0] * (ACCUM - 1) + [1]) * (steps - 1) + [0] * (ACCUM - 1)
