@@ -160,12 +160,12 @@ def _assert_the_step(ranks: list[dict], steps: int, checkpoints: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, size", ZOO)
 def test_the_step_holds_for_a_vit_a_convnext_and_an_efficientnet(tmp_path, arch, size):
-    """``--model ARCH`` on 2 gloo ranks, 2 micro-batches of 4 per step, the EMA after every step,
-    MixUp and CutMix: a run of STEPS steps that keeps its checkpoint of step STOP (mid-epoch), and
-    that checkpoint resumed with --resume auto to STEPS. Each run: the step's promises on each rank
-    (_assert_the_step) and its weights and EMA identical on both ranks (the script's own end-of-run
-    check). The resumed run mixes its micro-batches as the uninterrupted one did and ends with the
-    same weights, buffers, momentum and EMA, bit for bit."""
+    """``--model ARCH`` (built as SMALL says where it names ARCH) on 2 gloo ranks, 2 micro-batches
+    of 4 per step, the EMA after every step, MixUp and CutMix: a run of STEPS steps that keeps its
+    checkpoint of step STOP (mid-epoch), and that checkpoint resumed with --resume auto to STEPS.
+    Each run: the step's promises on each rank (_assert_the_step) and its weights and EMA identical
+    on both ranks (the script's own end-of-run check). The resumed run mixes its micro-batches as
+    the uninterrupted one did and ends with the same weights, buffers, momentum and EMA, bit for bit."""
     full = tmp_path / "full"
     base = recipe(arch, size)
     runs = {"full": _run(tmp_path, "full", [*base, "--max-steps", str(STEPS), "--ckpt-every", str(STOP),
