@@ -157,7 +157,7 @@ def _build_timm(arch: str, num_classes: int, image_size: int) -> nn.Module:
     return timm.create_model(name, pretrained=False, num_classes=num_classes)
 
 
-def _shapes_only(arch: str, num_classes: int, image_size: int) -> nn.Module | None:
+def shapes_only(arch: str, num_classes: int, image_size: int) -> nn.Module | None:
     """``arch`` with its parameters on the meta device (shapes, no memory, no arithmetic); None
     where its construction computes with tensors (RegNet's widths)."""
     try:
@@ -170,7 +170,7 @@ def _shapes_only(arch: str, num_classes: int, image_size: int) -> nn.Module | No
 def parameter_count(arch: str, num_classes: int, image_size: int) -> int:
     """The parameters of ``arch`` built for ``num_classes``: counted on the meta device, or on a
     CPU build where the meta device cannot build it."""
-    model = _shapes_only(arch, num_classes, image_size) or build_model(arch, num_classes, image_size)
+    model = shapes_only(arch, num_classes, image_size) or build_model(arch, num_classes, image_size)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -188,7 +188,7 @@ def input_refusal(arch: str, image_size: int, sizes: Iterable[int]) -> tuple[int
         return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
     try:
-        model = _shapes_only(arch, 10, image_size)
+        model = shapes_only(arch, 10, image_size)
     except SIZE_REFUSALS as err:  # a ViT whose patch does not divide the image
         return image_size, reason(err)
     if model is None:
@@ -210,7 +210,7 @@ def activation_bytes(arch: str, num_classes: int, image_size: int, batch: int) -
     arithmetic; None where the meta device cannot build or run ``arch``. An estimate: attention
     keeps more on the meta device than a CPU's fused kernel (tests/test_model_zoo.py bounds the
     difference); autocast in bf16 or fp16 keeps about half."""
-    model = _shapes_only(arch, num_classes, image_size)
+    model = shapes_only(arch, num_classes, image_size)
     if model is None:
         return None
     # a storage's identity: meta tensors have no data pointer to tell them apart
@@ -244,7 +244,7 @@ def classifier_head(model: nn.Module, num_classes: int) -> str | None:
 
 def head_of(arch: str) -> str | None:
     """:func:`classifier_head` of ``arch``, built on the meta device where it can be."""
-    return classifier_head(_shapes_only(arch, 10, 224) or build_model(arch, 10, 224), 10)
+    return classifier_head(shapes_only(arch, 10, 224) or build_model(arch, 10, 224), 10)
 
 
 def without_head(model: nn.Module, num_classes: int) -> tuple[str, int]:
