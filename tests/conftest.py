@@ -1,5 +1,6 @@
-"""Shared fixtures: the reference runs that many tests compare against, each made once per test
-session (of each worker), and a real two-node SLURM cluster, started once per session when installed.
+"""Shared fixtures: the reference runs that many tests compare against and the data sets that many
+read, each made once per test run (``made_once``: the first xdist worker to need one makes it, the
+other waits and reads it), and a real two-node SLURM cluster, started once when installed.
 
 The suite runs on two pytest-xdist workers (pyproject.toml: ``-n 2 --dist loadfile``): a test file
 stays on one worker, the longest files start first, and a test marked ``machine_alone`` (it bounds
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -92,40 +94,62 @@ def root_logger_as_it_was():
     root.setLevel(level)
 
 
-def _reference(tmp_path_factory, script: str, args: list[str]) -> Reference:
-    root = tmp_path_factory.mktemp("reference")
-    out = root / "run"
-    proc = run_ranks(script, args + ["--ckpt-every", "1", "--keep-checkpoints", "100", "--out", str(out)], root)
-    assert_ok(proc)
-    return Reference(script, args, out, proc.stdout)
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder ``name``, made by ``make(folder)`` once for the whole test run: under xdist the
+    first worker to ask makes it in the workers' common temporary folder while the other waits,
+    then both read it (no test writes into it). A make that failed is made anew by the next ask."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: base is .../popen-gwN
+    folder, made = root / name, root / f"{name}.made"
+    with open(root / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            make(folder)
+            made.touch()
+    return folder
+
+
+def _reference(tmp_path_factory, name: str, script: str, args: list[str]) -> Reference:
+    def make(root: Path) -> None:
+        root.mkdir()
+        ckpts = ["--ckpt-every", "1", "--keep-checkpoints", "100", "--out", str(root / "run")]
+        proc = run_ranks(script, args + ckpts, root)
+        assert_ok(proc)
+        (root / "stdout.txt").write_text(proc.stdout)
+
+    root = made_once(tmp_path_factory, name, make)
+    return Reference(script, args, root / "run", (root / "stdout.txt").read_text())
 
 
 @pytest.fixture(scope="session")
 def classifier_reference(tmp_path_factory) -> Reference:
-    return _reference(tmp_path_factory, "train_classifier.py", CLASSIFIER_REF)
+    return _reference(tmp_path_factory, "classifier_reference", "train_classifier.py", CLASSIFIER_REF)
 
 
 @pytest.fixture(scope="session")
 def moco_reference(tmp_path_factory) -> Reference:
-    return _reference(tmp_path_factory, "train_moco.py", MOCO_REF)
+    return _reference(tmp_path_factory, "moco_reference", "train_moco.py", MOCO_REF)
 
 
 @pytest.fixture(scope="session")
 def symmetric_reference(tmp_path_factory) -> Reference:
-    return _reference(tmp_path_factory, "train_moco.py", SYMMETRIC_REF)
+    return _reference(tmp_path_factory, "symmetric_reference", "train_moco.py", SYMMETRIC_REF)
 
 
 @pytest.fixture(scope="session")
 def trained_moco(tmp_path_factory) -> Path:
     """A one-process MoCo run folder (small_cnn, 16 px, 5 steps) with its exported backbone:
     what the probe, export, bad-input and recipe tests start from. Read it, never write into it."""
-    import train_moco
+    def make(root: Path) -> None:
+        import train_moco
 
-    root = tmp_path_factory.mktemp("trained_moco")
-    args = ["--device", "cpu", "--image-size", "16", "--batch-size", "32", "--moco-k", "256", "--max-steps", "5",
-            "--knn-every", "0", "--export-backbone", str(root / "backbone.pt"), "--out", str(root / "run")]
-    assert train_moco.main(args) == 0
-    return root
+        root.mkdir()
+        args = ["--device", "cpu", "--image-size", "16", "--batch-size", "32", "--moco-k", "256", "--max-steps", "5",
+                "--knn-every", "0", "--export-backbone", str(root / "backbone.pt"), "--out", str(root / "run")]
+        assert train_moco.main(args) == 0
+
+    return made_once(tmp_path_factory, "trained_moco", make)
 
 
 @pytest.fixture(scope="session")
@@ -135,9 +159,8 @@ def jpeg_folder(tmp_path_factory) -> Path:
     3 x 4 validation images, ImageNet's sizes. Read it, never write into it (copy it first)."""
     from bench.imagenet_like import write_imagenet_like
 
-    root = tmp_path_factory.mktemp("jpeg") / "imagenet_like"
-    write_imagenet_like(root, classes=3, train_per_class=12, val_per_class=4)
-    return root
+    return made_once(tmp_path_factory, "imagenet_like",
+                     lambda root: write_imagenet_like(root, classes=3, train_per_class=12, val_per_class=4))
 
 
 @pytest.fixture(scope="session")
@@ -146,9 +169,10 @@ def written(jpeg_folder, tmp_path_factory) -> Path:
     Read it, never write into it."""
     import write_shards
 
-    dst = tmp_path_factory.mktemp("shards") / "out"
-    assert write_shards.main([str(jpeg_folder), str(dst), "--shard-mb", "0.5"]) == 0
-    return dst
+    def make(root: Path) -> None:
+        assert write_shards.main([str(jpeg_folder), str(root), "--shard-mb", "0.5"]) == 0
+
+    return made_once(tmp_path_factory, "shards", make)
 
 
 @pytest.fixture(scope="session")
