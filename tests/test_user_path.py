@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -247,8 +248,9 @@ def test_a_finished_moco_run_can_still_export_its_backbone(trained_moco, tmp_pat
     backbone it ended with, then says the run is complete."""
     import torch
 
+    run = shutil.copytree(trained_moco / "run", tmp_path / "run")  # the shared run folder is only read
     args = ["--device", "cpu", "--image-size", "16", "--batch-size", "32", "--moco-k", "256", "--max-steps", "5",
-            "--knn-every", "0", "--resume", "auto", "--out", str(trained_moco / "run"),
+            "--knn-every", "0", "--resume", "auto", "--out", str(run),
             "--export-backbone", str(tmp_path / "backbone.pt")]
     proc = in_process(train_moco.main, args, capsys)
     assert proc.returncode == 0 and "is complete (step 5" in proc.stdout
