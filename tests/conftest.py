@@ -32,20 +32,21 @@ from slurm_cluster import missing_tools, start_cluster, stop_cluster
 # their time alone, the heaviest ran side by side and the suite took a quarter longer.)
 LONGEST_FIRST = ("test_launch_scripts.py", "test_gpu_check.py", "test_moco.py", "test_image_files.py",
                  "test_training.py", "test_zoo_steps.py")
-LOCKS = "DDP_TESTS_LOCKS"  # the folder of the workers' turnstile, made by the controlling process
+# The workers' common folder, made by the controlling process: the turnstile's locks, made_once's folders
+SHARED = "DDP_TESTS_SHARED"
 
 
 def pytest_configure(config):
     if hasattr(config, "workerinput"):  # an xdist worker: one thread each, as two ranks on two cores
         torch.set_num_threads(1)
     else:  # made before the workers start, which inherit the variable
-        os.environ[LOCKS] = tempfile.mkdtemp(prefix="ddp-tests-")
+        os.environ[SHARED] = tempfile.mkdtemp(prefix="ddp-tests-")
 
 
 def pytest_unconfigure(config):
-    locks = None if hasattr(config, "workerinput") else os.environ.pop(LOCKS, None)
-    if locks:
-        shutil.rmtree(locks, ignore_errors=True)
+    shared = None if hasattr(config, "workerinput") else os.environ.pop(SHARED, None)
+    if shared:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -66,8 +67,8 @@ def pytest_runtest_protocol(item, nextitem):
         yield
         return
     alone = item.get_closest_marker("machine_alone") is not None
-    locks = Path(os.environ[LOCKS])
-    with open(locks / "gate", "a") as gate, open(locks / "running", "a") as running:
+    shared = Path(os.environ[SHARED])
+    with open(shared / "gate", "a") as gate, open(shared / "running", "a") as running:
         fcntl.flock(gate, fcntl.LOCK_EX)
         fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if not alone:
@@ -94,12 +95,11 @@ def root_logger_as_it_was():
     root.setLevel(level)
 
 
-def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
-    """The folder ``name``, made by ``make(folder)`` once for the whole test run: under xdist the
-    first worker to ask makes it in the workers' common temporary folder while the other waits,
-    then both read it (no test writes into it). A make that failed is made anew by the next ask."""
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: base is .../popen-gwN
+def made_once(name: str, make: Callable[[Path], None]) -> Path:
+    """The folder ``name``, made by ``make(folder)`` once for the whole test run, in the workers'
+    shared folder: the first worker to ask makes it while the other waits, then both read it (no
+    test writes into it). A make that failed is made anew by the next ask."""
+    root = Path(os.environ[SHARED])
     folder, made = root / name, root / f"{name}.made"
     with open(root / f"{name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -110,7 +110,7 @@ def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path
     return folder
 
 
-def _reference(tmp_path_factory, name: str, script: str, args: list[str]) -> Reference:
+def _reference(name: str, script: str, args: list[str]) -> Reference:
     def make(root: Path) -> None:
         root.mkdir()
         ckpts = ["--ckpt-every", "1", "--keep-checkpoints", "100", "--out", str(root / "run")]
@@ -118,27 +118,27 @@ def _reference(tmp_path_factory, name: str, script: str, args: list[str]) -> Ref
         assert_ok(proc)
         (root / "stdout.txt").write_text(proc.stdout)
 
-    root = made_once(tmp_path_factory, name, make)
+    root = made_once(name, make)
     return Reference(script, args, root / "run", (root / "stdout.txt").read_text())
 
 
 @pytest.fixture(scope="session")
-def classifier_reference(tmp_path_factory) -> Reference:
-    return _reference(tmp_path_factory, "classifier_reference", "train_classifier.py", CLASSIFIER_REF)
+def classifier_reference() -> Reference:
+    return _reference("classifier_reference", "train_classifier.py", CLASSIFIER_REF)
 
 
 @pytest.fixture(scope="session")
-def moco_reference(tmp_path_factory) -> Reference:
-    return _reference(tmp_path_factory, "moco_reference", "train_moco.py", MOCO_REF)
+def moco_reference() -> Reference:
+    return _reference("moco_reference", "train_moco.py", MOCO_REF)
 
 
 @pytest.fixture(scope="session")
-def symmetric_reference(tmp_path_factory) -> Reference:
-    return _reference(tmp_path_factory, "symmetric_reference", "train_moco.py", SYMMETRIC_REF)
+def symmetric_reference() -> Reference:
+    return _reference("symmetric_reference", "train_moco.py", SYMMETRIC_REF)
 
 
 @pytest.fixture(scope="session")
-def trained_moco(tmp_path_factory) -> Path:
+def trained_moco() -> Path:
     """A one-process MoCo run folder (small_cnn, 16 px, 5 steps) with its exported backbone:
     what the probe, export, bad-input and recipe tests start from. Read it, never write into it."""
     def make(root: Path) -> None:
@@ -149,22 +149,22 @@ def trained_moco(tmp_path_factory) -> Path:
                 "--knn-every", "0", "--export-backbone", str(root / "backbone.pt"), "--out", str(root / "run")]
         assert train_moco.main(args) == 0
 
-    return made_once(tmp_path_factory, "trained_moco", make)
+    return made_once("trained_moco", make)
 
 
 @pytest.fixture(scope="session")
-def jpeg_folder(tmp_path_factory) -> Path:
+def jpeg_folder() -> Path:
     """An ImageNet-like ImageFolder of JPEGs made from real photographs (bench/imagenet_like.py):
     3 classes x 12 training images plus a CMYK, a grayscale and a PNG-named-JPEG file (39), and
     3 x 4 validation images, ImageNet's sizes. Read it, never write into it (copy it first)."""
     from bench.imagenet_like import write_imagenet_like
 
-    return made_once(tmp_path_factory, "imagenet_like",
+    return made_once("imagenet_like",
                      lambda root: write_imagenet_like(root, classes=3, train_per_class=12, val_per_class=4))
 
 
 @pytest.fixture(scope="session")
-def written(jpeg_folder, tmp_path_factory) -> Path:
+def written(jpeg_folder) -> Path:
     """``jpeg_folder`` as ``write_shards.py`` writes it, in shards of 0.5 MB (several per split).
     Read it, never write into it."""
     import write_shards
@@ -172,7 +172,7 @@ def written(jpeg_folder, tmp_path_factory) -> Path:
     def make(root: Path) -> None:
         assert write_shards.main([str(jpeg_folder), str(root), "--shard-mb", "0.5"]) == 0
 
-    return made_once(tmp_path_factory, "shards", make)
+    return made_once("shards", make)
 
 
 @pytest.fixture(scope="session")

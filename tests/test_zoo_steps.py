@@ -126,14 +126,14 @@ def _run(tmp_path: Path, name: str, args: list[str]) -> tuple[str, list[dict]]:
 
 def _assert_the_step(ranks: list[dict], steps: int, checkpoints: int) -> None:
     """Each rank: after each micro-step's backward, no all-reduce in a window's first micro-step
-    (``no_sync``), every gradient byte once in its last (in more than one bucket from the second
-    step); one device read per optimizer step (the ranks' agreement) and none in between, but one more after the step a checkpoint follows (its
-    weights' finite check across ranks, checkpoint.py) for each of the ``checkpoints`` steps that
-    end a window of STOP steps; each micro-batch mixed on its own (soft targets of BATCH images).
-    Two reads the probe sees that a GPU would not wait for, told apart: the two class checks of
-    each micro-batch's one_hot (:func:`main`), and one copy in the run's first all-reduce, DDP's
-    first bucket fill through the counting comm hook (without the hook the probe sees none: a
-    one-time event, as tests/test_host_syncs.py allows DDP's bucket rebuild)."""
+    (``no_sync``), every gradient byte once in its last (in more than one bucket from the second step);
+    one device read per optimizer step (the ranks' agreement) and none in between, but one more after
+    the step a checkpoint follows (its weights' finite check across ranks, checkpoint.py) for each of
+    the ``checkpoints`` steps that end a window of STOP steps; each micro-batch mixed on its own (soft
+    targets of BATCH images). Two reads the probe sees that a GPU would not wait for, told apart: the
+    two class checks of each micro-batch's one_hot (:func:`main`), and one copy in the run's first
+    all-reduce, DDP's first bucket fill through the counting comm hook (without the hook the probe sees
+    none: a one-time event, as tests/test_host_syncs.py allows DDP's bucket rebuild)."""
     for rank in ranks:
         counts = [(0, 0), *rank["comm"]]
         per_micro = [(c - c0, b - b0) for (c0, b0), (c, b) in zip(counts, counts[1:])]
