@@ -175,6 +175,10 @@ IMAGE_FILE_SIZES = image_files_only(" (--image-size sets the side)")
 # --nesterov: Nesterov momentum is SGD's (sgd, and sgd_nesterov, which sets it); the other optimizers have none
 SGD_ONLY = AppliesTo("SGD", lambda cfg: cfg.optimizer in ("sgd", "sgd_nesterov"),
                      lambda flag, cfg: f"{flag} is SGD's; --optimizer {cfg.optimizer} has no such option (drop it)")
+# --momentum: SGD's and RMSprop's; AdamW's betas play its part
+WITH_MOMENTUM = AppliesTo("SGD and RMSprop", lambda cfg: cfg.optimizer != "adamw",
+                          lambda flag, cfg: f"{flag} does nothing with --optimizer adamw (its betas are PyTorch's 0.9, "
+                                            f"0.999; it applies to SGD and RMSprop); drop {flag} {cfg.momentum:g}")
 
 
 # --auto-augment: torchvision's policies work on 8-bit images; the other data sets are float tensors
@@ -229,6 +233,7 @@ class ClassifierConfig(TrainConfig):
     batch_size: int = also_spelled(TrainConfig, "batch_size", "-b")
     workers: int = also_spelled(TrainConfig, "workers", "-j")
     image_size: int = also_spelled(TrainConfig, "image_size", "--val-crop-size")
+    momentum: float = also_spelled(TrainConfig, "momentum", applies_to=WITH_MOMENTUM)
 
     out: str = opt("runs/classifier", OUT_HELP, group=RUN_FOLDER, on_resume="invocation")
     arch: str = opt("small_cnn", f"network: {', '.join(SMALL_NETS)}, or any classification model torchvision lists "
@@ -353,8 +358,6 @@ class ClassifierConfig(TrainConfig):
             raise UsageError(f"--arch {self.arch}: not a model of this project or of torchvision; {hint}(every "
                              f"name: python -c 'import torchvision; print(torchvision.models.list_models())')")
         super().validate(launch, cuda_devices)
-        if self.train_crop_size:
-            self.check_input_sizes({self.train_crop_size: "--train-crop-size"})
         if self.sync_bn:
             check_sync_bn(launch, self.device, cuda_devices)
         self.check_weights_flags()
@@ -364,21 +367,18 @@ class ClassifierConfig(TrainConfig):
                              f"one named fc: give {FC_BACKBONES}")
         self.check_recipe_flags()
         self.check_augmentation_flags()
+        self.check_view_sizes(Views(self.image_size, self.train_crop_size, self.val_resize_size, self.interpolation))
 
     def check_recipe_flags(self) -> None:
-        """--momentum where AdamW would ignore it, Nesterov without momentum, and a weight decay
-        below 0 other than -1 (unset) are refused (--nesterov with another optimizer and the EMA's
-        settings without --model-ema: ``opt(applies_to=...)``)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        """Nesterov without momentum and a weight decay below 0 other than -1 (unset) are refused
+        (--momentum beside AdamW, --nesterov with another optimizer and the EMA's settings without
+        --model-ema: ``opt(applies_to=...)``)."""
         for name in ("norm_weight_decay", "bias_weight_decay", "transformer_embedding_decay"):
             value = getattr(self, name)
             if value < 0 and value != UNSET:
                 raise UsageError(f"{flag_name(name)} {value:g}: give a weight decay >= 0, or -1 to leave it unset")
         if (self.nesterov or self.optimizer == "sgd_nesterov") and self.momentum == 0:
             raise UsageError("Nesterov momentum needs momentum: give --momentum above 0")
-        if self.optimizer == "adamw" and self.momentum != defaults["momentum"]:
-            raise UsageError(f"--momentum does nothing with --optimizer adamw (its betas are PyTorch's 0.9, 0.999); "
-                             f"drop --momentum {self.momentum:g}")
         if (self.mixup_alpha or self.cutmix_alpha) and self.batch_size < 2:
             raise UsageError("--mixup-alpha/--cutmix-alpha mix the images of a micro-batch with each other: give "
                              "--batch-size 2 or more, or drop them")
@@ -386,23 +386,25 @@ class ClassifierConfig(TrainConfig):
     def augmentation_policy(self) -> dict:
         """torchvision's per-sample steps as ``AugmentRecipe`` fields (``classifier_recipe``'s policy)."""
         return dict(auto_augment=self.auto_augment, ra_magnitude=self.ra_magnitude,
-                    augmix_severity=self.augmix_severity, random_erase=self.random_erase,
-                    interpolation=self.interpolation)
+                    augmix_severity=self.augmix_severity, random_erase=self.random_erase)
 
     def check_augmentation_flags(self) -> None:
-        """torchvision's augmentation and sizes where they apply: the per-sample steps per sample
-        (not --aug-on device, nor --no-augment); the FixRes sizes with a network that is the same
-        at both sizes (the data sets and policies each applies to: ``opt(applies_to=...)``)."""
+        """torchvision's per-sample steps with augmentation on (the data sets and policies each
+        applies to, and --aug-on device beside them: ``opt(applies_to=..., value_applies=...)``)."""
         per_sample = per_sample_flags(self)
         if per_sample and not self.augment:
             raise UsageError(f"{per_sample[0]} augments the training images and --no-augment turns augmentation off; "
                              f"drop one of them")
-        if per_sample and self.aug_on == "device":
-            raise UsageError(f"{per_sample[0]} runs per sample in the DataLoader workers, not on the device: give "
-                             f"--aug-on loader (or auto)")
-        size, train = image_size_for(self.dataset, self.image_size), self.train_crop_size
-        if self.val_resize_size and self.val_resize_size < size:
-            raise UsageError(f"--val-resize-size {self.val_resize_size} is smaller than the evaluation crop "
+
+    def check_view_sizes(self, views: Views) -> None:
+        """``views``' FixRes sizes (the flags', or the weights': :func:`views_of`) fit --arch and the
+        evaluation crop: a training crop the network takes, on the same stem; a resize no smaller
+        than the crop."""
+        size, train = image_size_for(self.dataset, views.image_size), views.train_crop_size
+        if train:
+            self.check_input_sizes(size, {train: "--train-crop-size"})
+        if views.val_resize_size and views.val_resize_size < size:
+            raise UsageError(f"--val-resize-size {views.val_resize_size} is smaller than the evaluation crop "
                              f"--image-size {size}: give at least {size}")
         if train and train < (min_image_size(self.arch) or 0):
             raise UsageError(f"--train-crop-size {train} is too small for --arch {self.arch}: give at least "
@@ -448,45 +450,65 @@ class ClassifierConfig(TrainConfig):
                              (f"; did you mean {close[0]}?" if close else ""))
 
 
-def describe_views(cfg: ClassifierConfig, image_size: int) -> str:
+@dataclass(frozen=True)
+class Views:
+    """The sides and the resize of one run's training and evaluation views (:func:`views_of`)."""
+
+    image_size: int       # px, the evaluation crop's side (the training crop's by default); 0: the data set's native side
+    train_crop_size: int  # px, the training crop's side (FixRes); 0: image_size
+    val_resize_size: int  # px, the evaluation view's resize of the short side; 0: torchvision's 256/224 rule
+    interpolation: str    # both views' resizes
+
+
+def views_of(cfg: ClassifierConfig) -> Views:
+    """The views a run takes: the flags', but with --image-size 0 and --pretrained the side the
+    backbone was trained at (read from its checkpoint; a missing file is the pre-flight's to
+    report), and with --test-only on published weights their own evaluation view (crop, resize,
+    interpolation), as torchvision's and timm's scripts take it. Sizes the weights fix are checked
+    as the flags' are (UsageError, naming the weights)."""
+    asked = Views(cfg.image_size, cfg.train_crop_size, cfg.val_resize_size, cfg.interpolation)
+    weights = published_weights(cfg.weights) if cfg.test_only else None
+    if cfg.pretrained and not cfg.image_size and Path(cfg.pretrained).exists():
+        views = dataclasses.replace(asked, image_size=pretrained_image_size(pretrained_file(cfg.pretrained)) or 0)
+        source = f"--pretrained {cfg.pretrained} was trained at {views.image_size} px, the side --image-size 0 takes"
+    elif weights is not None:
+        crop, resize, interpolation = weights.view
+        views = Views(crop, crop if cfg.dataset in IMAGE_FILES else 0, resize, interpolation)
+        source = f"--weights {cfg.weights} evaluates at {crop} px"
+    else:
+        return asked
+    try:
+        cfg.check_image_size(image_size_for(cfg.dataset, views.image_size))
+        cfg.check_view_sizes(views)
+    except UsageError as err:
+        raise UsageError(f"{source}: {err}") from None
+    return views
+
+
+def describe_views(cfg: ClassifierConfig, views: Views, image_size: int) -> str:
     """The views' sizes and per-sample steps in words, for the start-up log and --check ('' when
-    --image-size says it all)."""
-    if not (per_sample_flags(cfg) or cfg.train_crop_size or cfg.val_resize_size):
+    ``image_size``, the evaluation crop's side, says it all)."""
+    if not (per_sample_flags(cfg) or views.train_crop_size or views.val_resize_size):
         return ""  # the views as --image-size alone says them
     steps = [f"--auto-augment {cfg.auto_augment}" if cfg.auto_augment else "",
              f"random erasing p {cfg.random_erase:g}" if cfg.random_erase else ""]
     extra = ", ".join(step for step in steps if step)
     if cfg.dataset not in IMAGE_FILES:
         return f"training view with {extra}" if extra else ""
-    train = cfg.train_crop_size or image_size
-    resize = evaluation_resize(image_size, cfg.val_resize_size)
+    train = views.train_crop_size or image_size
+    resize = evaluation_resize(image_size, views.val_resize_size)
     crop = f"random resized crop {train} px, flip" if cfg.augment else f"resize {evaluation_resize(train)} px, " \
         f"centre crop {train} px"
     return (f"training view: {crop}{', ' + extra if extra else ''}; evaluation view: resize {resize} px, centre "
             f"crop {image_size} px")
 
 
-def script_data(cfg: ClassifierConfig) -> ScriptData:
-    """What this script adds to the shared data settings: repeated augmentation, the FixRes sizes,
-    its views in words."""
-    return ScriptData(plan_fields=dict(ra_reps=cfg.ra_reps, train_size=cfg.train_crop_size,
-                                       val_resize=cfg.val_resize_size),
-                      views=lambda image_size: describe_views(cfg, image_size))
-
-
-def with_trained_sizes(cfg: ClassifierConfig) -> ClassifierConfig:
-    """``--image-size 0`` with --pretrained: the size the backbone was pretrained at (read from
-    its checkpoint; a missing file is the pre-flight's to report). --test-only on published
-    weights: their own evaluation view (crop, resize, interpolation), as torchvision's and timm's
-    scripts take it."""
-    if cfg.pretrained and not cfg.image_size and Path(cfg.pretrained).exists():
-        return dataclasses.replace(cfg, image_size=pretrained_image_size(pretrained_file(cfg.pretrained)) or 0)
-    weights = published_weights(cfg.weights) if cfg.test_only else None
-    if weights is not None:
-        crop, resize, interpolation = weights.view
-        return dataclasses.replace(cfg, image_size=crop, val_resize_size=resize, interpolation=interpolation,
-                                   train_crop_size=crop if cfg.dataset in IMAGE_FILES else 0)
-    return cfg
+def script_data(cfg: ClassifierConfig, views: Views) -> ScriptData:
+    """What this script adds to the shared data settings: repeated augmentation, the views' sizes
+    (the side the weights fix among them), the views in words."""
+    return ScriptData(plan_fields=dict(ra_reps=cfg.ra_reps, train_size=views.train_crop_size,
+                                       val_resize=views.val_resize_size),
+                      image_size=views.image_size, views=lambda image_size: describe_views(cfg, views, image_size))
 
 
 @dataclass(kw_only=True)
@@ -632,32 +654,34 @@ def check_classifier(cfg: ClassifierConfig, train: Dataset, image_size: int,
         state, published = read_weights(cfg.weights, cfg.arch)
         put_weights(build_model(cfg.arch, num_classes, image_size), state, cfg.weights,
                     exact=cfg.test_only, published=published)
+        view = published_weights(cfg.weights).view if cfg.test_only and published else None  # crop, resize, interpolation
         lines = [*lines, f"{'test only: evaluates' if cfg.test_only else 'fine-tunes'} --weights {cfg.weights}" +
-                 (f" at its evaluation view (resize {cfg.val_resize_size} px, centre crop {cfg.image_size} px, "
-                  f"{cfg.interpolation})" if cfg.test_only and published else "")]
+                 (f" at its evaluation view (resize {view[1]} px, centre crop {view[0]} px, {view[2]})" if view else "")]
     parameters = parameter_count(cfg.arch, num_classes, image_size)
     return {"num_classes": num_classes}, [*lines, f"network: {cfg.arch} for {num_classes} classes, {parameters:,} parameters",
                                           memory_at_the_batch(cfg, num_classes, parameters, image_size),
                                           *(f"warning: {remark}" for remark in run_remarks(cfg, image_size, trained_size))]
 
 
-def build_loaders(cfg: ClassifierConfig, session: RunSession, resolved: ResolvedSettings, listings: tuple | None,
-                  fresh: bool) -> Loaders:
+def build_loaders(cfg: ClassifierConfig, views: Views, session: RunSession, resolved: ResolvedSettings,
+                  listings: tuple | None, fresh: bool) -> Loaders:
     """This rank's batches for the run (torchvision's training view, the evaluation view), closed
     with the session; ``fresh``: a run that starts from step 0 (its first shards fetched at once)."""
     info = session.info
     recipe = classifier_recipe(cfg.dataset, resolved.image_size, cfg.augment, cfg.normalization,
-                               **cfg.augmentation_policy())
-    return session.close_loaders_at_exit(build_data(data_plan(cfg, resolved, recipe, script_data(cfg), listings),
+                               interpolation=views.interpolation, **cfg.augmentation_policy())
+    return session.close_loaders_at_exit(build_data(data_plan(cfg, resolved, recipe, script_data(cfg, views), listings),
                                                     rank=info.rank, world_size=info.world_size, device=info.device,
                                                     ranks_on_node=info.local_world_size, node=info.node, fresh=fresh))
 
 
 def setup(cfg: ClassifierConfig, session: RunSession) -> ClassifierRun:
     info = session.info
-    resume, resolved, listings = preflight(cfg, session, script_data(cfg))  # every rank checked; "auto" resolved; files listed once
+    with all_ranks_agree():
+        views = views_of(cfg)  # the sizes --pretrained fixes
+    resume, resolved, listings = preflight(cfg, session, script_data(cfg, views))  # every rank checked; "auto" resolved; files listed once
     with all_ranks_agree():  # every check that can fail, before the first collective (DDP's broadcast)
-        loaders = build_loaders(cfg, session, resolved, listings, fresh=resume is None)
+        loaders = build_loaders(cfg, views, session, resolved, listings, fresh=resume is None)
         preview = augmentation_grid(loaders) if info.is_main and resume is None else None  # TensorBoard's, once
         model = build_network(cfg, info, loaders.num_classes, resolved.image_size)
         ema = build_ema(cfg, model, info, resolved.global_batch) if cfg.model_ema else None
@@ -831,10 +855,12 @@ def evaluate_weights(cfg: ClassifierConfig, session: RunSession) -> dict[str, fl
         problem = check_data_dir(cfg.dataset, cfg.data_dir, cfg.download)
         if problem:
             raise UsageError(problem)
+        views = views_of(cfg)  # published weights: their own evaluation view
     listings, _ = list_image_files_once(cfg, info)
-    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device, world_size=info.world_size)
+    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device, world_size=info.world_size,
+                                 script=script_data(cfg, views))
     with all_ranks_agree():
-        loaders = build_loaders(cfg, session, resolved, listings, fresh=False)
+        loaders = build_loaders(cfg, views, session, resolved, listings, fresh=False)
         model = build_network(cfg, info, loaders.num_classes, resolved.image_size)
     release_held_logs(show=True)
     metrics = evaluate(model, loaders.val, info, cfg.amp)
@@ -844,19 +870,20 @@ def evaluate_weights(cfg: ClassifierConfig, session: RunSession) -> dict[str, fl
                          f"the evaluation: {faults[0]}")
     log.info("Test: Acc@1 %.3f Acc@5 %.3f (%d images; --weights %s, evaluation view: resize %d px, centre crop %d px, "
              "%s)", metrics["acc1"], metrics["acc5"], metrics["count"], cfg.weights,
-             evaluation_resize(resolved.image_size, cfg.val_resize_size), resolved.image_size, cfg.interpolation)
+             evaluation_resize(resolved.image_size, views.val_resize_size), resolved.image_size, views.interpolation)
     return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(ClassifierConfig, argv, __doc__, with_trained_sizes)  # bad flags: one line, exit code 2
+    cfg = parse_args(ClassifierConfig, argv, __doc__)  # bad flags: one line, exit code 2
     if cfg.check or cfg.check_data:  # every check of setup, in this one process; launch/ runs it first
         model = f"{cfg.arch}" + (", linear probe" if cfg.linear_probe else "") + \
             (f", from {cfg.pretrained}" if cfg.pretrained else "") + recipe_summary(cfg)
         defaults = ["defaults: torchvision's train.py's for every flag not given (--data-path brings them; "
                     "docs/recipe.md)"] if flag_defaults(ClassifierConfig, sys.argv[1:] if argv is None else argv) else []
         return check_only(cfg, SCRIPT, model,
-                          lambda train, image_size: check_classifier(cfg, train, image_size, defaults), script_data(cfg))
+                          lambda train, image_size: check_classifier(cfg, train, image_size, defaults),
+                          lambda: script_data(cfg, views_of(cfg)))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
         if cfg.test_only:
             evaluate_weights(cfg, session)

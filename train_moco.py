@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{'MLP' if cfg.mlp else 'linear'} head, {cfg.aug} augmentation")
         return check_only(cfg, SCRIPT, model, lambda train, image_size: ({}, [
             f"backbone: {cfg.arch}, its classifier {head_of(cfg.arch)} replaced by the projection head",
-            *(f"warning: {remark}" for remark in queue_remarks(cfg, len(train)))]), script_data(cfg))
+            *(f"warning: {remark}" for remark in queue_remarks(cfg, len(train)))]), lambda: script_data(cfg))
     with RunSession(cfg) as session:  # process group, logging, signals, exit codes, clean-up
         fit(setup(cfg, session))  # no name holds the run: its DDP model dies before the group (cleanup_distributed)
     return session.exit_code

@@ -92,11 +92,15 @@ def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group:
         "spellings": spellings, "bare": bare, "switch": switch, "per_sample": per_sample, "names_file": names_file})
 
 
-def also_spelled(cls: type, name: str, *spellings: str) -> Any:
+def also_spelled(cls: type, name: str, *spellings: str, applies_to: AppliesTo | None = None) -> Any:
     """``cls``'s field ``name`` again, with ``spellings`` added: a subclass's own other names for
-    a shared flag (``-b`` for ``--batch-size`` where it means what torchvision's does)."""
+    a shared flag (``-b`` for ``--batch-size`` where it means what torchvision's does); and
+    ``applies_to``, where a subclass's own settings make the flag do nothing (the classifier's
+    ``--momentum`` beside AdamW)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     meta = {**f.metadata, "spellings": (*f.metadata.get("spellings", ()), *spellings)}
+    if applies_to is not None:
+        meta["applies_to"] = applies_to
     return dataclasses.field(default=f.default, metadata=meta)
 
 
@@ -487,7 +491,7 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def save_config(cfg: Any, out_dir: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
-    """Write the resolved config (plus run facts such as world size) to ``out_dir/config.json``."""
+    """Write the config, the flags as asked (plus run facts such as world size), to ``out_dir/config.json``."""
     path = Path(out_dir) / "config.json"
     write_json(path, {"config": config_dict(cfg), "git_revision": git_revision(), "command": command_line(),
                       **(extra or {})})

@@ -4,6 +4,7 @@ same (tests/test_docs.py keeps it equal to CASES)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -360,7 +361,7 @@ NEEDS = {"lr_warmup_decay": ["--lr-schedule", "cosineannealinglr", "--lr-warmup-
 
 
 # The flags that apply at the defaults, and where they do not (the others: on the defaults)
-NOT_APPLYING = {"nesterov": ["--optimizer", "adamw"], "ra_reps": ["--dataset", "shards", "--data-dir", "shards"]}
+NOT_APPLYING = {"nesterov": ["--optimizer", "adamw"], "momentum": ["--optimizer", "adamw"], "ra_reps": ["--dataset", "shards", "--data-dir", "shards"]}
 
 
 def applying(name: str) -> list[str]:
@@ -552,8 +553,9 @@ def test_the_flags_that_apply_to_some_runs_only_are_these():
     shared = ["data_dir", *store, "download", "synthetic_samples", "decode_on", "lr_step_size", "lr_gamma", "lr_min",
               "lr_warmup_method", "lr_warmup_decay", "allow_changes", "check_data"]
     assert [f.name for s, _, f in APPLYING if s == "moco"] == shared
+    momentum = shared.index("decode_on") + 1  # the classifier's --momentum: not beside AdamW
     assert [f.name for s, _, f in APPLYING if s == "classifier"] == [
-        *shared, "probe_bn", "nesterov", "model_ema_steps", "model_ema_decay", "auto_augment", "ra_magnitude", "augmix_severity", "ra_reps", "train_crop_size",
+        *shared[:momentum], "momentum", *shared[momentum:], "probe_bn", "nesterov", "model_ema_steps", "model_ema_decay", "auto_augment", "ra_magnitude", "augmix_severity", "ra_reps", "train_crop_size",
         "val_resize_size", "interpolation"]
     wheres = {f.name: f.metadata["applies_to"].where for _, _, f in APPLYING}
     assert wheres["data_dir"] == "cifar10, imagefolder and shards" and wheres["download"] == "cifar10"
@@ -569,18 +571,28 @@ def test_a_value_that_applies_somewhere_only_is_refused_elsewhere_by_its_fields_
 
     rules = {(script, f.name, value) for script, cls in CONFIGS.items() for f in dataclasses.fields(cls)
              for value in f.metadata.get("value_applies", {})}
-    assert rules == {(s, name, value) for s in ("moco", "classifier")
-                     for name, value in (("order", "shards"), ("order", "samples"), ("normalization", "cifar10-demo"))}
-    where = {("order", "shards"): (["--dataset", "digits"], ["--dataset", "shards", "--data-dir", "/tmp/x"]),
-             ("order", "samples"): (["--dataset", "shards", "--data-dir", "s3://bucket/x"], ["--dataset", "shards"]),
-             ("normalization", "cifar10-demo"): (["--dataset", "digits"], ["--dataset", "cifar10"])}
-    for cls in CONFIGS.values():
-        for (name, value), (elsewhere, applying) in where.items():
-            flag = "--" + name
-            with pytest.raises(UsageError, match=rf"^{flag} {value} [^\n]*$"):
-                check_applies(parse_config(cls, [*elsewhere, flag, value]))
+    assert rules == {(s, name, value) for s in ("moco", "classifier") for name, value in (
+        ("order", "shards"), ("order", "samples"), ("normalization", "cifar10-demo"), ("aug_on", "device"))}
+    # (name, value): the flags where it does not apply (None: nowhere for that script), where it
+    # does, and how its refusal begins
+    where = {("order", "shards"): (["--dataset", "digits"], ["--dataset", "shards", "--data-dir", "/tmp/x"],
+                                   "--order shards "),
+             ("order", "samples"): (["--dataset", "shards", "--data-dir", "s3://bucket/x"], ["--dataset", "shards"],
+                                    "--order samples "),
+             ("normalization", "cifar10-demo"): (["--dataset", "digits"], ["--dataset", "cifar10"],
+                                                 "--normalization cifar10-demo "),
+             ("aug_on", "device"): ({"classifier": ["--random-erase", "0.1"], "moco": None}, [],
+                                    "--random-erase runs per sample ")}
+    for script, cls in CONFIGS.items():
+        for (name, value), (elsewhere, applying, refusal) in where.items():
+            flag, elsewhere = "--" + name.replace("_", "-"), elsewhere.get(script) if isinstance(elsewhere, dict) \
+                else elsewhere
+            if elsewhere is not None:
+                with pytest.raises(UsageError, match=rf"^{re.escape(refusal)}[^\n]*$"):
+                    check_applies(parse_config(cls, [*elsewhere, flag, value]))
             check_applies(parse_config(cls, [*applying, flag, value]))
-        check_applies(parse_config(cls, ["--dataset", "digits", "--order", "samples", "--normalization", "auto"]))
+        check_applies(parse_config(cls, ["--dataset", "digits", "--order", "samples", "--normalization", "auto",
+                                         "--aug-on", "loader"]))
 
 
 def test_a_bound_is_enforced_on_a_config_files_value_too(tmp_path, capsys):

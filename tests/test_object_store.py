@@ -74,7 +74,7 @@ from ddp_utils.data.shards import INDEX, RECORDS, ShardIndex, ShardReader
 from ddp_utils.runtime.stopping import EXIT_STORE
 from ddp_utils.train import preflight
 from ddp_utils.train.preflight import check_cache_room
-from train_classifier import ClassifierConfig, script_data
+from train_classifier import ClassifierConfig, script_data, views_of
 
 # 11 shards of 7 samples and one of 4: 81 samples
 SHARD_OF = np.concatenate([np.full(7, s) for s in range(11)] + [np.full(4, 11)]).astype(np.int32)
@@ -322,7 +322,7 @@ def test_the_caches_room_is_checked_in_one_line(bucket, written, tmp_path, monke
     cfg = ClassifierConfig(dataset="shards", data_dir=bucket, shard_cache_dir=str(tmp_path / "new" / "cache"),
                            batch_size=4, workers=2)
     resolved = preflight.resolved_settings(cfg, "torchrun", 8, torch.device("cpu"), world_size=8)
-    capacity = check_cache_room(cfg, resolved, indexes, ranks_on_node=8, node="0", script=script_data(cfg))  # 0: sized; a folder made at start
+    capacity = check_cache_room(cfg, resolved, indexes, ranks_on_node=8, node="0", script=script_data(cfg, views_of(cfg)))  # 0: sized; a folder made at start
     assert capacity == 8 * (in_use + 16 + 1) * largest  # and --shard-downloads 16 more, and one
     small = dataclasses.replace(cfg, shard_cache_gb=0.001)
     with pytest.raises(UsageError, match=rf"^--shard-cache-gb 0.001: each of the node's 8 rank\(s\) must hold "
@@ -330,12 +330,12 @@ def test_the_caches_room_is_checked_in_one_line(bucket, written, tmp_path, monke
                                          rf"\({in_use} its loaders' workers read, one its training process reads\), "
                                          rf"[\d.]+ GB for the node; raise it \(0 sizes it to the read-ahead\), or "
                                          rf"lower --workers or --batch-size, or write larger shards"):
-        check_cache_room(small, resolved, indexes, ranks_on_node=8, node="0", script=script_data(cfg))
+        check_cache_room(small, resolved, indexes, ranks_on_node=8, node="0", script=script_data(cfg, views_of(cfg)))
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 10**6))
     with pytest.raises(UsageError, match=rf"^--shard-cache-dir {tmp_path}/new/cache: 0.00 GB free, the node's cache of "
                                          rf"shards may fill [\d.]+ GB \(8 rank\(s\) x {in_use + 17} of the largest "
                                          rf"shard, {largest / 1e6:,.1f} MB\); point --shard-cache-dir at a local disk"):
-        check_cache_room(cfg, resolved, indexes, ranks_on_node=8, node="0", script=script_data(cfg))
+        check_cache_room(cfg, resolved, indexes, ranks_on_node=8, node="0", script=script_data(cfg, views_of(cfg)))
 
 
 def test_an_object_store_without_boto3_installed_is_one_line(monkeypatch):

@@ -55,7 +55,7 @@ from ddp_utils.runtime.launch import detect_launch
 from ddp_utils.train import preflight
 from ddp_utils.train.checkpoint import Resume
 from ddp_utils.train.train_config import STORE_MARGIN_S, data_plan
-from train_classifier import ClassifierConfig, script_data
+from train_classifier import ClassifierConfig, script_data, views_of
 
 
 class _Samples(Dataset):
@@ -233,7 +233,7 @@ def test_each_node_has_one_cache_folder_prepared_by_its_local_rank_0(envs, bucke
                         torch.device("cpu"), None, launch.launcher, launch.node)
         node_of[info.rank] = env.get("SLURM_NODEID", env.get("GROUP_RANK"))
         resolved = preflight.prepare_shard_cache_once_per_node(cfg, info, preflight.resolved_settings(
-            cfg, info.launcher, info.local_world_size, info.device, world_size=info.world_size), indexes, None, script_data(cfg))
+            cfg, info.launcher, info.local_world_size, info.device, world_size=info.world_size), indexes, None, script_data(cfg, views_of(cfg)))
         read[info.rank] = node_cache_of(data_plan(cfg, resolved, AugmentRecipe()), info.rank, info.node).folder
         sized[info.rank] = (resolved.shard_cache_bytes, info.local_world_size)
     folders = {node: {read[rank] for rank in read if node_of[rank] == node} for node in set(node_of.values())}
@@ -456,7 +456,7 @@ def test_a_later_attempt_keeps_the_shards_it_listed_and_a_new_run_starts_empty(b
     resolved = preflight.resolved_settings(cfg, "single", 1, info.device, world_size=1)
     listings = (index, ShardIndex.read(f"{bucket}/val"))
     for resume in (None, Resume(tmp_path / "checkpoint_last.pt", {})):
-        preflight.prepare_shard_cache_once_per_node(cfg, info, resolved, listings, resume, script_data(cfg))
+        preflight.prepare_shard_cache_once_per_node(cfg, info, resolved, listings, resume, script_data(cfg, views_of(cfg)))
     assert kept == [[], [*listings[0].refs(), *listings[1].refs()]]  # a resume keeps what it lists
 
 

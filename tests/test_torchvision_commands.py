@@ -213,10 +213,11 @@ def test_each_published_evaluation_takes_its_weights_own_view(command, tmp_path)
     from ddp_utils.train.train_config import parse_args
 
     cfg = parse_args(train_classifier.ClassifierConfig, [*command.argv, "--data-path", str(tmp_path)],
-                     train_classifier.__doc__, train_classifier.with_trained_sizes)
+                     train_classifier.__doc__)
+    views = train_classifier.views_of(cfg)
     view = torchvision.models.get_weight(reference_reading(command.argv)["weights"]).transforms()
     assert cfg.test_only and cfg.arch == command.model
-    assert (cfg.image_size, cfg.val_resize_size, cfg.interpolation) == \
+    assert (views.image_size, views.val_resize_size, views.interpolation) == \
         (view.crop_size[0], view.resize_size[0], view.interpolation.value)
 
 

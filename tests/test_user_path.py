@@ -12,7 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import CLASSIFIER_REF, REPO, assert_ok, assert_same_state, cli_env, in_process, load_ckpt
+from helpers import (
+    CLASSIFIER_REF,
+    REPO,
+    assert_ok,
+    assert_same_state,
+    cli_env,
+    in_process,
+    load_ckpt,
+    write_image_folder,
+)
 
 import train_classifier
 import train_moco
@@ -225,6 +234,40 @@ def test_a_probe_takes_the_pretraining_size_and_warns_about_another(trained_moco
                                                 "--out", str(tmp_path / "p")], capsys)
     assert random.returncode == 0
     assert "warning: --linear-probe without --pretrained: probing a randomly initialised backbone" in random.stdout
+
+
+def test_a_run_records_the_image_size_as_asked_and_the_side_its_pretrained_backbone_fixed(trained_moco, tmp_path,
+                                                                                          capsys):
+    """--image-size 0 with --pretrained: config.json keeps the flag as given and the plan the side
+    the backbone was trained at; that run's checkpoint, as --pretrained, gives the same side."""
+    run = trained_moco / "run"  # pretrained at 16 px; digits' own side is 32
+    tuned = tmp_path / "tuned"
+    proc = in_process(train_classifier.main, ["--pretrained", str(run), "--arch", "small_cnn", "--device", "cpu",
+                                              "--max-steps", "1", "--batch-size", "16", "--out", str(tuned)], capsys)
+    assert_ok(proc)
+    record = json.loads((tuned / "config.json").read_text())
+    assert record["config"]["image_size"] == 0 and record["resolved"]["image_size"] == 16
+    assert load_ckpt(tuned / "checkpoint_last.pt")["resolved"]["image_size"] == 16
+    again = in_process(train_classifier.main, ["--pretrained", str(tuned), "--arch", "small_cnn", "--device", "cpu",
+                                               "--check", "--out", str(tmp_path / "again")], capsys)
+    assert again.returncode == 0 and "validation images; 16 px, " in again.stdout
+
+
+def test_a_size_the_pretrained_backbone_fixes_is_refused_as_the_flag_would_be(trained_moco, tmp_path, capsys):
+    """The checks of --image-size run on the side --pretrained fixes: a FixRes crop on the other
+    stem than a 16 px backbone's is one line, exit 2, nothing written."""
+    folder = tmp_path / "folder"
+    write_image_folder(folder, per_class=2)
+    args = ["--pretrained", str(trained_moco / "run"), "--arch", "resnet18", "--dataset", "imagefolder", "--data-dir",
+            str(folder), "--train-crop-size", "176", "--batch-size", "2", "--device", "cpu", "--out", str(tmp_path / "out")]
+    for check in ([], ["--check"]):
+        proc = in_process(train_classifier.main, [*args, *check], capsys)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"--pretrained {trained_moco / 'run'} was trained at 16 px, the side --image-size 0 takes: --arch " \
+               f"resnet18 has a CIFAR stem up to 64 px" in proc.stderr
+    assert not (tmp_path / "out").exists()
+    flags_alone = in_process(train_classifier.main, [*args[2:], "--check"], capsys)  # 224 px: the same stem as 176
+    assert flags_alone.returncode == 0, flags_alone.stderr
 
 
 # ----------------------------------------------------------------------------- --help

@@ -43,15 +43,17 @@ from .train_config import RESUME_IF_RESTARTED, ScriptData, TrainConfig, data_pla
 ScriptCheck = Callable[[Dataset, int], tuple[dict[str, Any], list[str]]]
 
 
-def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck, data: ScriptData) -> int:
+def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck,
+               script_data: Callable[[], ScriptData]) -> int:
     """Run every check of a launch; print the run (rank 0) or the one-line problem; return the exit
     code. ``script_check(train_split, image_size)`` returns the script's facts that a resume must
     match (e.g. the class count) and lines to add at the end (a warning's begins "warning: "), or
-    raises UsageError; ``data``: what the script adds to the data settings."""
+    raises UsageError; ``script_data()``: what the script adds to the data settings (made once
+    the paths are checked: the classifier's reads --pretrained), or raises UsageError."""
     launch = detect_launch()
     says = launch.rank == 0  # a requeued job's check speaks too: its log is where a user looks
     try:
-        lines = _checked_run(cfg, script, model, script_check, data, launch)
+        lines = _checked_run(cfg, script, model, script_check, script_data, launch)
     except UsageError as err:
         if says and not err.said:
             say_error(f"{script}: error: {err}")
@@ -62,13 +64,14 @@ def check_only(cfg: TrainConfig, script: str, model: str, script_check: ScriptCh
     return EXIT_OK
 
 
-def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck, data: ScriptData,
-                 launch: LaunchEnv) -> list[str]:
+def _checked_run(cfg: TrainConfig, script: str, model: str, script_check: ScriptCheck,
+                 script_data: Callable[[], ScriptData], launch: LaunchEnv) -> list[str]:
     resume, _ = checks_before_start(cfg, restarted=restart_count() > 0, announce=False)  # the pre-flight's own
+    data = script_data()
     device, world_size = torch.device(device_type(cfg.device)), launch.world_size
-    resolved = resolved_settings(cfg, launch.launcher, launch.local_world_size, device, world_size=world_size)
-    settings = describe_settings(cfg, resolved, launch.launcher, launch.local_world_size,
-                                 data.views(resolved.image_size))
+    resolved = resolved_settings(cfg, launch.launcher, launch.local_world_size, device, world_size=world_size,
+                                 script=data)
+    settings = describe_settings(cfg, resolved, launch.launcher, launch.local_world_size, data)
     lines = [f"launch: world size {world_size}, {device}, precision {precision_name(cfg.amp, device)}"]
     hazard = worker_start_hazard(resolved.workers)
     if hazard:

@@ -58,7 +58,8 @@ def preflight(cfg: TrainConfig, session: RunSession,
     listings, data_changes = list_image_files_once(cfg, info, restarted, resume)
     if info.is_main:
         forget_unreadable(cfg.out)  # what a run here stopped on is fixed, or put back, or this run starts afresh
-    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device, world_size=info.world_size)
+    resolved = resolved_settings(cfg, info.launcher, info.local_world_size, info.device, world_size=info.world_size,
+                                 script=script)
     resolved = prepare_shard_cache_once_per_node(cfg, info, resolved, listings, resume, script)
     if info.device.type == "cuda" and info.is_distributed:
         problem = shared_gpu_problem(all_gather_object(gpu_identity(info.device)))
@@ -68,8 +69,7 @@ def preflight(cfg: TrainConfig, session: RunSession,
         resolved = dataclasses.replace(resolved, data_fingerprint=data_fingerprint(*listings),
                                        data_changes=data_changes)
     if info.is_main:
-        log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size,
-                                                   script.views(resolved.image_size)))
+        log.info("resolved: %s", describe_settings(cfg, resolved, info.launcher, info.local_world_size, script))
         hazard = worker_start_hazard(resolved.workers)
         if hazard:
             log.warning(hazard)
@@ -196,18 +196,18 @@ def ranks_sharing_cpus(launcher: str, local_world_size: int) -> int:
 
 
 def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, device: torch.device, *,
-                      world_size: int) -> ResolvedSettings:
-    """What the flags left to this machine resolve to: the precision (``--amp auto``), the image
-    side (``--image-size 0``), DataLoader workers per rank (``--workers -1``), where augmentation
-    runs (``--aug-on auto``), where image files are decoded and their order; the global batch of
-    ``world_size`` ranks; and the settings at the data set's own defaults (``DATASET_DEFAULTS``),
-    however they came. The start-up log, ``--check``, config.json and checkpoints give them beside
-    the flags as asked."""
+                      world_size: int, script: ScriptData = ScriptData()) -> ResolvedSettings:
+    """What the flags left to this machine and data resolve to: the precision (``--amp auto``),
+    the image side (``--image-size 0``, or what the script's weights fix: ``script.image_size``),
+    DataLoader workers per rank (``--workers -1``), where augmentation runs (``--aug-on auto``),
+    where image files are decoded and their order; the global batch of ``world_size`` ranks; and
+    the settings at the data set's own defaults (``DATASET_DEFAULTS``), however they came. The
+    start-up log, ``--check``, config.json and checkpoints give them beside the flags as asked."""
     sharing = ranks_sharing_cpus(launcher, local_world_size)
     own = {name: value for name, value in dataset_values(type(cfg), cfg.dataset).items()
            if getattr(cfg, name) == value}
     on_device = augment_on_device(cfg.aug_on, cfg.dataset, device, bool(per_sample_flags(cfg)))
-    return ResolvedSettings(image_size=image_size_for(cfg.dataset, cfg.image_size),
+    return ResolvedSettings(image_size=image_size_for(cfg.dataset, script.image_size or cfg.image_size),
                             workers=cfg.workers if cfg.workers >= 0 else default_workers(cfg.dataset, sharing),
                             aug_on="device" if on_device else "loader",
                             decode_on="device" if cfg.decode_on == "device" else "loader",
@@ -216,16 +216,16 @@ def resolved_settings(cfg: TrainConfig, launcher: str, local_world_size: int, de
 
 
 def describe_settings(cfg: TrainConfig, resolved: ResolvedSettings, launcher: str, local_world_size: int,
-                      views: str = "") -> str:
+                      script: ScriptData = ScriptData()) -> str:
     """The resolved data settings in words, each followed by the flag it came from where that
     was left to the machine: "224 px (--image-size 0), augmentation on the loader (--aug-on
-    auto), 3 DataLoader workers per rank (--workers -1: ...)"; then ``views``, the script's views
-    in words (``ScriptData.views``)."""
+    auto), 3 DataLoader workers per rank (--workers -1: ...)"; then the script's views in words
+    (``script.views``)."""
     sharing = ranks_sharing_cpus(launcher, local_world_size)
     why_workers = "in-memory data needs none" if resolved.workers == 0 else \
         f"{usable_cpus()} usable CPUs shared by {sharing} rank(s)"
     per_sample = per_sample_flags(cfg)
-    auto = {"image_size": cfg.image_size == 0 and "--image-size 0",
+    auto = {"image_size": cfg.image_size == 0 and not script.image_size and "--image-size 0",
             "aug_on": cfg.aug_on == "auto" and "--aug-on auto" + (
                 f": {', '.join(per_sample)} run per sample" if per_sample else ""),
             "decode_on": cfg.decode_on == "auto" and "--decode-on auto",
@@ -240,6 +240,7 @@ def describe_settings(cfg: TrainConfig, resolved: ResolvedSettings, launcher: st
     if cfg.dataset != "shards":
         del said["order"]  # the one order there is
     text = ", ".join(text + (f" ({auto[name]})" if auto[name] else "") for name, text in said.items())
+    views = script.views(resolved.image_size)
     if views:
         text += f"; {views}"
     own = resolved.dataset_defaults

@@ -59,7 +59,9 @@ def _trained_image_size(source: dict) -> int | None:
     config = source.get("config")  # a checkpoint's; an exported backbone records none
     if not isinstance(config, dict) or "dataset" not in config:
         return None
-    return config.get("image_size") or NATIVE_SIZE.get(config["dataset"])
+    resolved = source.get("resolved")  # the side its run took, whatever decided it (its flags, its own --pretrained)
+    return (isinstance(resolved, dict) and resolved.get("image_size")) or config.get("image_size") or \
+        NATIVE_SIZE.get(config["dataset"])
 
 
 def load_pretrained_backbone(model: nn.Module, path: str | os.PathLike, arch: str) -> int | None:

@@ -73,6 +73,12 @@ def only_with(name: str) -> AppliesTo:
     return replace(needed, refusal=lambda flag, cfg: f"{flag} only applies with {needed.where}")
 
 
+# --aug-on device: whole batches on the device; a per-sample step (opt(per_sample=True)) runs in the workers only
+PER_BATCH = AppliesTo("no per-sample step", lambda cfg: not per_sample_flags(cfg),
+                      lambda flag, cfg: f"{per_sample_flags(cfg)[0]} runs per sample in the DataLoader workers, not on "
+                                        f"the device: give {flag} loader (or auto)")
+
+
 def schedules(*kinds: str) -> AppliesTo:
     """A setting of the LR schedules ``kinds`` alone."""
     where = "--lr-schedule " + " or ".join(kinds)
@@ -177,7 +183,7 @@ class TrainConfig:
                       "(in-memory data entirely; ImageFolder: workers decode, the device crops and does the rest, "
                       "evaluation's view too); loader = per sample in DataLoader workers (torchvision, the "
                       "reference); auto = device, except ImageFolder on a CPU", choices=AUG_ON,
-                      group=DATA, on_resume="free")
+                      group=DATA, on_resume="free", value_applies={"device": PER_BATCH})
     decode_on: str = opt("auto", "where image files (imagefolder) are decoded with --aug-on device: loader = in "
                          "the DataLoader workers (libjpeg-turbo); device = the workers only read the files and the "
                          "training process decodes each batch on its device (nvJPEG on CUDA; a file it may not "
@@ -306,11 +312,7 @@ class TrainConfig:
         check_bounds(self)  # each number within its field's bounds (opt(above=..., ...))
         if self.overwrite and self.resume and self.resume != RESUME_IF_RESTARTED:
             raise UsageError("--overwrite starts over and --resume continues: give only one of them")
-        size, smallest = image_size_for(self.dataset, self.image_size), min_image_size(self.arch)
-        if smallest and size < smallest:
-            raise UsageError(f"--image-size {size} is too small for --arch {self.arch}: give at least "
-                             f"{smallest} px")
-        self.check_input_sizes({size: "--image-size"})
+        self.check_image_size(image_size_for(self.dataset, self.image_size))
         try:
             milestones = parse_milestones(self.lr_milestones, self.epochs)
         except ValueError:
@@ -339,13 +341,22 @@ class TrainConfig:
                              f"image in the workers; --aug-on {self.aug_on} means the loader on {device.type}); add "
                              f"--aug-on device or drop --decode-on")
 
-    def check_input_sizes(self, sizes: dict[int, str]) -> None:
+    def check_image_size(self, size: int) -> None:
+        """The evaluation views' side, ``size`` px, at least --arch's smallest and taken in its
+        training forward."""
+        smallest = min_image_size(self.arch)
+        if smallest and size < smallest:
+            raise UsageError(f"--image-size {size} is too small for --arch {self.arch}: give at least "
+                             f"{smallest} px")
+        self.check_input_sizes(size, {size: "--image-size"})
+
+    def check_input_sizes(self, image_size: int, sizes: dict[int, str]) -> None:
         """Each of ``sizes`` (px: the flag that sets it) taken in a training forward of --arch built
-        for --image-size (``input_refusal``, on the meta device); the small networks have their
+        for ``image_size`` px (``input_refusal``, on the meta device); the small networks have their
         smallest size instead (``min_image_size``)."""
         if self.arch in SMALL_NETS:
             return
-        refusal = input_refusal(self.arch, image_size_for(self.dataset, self.image_size), sizes)
+        refusal = input_refusal(self.arch, image_size, sizes)
         if refusal:
             raise UsageError(f"--arch {self.arch} cannot take {refusal[0]} px images ({refusal[1]}); give a "
                              f"{sizes[refusal[0]]} it takes (torchvision trains most models at 224, Inception v3 at "
@@ -459,12 +470,16 @@ class ResolvedSettings:
 
 @dataclass(frozen=True)
 class ScriptData:
-    """What a script adds to the data settings both scripts share, handed to the pre-flight and
-    ``--check`` as an argument, in place of methods of its config that train/ would call."""
+    """What a script adds to the data settings both scripts share, handed to the pre-flight as an
+    argument (to ``--check``, the function that makes it), in place of methods of its config that
+    train/ would call."""
 
     # DataPlan fields of the script's own (the classifier's ra_reps, train_size, val_resize;
     # MoCo's bank_samples)
     plan_fields: dict[str, Any] = field(default_factory=dict)
+    # px of the evaluation views' side where the script's weights fix it in place of --image-size
+    # (the classifier's --pretrained and published weights); 0: none does
+    image_size: int = 0
     # the views' sizes and per-sample steps in words for an image size, for the start-up log and
     # --check ('' when the image size says it all)
     views: Callable[[int], str] = lambda image_size: ""
@@ -494,18 +509,15 @@ def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list[An
             if name in saved and saved[name] != value and name not in own}
 
 
-def parse_args(cls: type[C], argv: Sequence[str] | None, doc: str,
-               resolve: Callable[[C], C] | None = None) -> C:
-    """The command line as a checked config, the flags as asked (``resolve``: the script's own
-    rewrite, such as a probe's image size from its checkpoint). Bad input:
-    one line on stderr (rank 0 only, and only in a job's first attempt: a torchrun restart or a
-    requeue would repeat the same flags) and exit code 2."""
+def parse_args(cls: type[C], argv: Sequence[str] | None, doc: str) -> C:
+    """The command line as a checked config, the flags as asked. Bad input: one line on stderr
+    (rank 0 only, and only in a job's first attempt: a torchrun restart or a requeue would repeat
+    the same flags) and exit code 2."""
     launch, cuda_devices = detect_launch(), visible_cuda_devices()
     says = launch.rank == 0 and restart_count() == 0
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = parse_config(cls, argv, doc, quiet=not says)  # argparse exits 2 itself
-        cfg = resolve(cfg) if resolve is not None else cfg
         cfg.validate(launch, cuda_devices)
         recorded = recorded_run(argv)
     except UsageError as err:
