@@ -12,12 +12,16 @@ moto's S3 server behind the far-network proxy (tests/far_network.py), in this pr
   disk is one line, exit 2;
 * a later attempt of a run keeps the shards it listed (no GET for them), a new run starts empty;
 * the downloads in flight follow the loaders' demand: through connections too slow for a fixed
-  4, the read-ahead keeps more in flight and the loader hardly waits."""
+  4, the read-ahead keeps more in flight and the loader hardly waits;
+* a worker forked as the read-ahead starts is never stuck on an import its download thread was
+  inside (the client is made before the thread starts)."""
 from __future__ import annotations
 
 import dataclasses
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -523,3 +527,80 @@ def test_a_fresh_run_downloads_its_first_shards_while_it_sets_itself_up(one_per_
             assert cache.downloads() == []
     finally:
         loaders.close()
+
+
+# A rank's read-ahead made the store's client on its download thread, boto3's imports with it. A
+# resumed run starts its first download when its loader forks the workers, microseconds apart;
+# a worker forked while that thread was inside xml.etree's import waited for ever on its module
+# lock at its first JPEG decode (torchvision imports xml.etree too). Here an import hook holds
+# the thread inside that import until the fork, in a fresh interpreter (pytest imports xml.etree).
+FORKED_IN_AN_IMPORT = r'''
+import importlib.abc, importlib.util, io, os, sys, threading, time
+assert "xml.etree.ElementTree" not in sys.modules and "boto3" not in sys.modules
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from ddp_utils.data import object_store
+from ddp_utils.data.image_files import decode_cpu
+from ddp_utils.data.object_store import ShardRef
+from ddp_utils.data.shard_cache import Need, NodeCache, ReadAhead
+
+inside, forked = threading.Event(), threading.Event()
+
+
+class HoldTheDownloadThread(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "xml.etree.ElementTree" or not threading.current_thread().name.startswith("read-ahead"):
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            inside.set()
+            forked.wait(10)
+            run(module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+class OneJpeg(Dataset):
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, index):
+        jpeg = io.BytesIO()
+        Image.new("RGB", (8, 8), (200, 10, 10)).save(jpeg, "JPEG")
+        return decode_cpu(torch.frombuffer(bytearray(jpeg.getvalue()), dtype=torch.uint8))
+
+
+sys.meta_path.insert(0, HoldTheDownloadThread())
+read_ahead = ReadAhead(NodeCache(sys.argv[1], 1 << 30, 0, 1.0).prepare(), depth=0, downloads=1, quota=1 << 30)
+read_ahead.start_pass([Need(ShardRef("s3://bucket/train/shard-000000.tar", 1000, '"etag"', ""), 0, 0)], 1)
+deadline = time.monotonic() + 10  # the fork once the download thread is inside the import, or has made the client
+while not inside.is_set() and os.getpid() not in object_store._clients and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("forked while the download thread imports:", inside.is_set(), flush=True)
+batches = iter(DataLoader(OneJpeg(), num_workers=1, multiprocessing_context="fork", timeout=20))
+forked.set()
+try:
+    print("decoded", tuple(next(batches).shape), flush=True)
+except RuntimeError as err:  # the DataLoader's timeout: the worker waits for ever
+    print(err, flush=True)
+    for worker in batches._workers:
+        worker.kill()
+    os._exit(1)
+read_ahead.close()
+os._exit(0)
+'''
+
+
+@pytest.mark.slow  # a fresh interpreter and a forked worker that imports torchvision
+def test_a_worker_forked_as_the_read_ahead_starts_is_not_stuck_in_an_import(tmp_path):
+    """The client is made, and boto3 imported, before start_pass starts the download threads:
+    the worker forked right after decodes its image (before, it waited for ever)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1",
+           "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
+           "AWS_DEFAULT_REGION": "us-east-1"}  # no request is made: the client alone
+    proc = subprocess.run([sys.executable, "-c", FORKED_IN_AN_IMPORT, str(tmp_path / "cache")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "decoded (1, 3, 8, 8)" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -51,6 +51,7 @@ from .object_store import (
     ShardRef,
     StoreError,
     StoreUnavailable,
+    client,
     fetch,
     say_recovered,
 )
@@ -522,6 +523,14 @@ class ReadAhead:
     def start_pass(self, needs: list[Need], asked: int, next_epoch: Callable[[], list[Need]] | None = None) -> None:
         """A loader starts a pass reading ``needs``; its workers were asked for ``asked`` samples.
         ``next_epoch``: the training loader's next epoch, read ahead once a pass is covered."""
+        if not self._started:
+            # The store's client, boto3's imports with it, made here before the download threads
+            # start, not by their first fetch: the loader forks its workers right after this call,
+            # and a worker forked while another thread is inside an import waits for ever on that
+            # module's lock once it imports the module too (torchvision's JPEG decoder imports
+            # xml.etree, as botocore does). A client that cannot be made is the first fetch's to report.
+            with contextlib.suppress(Exception):
+                client()
         with self._cond:
             self._owed += [n for n in self._pass if n.first < self._asked and n.last >= self._done]
             self._pass, self._done, self._asked = needs, 0, asked
