@@ -54,11 +54,11 @@ from torch.utils.data import Dataset
 from ddp_utils.config import (
     AppliesTo,
     UsageError,
-    also_spelled,
     flag_defaults,
     flag_name,
     opt,
     per_sample_flags,
+    restated,
 )
 from ddp_utils.data.host_memory import size_text
 from ddp_utils.data.mixing import BatchMixer
@@ -228,12 +228,12 @@ class ClassifierConfig(TrainConfig):
                                            PRETRAINED)
     FLAG_DEFAULTS: ClassVar[dict[str, dict]] = {"--data-path": TORCHVISION_DEFAULTS}
 
-    # torchvision's spellings of shared flags, where they mean what its train.py's do
-    data_dir: str = also_spelled(TrainConfig, "data_dir", "--data-path")
-    batch_size: int = also_spelled(TrainConfig, "batch_size", "-b")
-    workers: int = also_spelled(TrainConfig, "workers", "-j")
-    image_size: int = also_spelled(TrainConfig, "image_size", "--val-crop-size")
-    momentum: float = also_spelled(TrainConfig, "momentum", applies_to=WITH_MOMENTUM)
+    # shared flags restated: torchvision's spellings, where they mean what its train.py's do; --momentum, not AdamW's
+    data_dir: str = restated(TrainConfig, "data_dir", "--data-path")
+    batch_size: int = restated(TrainConfig, "batch_size", "-b")
+    workers: int = restated(TrainConfig, "workers", "-j")
+    image_size: int = restated(TrainConfig, "image_size", "--val-crop-size")
+    momentum: float = restated(TrainConfig, "momentum", applies_to=WITH_MOMENTUM)
 
     out: str = opt("runs/classifier", OUT_HELP, group=RUN_FOLDER, on_resume="invocation")
     arch: str = opt("small_cnn", f"network: {', '.join(SMALL_NETS)}, or any classification model torchvision lists "
@@ -367,7 +367,7 @@ class ClassifierConfig(TrainConfig):
                              f"one named fc: give {FC_BACKBONES}")
         self.check_recipe_flags()
         self.check_augmentation_flags()
-        self.check_view_sizes(Views(self.image_size, self.train_crop_size, self.val_resize_size, self.interpolation))
+        self.check_view_sizes(Views.as_asked(self))
 
     def check_recipe_flags(self) -> None:
         """Nesterov without momentum and a weight decay below 0 other than -1 (unset) are refused
@@ -459,6 +459,10 @@ class Views:
     val_resize_size: int  # px, the evaluation view's resize of the short side; 0: torchvision's 256/224 rule
     interpolation: str    # both views' resizes
 
+    @classmethod
+    def as_asked(cls, cfg: ClassifierConfig) -> Views:
+        return cls(cfg.image_size, cfg.train_crop_size, cfg.val_resize_size, cfg.interpolation)
+
 
 def views_of(cfg: ClassifierConfig) -> Views:
     """The views a run takes: the flags', but with --image-size 0 and --pretrained the side the
@@ -466,11 +470,13 @@ def views_of(cfg: ClassifierConfig) -> Views:
     report), and with --test-only on published weights their own evaluation view (crop, resize,
     interpolation), as torchvision's and timm's scripts take it. Sizes the weights fix are checked
     as the flags' are (UsageError, naming the weights)."""
-    asked = Views(cfg.image_size, cfg.train_crop_size, cfg.val_resize_size, cfg.interpolation)
+    asked = Views.as_asked(cfg)
+    trained = pretrained_image_size(pretrained_file(cfg.pretrained)) \
+        if cfg.pretrained and not cfg.image_size and Path(cfg.pretrained).exists() else None  # None: an exported backbone's
     weights = published_weights(cfg.weights) if cfg.test_only else None
-    if cfg.pretrained and not cfg.image_size and Path(cfg.pretrained).exists():
-        views = dataclasses.replace(asked, image_size=pretrained_image_size(pretrained_file(cfg.pretrained)) or 0)
-        source = f"--pretrained {cfg.pretrained} was trained at {views.image_size} px, the side --image-size 0 takes"
+    if trained:
+        views = dataclasses.replace(asked, image_size=trained)
+        source = f"--pretrained {cfg.pretrained} was trained at {trained} px, the side --image-size 0 takes"
     elif weights is not None:
         crop, resize, interpolation = weights.view
         views = Views(crop, crop if cfg.dataset in IMAGE_FILES else 0, resize, interpolation)

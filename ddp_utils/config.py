@@ -92,11 +92,10 @@ def opt(default: Any, help: str, choices: Sequence[Any] | None = None, *, group:
         "spellings": spellings, "bare": bare, "switch": switch, "per_sample": per_sample, "names_file": names_file})
 
 
-def also_spelled(cls: type, name: str, *spellings: str, applies_to: AppliesTo | None = None) -> Any:
-    """``cls``'s field ``name`` again, with ``spellings`` added: a subclass's own other names for
-    a shared flag (``-b`` for ``--batch-size`` where it means what torchvision's does); and
-    ``applies_to``, where a subclass's own settings make the flag do nothing (the classifier's
-    ``--momentum`` beside AdamW)."""
+def restated(cls: type, name: str, *spellings: str, applies_to: AppliesTo | None = None) -> Any:
+    """``cls``'s field ``name`` again, for a subclass that gives a shared flag ``spellings`` of
+    its own (``-b`` for ``--batch-size`` where it means what torchvision's does), or a rule of
+    where it applies (``applies_to``: the classifier's ``--momentum``, which AdamW ignores)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     meta = {**f.metadata, "spellings": (*f.metadata.get("spellings", ()), *spellings)}
     if applies_to is not None:
