@@ -524,12 +524,9 @@ class ReadAhead:
         """A loader starts a pass reading ``needs``; its workers were asked for ``asked`` samples.
         ``next_epoch``: the training loader's next epoch, read ahead once a pass is covered."""
         if not self._started:
-            # The store's client, boto3's imports with it, made here before the download threads
-            # start, not by their first fetch: the loader forks its workers right after this call,
-            # and a worker forked while another thread is inside an import waits for ever on that
-            # module's lock once it imports the module too (torchvision's JPEG decoder imports
-            # xml.etree, as botocore does). A client that cannot be made is the first fetch's to report.
-            with contextlib.suppress(Exception):
+            # the client (boto3's imports) made here, not on a download thread: the workers fork next, and one
+            # forked inside another thread's import waits for ever (docs/data.md#how-the-workers-start)
+            with contextlib.suppress(Exception):  # a client that cannot be made is the first fetch's to report
                 client()
         with self._cond:
             self._owed += [n for n in self._pass if n.first < self._asked and n.last >= self._done]
