@@ -321,8 +321,9 @@ def test_the_caches_room_is_checked_in_one_line(bucket, written, tmp_path, monke
                  min((3 * 16 - 2) // fewest[1] + 2, 3 * 16, len(indexes[1].shards)))  # validation: 3 batches of 16
     cfg = ClassifierConfig(dataset="shards", data_dir=bucket, shard_cache_dir=str(tmp_path / "new" / "cache"),
                            batch_size=4, workers=2)
-    resolved = preflight.resolved_settings(cfg, "torchrun", 8, torch.device("cpu"), world_size=8)
-    capacity = check_cache_room(cfg, resolved, indexes, ranks_on_node=8, node="0", script=script_data(cfg, views_of(cfg)))  # 0: sized; a folder made at start
+    resolved, script = preflight.resolved_settings(cfg, "torchrun", 8, torch.device("cpu"), world_size=8), \
+        script_data(cfg, views_of(cfg))
+    capacity = check_cache_room(cfg, resolved, indexes, ranks_on_node=8, node="0", script=script)  # 0: sized; a folder made at start
     assert capacity == 8 * (in_use + 16 + 1) * largest  # and --shard-downloads 16 more, and one
     small = dataclasses.replace(cfg, shard_cache_gb=0.001)
     with pytest.raises(UsageError, match=rf"^--shard-cache-gb 0.001: each of the node's 8 rank\(s\) must hold "
@@ -330,12 +331,12 @@ def test_the_caches_room_is_checked_in_one_line(bucket, written, tmp_path, monke
                                          rf"\({in_use} its loaders' workers read, one its training process reads\), "
                                          rf"[\d.]+ GB for the node; raise it \(0 sizes it to the read-ahead\), or "
                                          rf"lower --workers or --batch-size, or write larger shards"):
-        check_cache_room(small, resolved, indexes, ranks_on_node=8, node="0", script=script_data(cfg, views_of(cfg)))
+        check_cache_room(small, resolved, indexes, ranks_on_node=8, node="0", script=script)
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 10**6))
     with pytest.raises(UsageError, match=rf"^--shard-cache-dir {tmp_path}/new/cache: 0.00 GB free, the node's cache of "
                                          rf"shards may fill [\d.]+ GB \(8 rank\(s\) x {in_use + 17} of the largest "
                                          rf"shard, {largest / 1e6:,.1f} MB\); point --shard-cache-dir at a local disk"):
-        check_cache_room(cfg, resolved, indexes, ranks_on_node=8, node="0", script=script_data(cfg, views_of(cfg)))
+        check_cache_room(cfg, resolved, indexes, ranks_on_node=8, node="0", script=script)
 
 
 def test_an_object_store_without_boto3_installed_is_one_line(monkeypatch):

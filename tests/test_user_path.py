@@ -12,16 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import (
-    CLASSIFIER_REF,
-    REPO,
-    assert_ok,
-    assert_same_state,
-    cli_env,
-    in_process,
-    load_ckpt,
-    write_image_folder,
-)
+from helpers import CLASSIFIER_REF, REPO, assert_ok, assert_same_state, cli_env, in_process, load_ckpt
 
 import train_classifier
 import train_moco
@@ -253,13 +244,12 @@ def test_a_run_records_the_image_size_as_asked_and_the_side_its_pretrained_backb
     assert again.returncode == 0 and "validation images; 16 px, " in again.stdout
 
 
-def test_a_size_the_pretrained_backbone_fixes_is_refused_as_the_flag_would_be(trained_moco, tmp_path, capsys):
+def test_a_size_the_pretrained_backbone_fixes_is_refused_as_the_flag_would_be(trained_moco, jpeg_folder, tmp_path,
+                                                                               capsys):
     """The checks of --image-size run on the side --pretrained fixes: a FixRes crop on the other
     stem than a 16 px backbone's is one line, exit 2, nothing written."""
-    folder = tmp_path / "folder"
-    write_image_folder(folder, per_class=2)
     args = ["--pretrained", str(trained_moco / "run"), "--arch", "resnet18", "--dataset", "imagefolder", "--data-dir",
-            str(folder), "--train-crop-size", "176", "--batch-size", "2", "--device", "cpu", "--out", str(tmp_path / "out")]
+            str(jpeg_folder), "--train-crop-size", "176", "--batch-size", "2", "--device", "cpu", "--out", str(tmp_path / "out")]
     for check in ([], ["--check"]):
         proc = in_process(train_classifier.main, [*args, *check], capsys)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
