@@ -156,9 +156,9 @@ def _wait_for(path: Path, pattern: str, timeout: float) -> re.Match:
 
 
 # ----------------------------------------------------------------------------- two nodes
-# MoCo (shuffle BN across the nodes' ranks): 120 steps, about 3 epochs, a step logged each time.
+# MoCo (shuffle BN across the nodes' ranks): 60 steps, across the end of epoch 1, a step logged each time.
 MOCO_JOB = DIGITS_CPU + ["--image-size", "16", "--batch-size", "16", "--moco-k", "64", "--epochs", "5",
-                         "--max-steps", "120", "--knn-every", "0"]
+                         "--max-steps", "60", "--knn-every", "0"]
 TWO_NODES = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10"]  # torchrun: one agent per node
 
 
@@ -204,7 +204,7 @@ def test_two_node_moco_job_with_torchrun(slurm, two_node_moco):
     assert "encoders, queue and pointer identical on all 2 ranks" in text
     assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 1  # rank 0's writer only
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint_last.pt", "checkpoint_prev1.pt", "config.json", "tb"]
-    assert load_ckpt(out / "checkpoint_last.pt")["step"] == 120
+    assert load_ckpt(out / "checkpoint_last.pt")["step"] == 60
 
 
 @pytest.mark.slow
@@ -294,7 +294,7 @@ def test_a_lost_node_stops_the_survivor_and_the_requeued_job_ends_as_if_never_st
     with running_job(slurm, "slurm_moco.sbatch", TWO_NODES,
                      MOCO_JOB + ["--ckpt-every", "10", "--dist-timeout", "30", "--out", str(out)], log,
                      NPROC_PER_NODE="1") as (job, job_id):
-        _wait_for(log, r"step (2[0-9])/120", timeout=180)
+        _wait_for(log, r"step (2[0-9])/60", timeout=180)
         batch_host = re.search(r"BatchHost=(\S+)", slurm.run("scontrol", "show", "job", job_id).stdout).group(1)
         lost = next(node for node in slurm.nodes if node != batch_host)
         # The head node's agent alone holds the rendezvous store (slurm_job.sh: is_host), so losing the
@@ -312,7 +312,7 @@ def test_a_lost_node_stops_the_survivor_and_the_requeued_job_ends_as_if_never_st
         # the controller's pings decide (11-29 s on a quiet machine); a suite loading both cores took longer
         _wait_for(log, rf"JOB {job_id} ON \S+ CANCELLED AT \S+ DUE TO NODE FAILURE", timeout=300)
         saved = load_ckpt(out / "checkpoint_last.pt")  # intact: it loads, and is a whole number of saves
-        assert saved["step"] % 10 == 0 and 10 <= saved["step"] < 120
+        assert saved["step"] % 10 == 0 and 10 <= saved["step"] < 60
         slurm.start_node(lost)  # the node comes back; the requeued job runs again on both nodes
         job.wait(timeout=400)
     text = log.read_text()
@@ -321,10 +321,10 @@ def test_a_lost_node_stops_the_survivor_and_the_requeued_job_ends_as_if_never_st
     resumed = int(_wait_for_text(text, r"resumed from .*: step (\d+)").group(1))
     assert resumed == saved["step"]
     assert_same_moco(load_ckpt(out / "checkpoint_last.pt"), load_ckpt(two_node_moco[0] / "checkpoint_last.pt"))
-    assert [s for s, _ in read_scalars(out / "tb")["train/loss"]] == list(range(1, 121))  # the lost steps once
+    assert [s for s, _ in read_scalars(out / "tb")["train/loss"]] == list(range(1, 61))  # the lost steps once
 
 
-def assert_same_moco(a: dict, b: dict, steps: int = 120) -> None:
+def assert_same_moco(a: dict, b: dict, steps: int = 60) -> None:
     assert a["step"] == b["step"] == steps
     assert a["model"].keys() == b["model"].keys()
     for name, tensor in a["model"].items():  # both encoders, the queue and its pointer
